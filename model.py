@@ -1,0 +1,619 @@
+"""
+One GPT, shared by every script in this repo.
+
+The first half is the model: GPT-2 layout by default (learned positions, LayerNorm, GELU MLP, tied embeddings),
+with LLaMA-style options in the same classes (norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head for
+grouped-query attention, tie_embeddings=False). The second half is the plumbing that every training script
+shares (config overrides, the deterministic global batch, the LR schedule, logging, atomic checkpoints,
+process-group setup), so that each training script is train.py plus one idea.
+"""
+
+import ast
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, fields, asdict
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304     # GPT-2's 50257 padded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_kv_head: int = None       # None: same as n_head (multi-head); fewer: grouped-query attention
+    n_hidden: int = None        # MLP width; None: 4*n_embd for gelu, ~8/3*n_embd (multiple of 32) for swiglu
+    dropout: float = 0.0
+    bias: bool = True           # biases in Linear and LayerNorm, as GPT-2; False is a bit faster
+    norm: str = 'layernorm'     # 'layernorm' (GPT-2) or 'rmsnorm' (LLaMA)
+    mlp: str = 'gelu'           # 'gelu' (GPT-2) or 'swiglu' (LLaMA)
+    pos: str = 'learned'        # 'learned' (GPT-2) or 'rope' (LLaMA)
+    tie_embeddings: bool = True  # share wte and lm_head (GPT-2); LLaMA unties them
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_hidden is None:
+            self.n_hidden = 4 * self.n_embd if self.mlp == 'gelu' else 32 * math.ceil(8 * self.n_embd / 3 / 32)
+        checks = [
+            (self.norm in ('layernorm', 'rmsnorm'), f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}"),
+            (self.mlp in ('gelu', 'swiglu'), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}"),
+            (self.pos in ('learned', 'rope'), f"pos must be 'learned' or 'rope', got {self.pos!r}"),
+            (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
+            (self.n_head % self.n_kv_head == 0, f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"),
+            (self.pos != 'rope' or (self.n_embd // self.n_head) % 2 == 0, "rope needs an even head size"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
+
+    def __init__(self, ndim, bias, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """LLaMA's norm: scale by the root mean square, no centring, no bias. Computed in fp32 as Hugging Face does."""
+
+    def __init__(self, ndim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.type_as(x)
+
+
+def make_norm(config):
+    if config.norm == 'rmsnorm':
+        return RMSNorm(config.n_embd, config.norm_eps)
+    return LayerNorm(config.n_embd, config.bias, config.norm_eps)
+
+
+def rope_cos_sin(seq_len, head_dim, theta, device, start=0):
+    """cos and sin of the rotary angles for positions start..start+seq_len-1, shape (seq_len, head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(start, start + seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # the "rotate half" layout used by Hugging Face LLaMA
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x_i, x_{i+d/2}) of x (B, nh, T, hd) by the position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention. The query, key and value projections are one
+    Linear, c_attn, whose output is laid out as [q (n_head*hd) | k (n_kv_head*hd) | v (n_kv_head*hd)]."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * self.head_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
+        self.rope = config.pos == 'rope'
+        self.rope_theta = config.rope_theta
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                        self.n_kv_head * self.head_dim], dim=2)
+        # (B, T, heads*hd) -> (B, heads, T, hd); the head count is read from the tensor, so a tensor-parallel
+        # rank that holds only some of the heads runs this same code.
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.rope:
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head // n_kv_head query heads
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """GPT-2: c_proj(gelu(c_fc(x))). LLaMA (SwiGLU): c_proj(silu(c_gate(x)) * c_fc(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.swiglu = config.mlp == 'swiglu'
+        self.c_fc = nn.Linear(config.n_embd, config.n_hidden, bias=config.bias)
+        if self.swiglu:
+            self.c_gate = nn.Linear(config.n_embd, config.n_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = F.silu(self.c_gate(x)) * self.c_fc(x) if self.swiglu else F.gelu(self.c_fc(x))
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos == 'learned' else None,
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=make_norm(config),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each residual projection is divided by sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count; by default without the position embeddings (the token embeddings count, since they
+        are tied to the head and so do the head's FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.transformer.wpe is not None:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    # forward is three pieces so that the pipeline can run them on different stages
+    def embed(self, idx):
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        x = self.transformer.wte(idx)
+        if self.transformer.wpe is not None:
+            x = x + self.transformer.wpe(torch.arange(T, dtype=torch.long, device=idx.device))
+        return self.transformer.drop(x)
+
+    def run_block(self, block, x):
+        if self.config.activation_checkpointing and self.training:
+            # keep only the block's input; recompute its inside in backward (dropout masks are replayed)
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def head(self, x, targets=None):
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = self.run_block(block, x)
+        return self.head(x, targets)
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only, never on biases or norms.
+        The two groups, in this order, are what every script's optimizer (and ZeRO's hand-written one) uses."""
+        groups = param_groups(self, weight_decay)
+        fused = device_type == 'cuda'
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus attention's 12*L*h*s."""
+        cfg = self.config
+        return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+    def estimate_mfu(self, tokens_per_sec, peak_flops):
+        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak (None where it is unknown)."""
+        if not peak_flops:
+            return None
+        return self.flops_per_token() * tokens_per_sec / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens tokens after idx (B, T), one at a time."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / max(temperature, 1e-8)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('inf')
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+        return idx
+
+    @classmethod
+    def from_hf(cls, hf_model):
+        """A GPT whose logits match a Hugging Face GPT2LMHeadModel or LlamaForCausalLM."""
+        hf_cfg, sd_hf = hf_model.config, hf_model.state_dict()
+        if hf_cfg.model_type == 'gpt2':
+            config = GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
+                               n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
+                               dropout=0.0, bias=True)
+            model = cls(config)
+            sd = model.state_dict()
+            # GPT-2 stores its Linear layers as Conv1D, weight (in, out): these four are transposed
+            transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+            for k, v in sd_hf.items():
+                if k.endswith('attn.masked_bias') or k.endswith('attn.bias'):
+                    continue  # causal-mask buffers, not weights
+                with torch.no_grad():
+                    sd[k].copy_(v.t() if k.endswith(transposed) else v)
+            return model
+        if hf_cfg.model_type == 'llama':
+            n_kv = getattr(hf_cfg, 'num_key_value_heads', None) or hf_cfg.num_attention_heads
+            config = GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
+                               n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
+                               n_embd=hf_cfg.hidden_size, n_kv_head=n_kv, n_hidden=hf_cfg.intermediate_size,
+                               dropout=0.0, bias=False, norm='rmsnorm', mlp='swiglu', pos='rope',
+                               tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', False)),
+                               norm_eps=hf_cfg.rms_norm_eps, rope_theta=getattr(hf_cfg, 'rope_theta', 10000.0))
+            model = cls(config)
+            sd = model.state_dict()
+            with torch.no_grad():
+                sd['transformer.wte.weight'].copy_(sd_hf['model.embed_tokens.weight'])
+                sd['transformer.ln_f.weight'].copy_(sd_hf['model.norm.weight'])
+                sd['lm_head.weight'].copy_(sd_hf.get('lm_head.weight', sd_hf['model.embed_tokens.weight']))
+                for i in range(config.n_layer):
+                    hf, ours = f'model.layers.{i}.', f'transformer.h.{i}.'
+                    qkv = [sd_hf[hf + f'self_attn.{p}_proj.weight'] for p in 'qkv']
+                    sd[ours + 'attn.c_attn.weight'].copy_(torch.cat(qkv, dim=0))
+                    sd[ours + 'attn.c_proj.weight'].copy_(sd_hf[hf + 'self_attn.o_proj.weight'])
+                    sd[ours + 'mlp.c_gate.weight'].copy_(sd_hf[hf + 'mlp.gate_proj.weight'])
+                    sd[ours + 'mlp.c_fc.weight'].copy_(sd_hf[hf + 'mlp.up_proj.weight'])
+                    sd[ours + 'mlp.c_proj.weight'].copy_(sd_hf[hf + 'mlp.down_proj.weight'])
+                    sd[ours + 'ln_1.weight'].copy_(sd_hf[hf + 'input_layernorm.weight'])
+                    sd[ours + 'ln_2.weight'].copy_(sd_hf[hf + 'post_attention_layernorm.weight'])
+            return model
+        raise ValueError(f"from_hf supports gpt2 and llama models, not {hf_cfg.model_type!r}")
+
+    @classmethod
+    def from_pretrained(cls, name):
+        """Load GPT-2 weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') through transformers."""
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
+        return cls.from_hf(GPT2LMHeadModel.from_pretrained(name))
+
+
+def param_groups(model, weight_decay):
+    """AdamW's two parameter groups: decay for every parameter of 2 or more dims, no decay for the rest."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
+            {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+
+
+# -----------------------------------------------------------------------------
+# Plumbing shared by every training script: config, data, LR schedule, logging, checkpoints, processes.
+
+def config_defaults(script_globals):
+    """The config of a script: its module-level ints, floats, bools, strings and Nones, plus every GPTConfig field."""
+    cfg = {f.name: f.default for f in fields(GPTConfig)}
+    for k, v in script_globals.items():
+        if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None))):
+            cfg[k] = v
+    return cfg
+
+
+def _checked(key, value, default):
+    """value, if it has the type of default (an int is a fine float, None fits a None default), else SystemExit."""
+    if default is None or value is None and key in ('n_kv_head', 'n_hidden', 'peak_flops'):
+        return value
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise SystemExit(f"error: config key '{key}' wants a {type(default).__name__}, got {value!r}")
+    return value
+
+
+def configure(defaults, argv):
+    """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order.
+    A config file is Python that assigns keys; values on the command line are Python literals (or plain strings).
+    An unknown key or a value of the wrong type exits before any work, naming the key and the valid ones."""
+    cfg = dict(defaults)
+
+    def set_key(key, value, source):
+        if key not in defaults:
+            raise SystemExit(f"error: unknown config key '{key}' (from {source}); valid keys: {', '.join(sorted(defaults))}")
+        cfg[key] = _checked(key, value, defaults[key])
+
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not os.path.isfile(arg):
+                raise SystemExit(f"error: config file {arg} not found")
+            namespace = {}
+            exec(open(arg).read(), {}, namespace)
+            for key, value in namespace.items():
+                if not key.startswith('_') and not inspect.ismodule(value):
+                    set_key(key, value, arg)
+        else:
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise SystemExit(f"error: expected --key=value, got {arg}")
+            try:
+                value = ast.literal_eval(text)
+            except (SyntaxError, ValueError):
+                value = text  # a bare word is a string
+            set_key(key, value, arg)
+    return SimpleNamespace(**cfg)
+
+
+def model_config(cfg, vocab_size):
+    """The GPTConfig that the run's config describes."""
+    args = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)}
+    args['vocab_size'] = vocab_size
+    try:
+        return GPTConfig(**args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def load_dataset(dataset):
+    """Memmaps of data/<dataset>/{train,val}.bin and the vocabulary size (from meta.pkl, else GPT-2's 50304).
+    The default data set (stdlib_char) is built here on first use; any other missing one names its command."""
+    import pickle
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+        prepare = os.path.join(data_dir, 'prepare.py')
+        if dataset == 'stdlib_char' and os.path.exists(prepare):
+            print(f"data/{dataset} is missing: preparing it now (python {os.path.relpath(prepare)})", flush=True)
+            import runpy
+            runpy.run_path(prepare, run_name='__main__')
+        else:
+            hint = f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else "see data/ for the prepare scripts"
+            raise SystemExit(f"error: data set '{dataset}' not found in {data_dir}; make it with: {hint}")
+    data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+            for split in ('train', 'val')}
+    vocab_size = 50304
+    meta_path = os.path.join(data_dir, 'meta.pkl')
+    if os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            vocab_size = pickle.load(f)['vocab_size']
+    return data, vocab_size
+
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def get_batch(tokens, seed, stream, step, n_rows, block_size, rows=None, device='cpu'):
+    """Rows `rows` (a slice; default all) of the batch of n_rows sequences for (seed, stream, step).
+    The batch is a pure function of those numbers, so every strategy and world size sees the same global batch
+    at iteration `step` and each data-parallel rank just takes its own contiguous slice of it; resume needs no
+    data-loader state. x is the sequence, y the same shifted by one token."""
+    if len(tokens) <= block_size + 1:
+        raise SystemExit(f"error: block_size {block_size} is too large for a data split of {len(tokens)} tokens")
+    rng = np.random.default_rng([seed, stream, step])
+    starts = rng.integers(0, len(tokens) - block_size - 1, size=n_rows)
+    if rows is not None:
+        starts = starts[rows]
+    window = np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)], dtype=np.int64)  # one gather
+    xy = torch.from_numpy(window)
+    x, y = xy[:, :-1], xy[:, 1:]
+    if device.startswith('cuda'):
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.contiguous(), y.contiguous()
+
+
+def micro_batch_rows(cfg, dp_rank, dp_size, micro_step):
+    """The one batch rule of this repo. The global batch is batch_size * gradient_accumulation_steps sequences,
+    whatever the world size. Each of the dp_size data-parallel ranks owns a contiguous block of it and walks
+    through that block batch_size sequences per micro-step, gradient_accumulation_steps // dp_size micro-steps."""
+    rows_per_rank = cfg.batch_size * (cfg.gradient_accumulation_steps // dp_size)
+    first = dp_rank * rows_per_rank + micro_step * cfg.batch_size
+    return slice(first, first + cfg.batch_size)
+
+
+def get_lr(it, cfg):
+    """Linear warm-up for warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+@torch.no_grad()
+def estimate_loss(loss_of, data, cfg):
+    """Mean loss over eval_iters fixed batches of batch_size sequences for each split. loss_of(x, y) returns the
+    mean loss of one batch however the strategy computes it, so every script evaluates the same batches."""
+    out = {}
+    for split in ('train', 'val'):
+        losses = [loss_of(*get_batch(data[split], cfg.seed, EVAL_STREAM, k, cfg.batch_size, cfg.block_size,
+                                     device=cfg.device)) for k in range(cfg.eval_iters)]
+        out[split] = float(sum(float(l) for l in losses) / len(losses))
+    return out
+
+
+def autocast_context(device_type, dtype):
+    """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32."""
+    import contextlib
+    if dtype == 'float32':
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
+
+
+# Dense peak FLOP/s of common accelerators by dtype, for MFU; match is by substring of the device name.
+PEAK_FLOPS = {
+    'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    'A100': {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12},
+    'A10G': {'bfloat16': 70e12, 'float16': 70e12, 'float32': 35e12},
+    'L4': {'bfloat16': 121e12, 'float16': 121e12, 'float32': 60e12},
+    'RTX 4090': {'bfloat16': 165e12, 'float16': 165e12, 'float32': 83e12},
+    'RTX 3090': {'bfloat16': 71e12, 'float16': 71e12, 'float32': 36e12},
+    'V100': {'bfloat16': 125e12, 'float16': 125e12, 'float32': 15.7e12},
+    'T4': {'bfloat16': 65e12, 'float16': 65e12, 'float32': 8.1e12},
+}
+
+
+def peak_flops_for(device, dtype, override=None):
+    """The peak FLOP/s that MFU divides by: the peak_flops config key if set, else the table, else None
+    (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
+    if override:
+        return override
+    if device.startswith('cuda'):
+        name = torch.cuda.get_device_name(device)
+        for key, by_dtype in PEAK_FLOPS.items():
+            if key in name:
+                return by_dtype[dtype]
+    return None
+
+
+def peak_memory_bytes(device):
+    """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on CPU."""
+    if device.startswith('cuda'):
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def log_row(out_dir, row):
+    """Append one row to out_dir/log.jsonl and print it as one human line."""
+    with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
+        f.write(json.dumps(row) + '\n')
+    if 'val_loss' in row:
+        print(f"step {row['iter']}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}", flush=True)
+    elif 'loss' in row:
+        mfu = f"{100 * row['mfu']:.2f}%" if row.get('mfu') is not None else 'n/a'
+        print(f"iter {row['iter']}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
+              f"{row['tokens_per_sec']:.0f} tok/s, mfu {mfu}, peak mem {row['peak_mem_bytes'] / 2**20:.0f} MiB",
+              flush=True)
+
+
+def trim_log(out_dir, iter_num):
+    """On resume, drop the log rows from iter_num on: the resumed run writes them again, so log.jsonl stays the
+    record of one run."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if os.path.exists(path):
+        rows = [line for line in open(path) if line.strip() and json.loads(line).get('iter', -1) < iter_num]
+        with open(path, 'w') as f:
+            f.writelines(rows)
+
+
+def get_codec(dataset):
+    """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl if it
+    has one, else tiktoken's GPT-2 BPE."""
+    import pickle
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset, 'meta.pkl')
+    if os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            meta = pickle.load(f)
+        stoi, itos = meta['stoi'], meta['itos']
+        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
+    import tiktoken
+    enc = tiktoken.get_encoding('gpt2')
+    return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+
+
+def save_checkpoint(obj, path):
+    """torch.save to a temporary file, then rename: a crash mid-write never leaves a broken checkpoint."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)  # atomic on POSIX and Windows
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def init_distributed(timeout_s):
+    """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run as
+    one process without it. NCCL with one GPU per process when CUDA is there, gloo on CPU.
+    Returns (rank, local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
+    import datetime
+    import torch.distributed as dist
+    if 'RANK' not in os.environ:
+        return 0, 0, 1, ('cuda' if torch.cuda.is_available() else 'cpu')
+    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
+    if torch.cuda.is_available():
+        device, backend = f'cuda:{local_rank}', 'nccl'
+        torch.cuda.set_device(device)
+    else:
+        device, backend = 'cpu', 'gloo'
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, local_rank, world_size, device
+
+
+def world_size_from_env():
+    """WORLD_SIZE as torchrun sets it (1 without torchrun): known before the process group exists, so bad
+    combinations can be rejected before any work."""
+    return int(os.environ.get('WORLD_SIZE', '1'))
+
+
+def run_main(main):
+    """Run main(argv) and turn a config error into one line on stderr and exit code 1 (on every rank)."""
+    try:
+        main(sys.argv[1:])
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            rank = os.environ.get('RANK')
+            print((f"[rank {rank}] " if rank is not None else '') + e.code, file=sys.stderr, flush=True)
+            sys.exit(1)
+        raise
