@@ -348,8 +348,9 @@ def config_defaults(script_globals):
     """The config of a script: its module-level ints, floats, bools, strings and Nones, plus every GPTConfig field."""
     cfg = {f.name: f.default for f in fields(GPTConfig)}
     for k, v in script_globals.items():
-        if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None))):
+        if not k.startswith('_') and not k.isupper() and isinstance(v, (int, float, bool, str, type(None))):
             cfg[k] = v
+    cfg.pop('vocab_size')  # comes from the data set
     return cfg
 
 
@@ -365,7 +366,7 @@ def _checked(key, value, default):
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        raise SystemExit(f"error: config key '{key}' wants a {type(default).__name__}, got {value!r}")
+        raise SystemExit(f"error: config key '{key}' must be {type(default).__name__}, got {value!r}")
     return value
 
 
