@@ -404,7 +404,7 @@ def configure(defaults, argv):
 
 def model_config(cfg, vocab_size):
     """The GPTConfig that the run's config describes."""
-    args = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)}
+    args = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if f.name != 'vocab_size'}
     args['vocab_size'] = vocab_size
     try:
         return GPTConfig(**args)
