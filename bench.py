@@ -1,0 +1,523 @@
+"""
+Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and a
+memory planner for models too large to run here.
+
+    python bench.py                                   # CPU: every row on 2 gloo processes, a few minutes
+    python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
+    python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
+    python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's worked example (model states only)
+
+The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
+log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
+bench.py measures nothing itself and writes no formula: the estimate calls the formula functions of zero.py,
+tensor_parallel.py and pipeline.py, the very ones those scripts print beside what they measure.
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from model import GPT, GPTConfig, configure, load_dataset, model_config
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
+
+
+def fmt_bytes(n):
+    """1.23 GB / 4.56 MB / 7.8 kB / 12 B; '-' for a missing number."""
+    if n is None:
+        return '-'
+    for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def formula_module(name):
+    """zero / tensor_parallel / pipeline, or None (with the reason) when that script is not in this checkout."""
+    try:
+        return importlib.import_module(name), None
+    except Exception as e:  # missing, or broken mid-edit: the bench says so instead of crashing
+        return None, f"{name}.py not available ({type(e).__name__}: {e})"
+
+
+# -----------------------------------------------------------------------------
+# --estimate: per-GPU memory and communication of each strategy, from the formulas of the scripts
+
+def gpt_config_from(config_path, overrides, vocab_size):
+    """The GPTConfig that `python train.py config_path overrides...` would build, with vocab_size given (it comes
+    from the data set in a real run). A `# vocab_size: N` line in the config file is the default."""
+    import train
+    if vocab_size is None:
+        hint = re.search(r'#\s*vocab_size:\s*(\d+)', open(config_path).read()) if config_path else None
+        vocab_size = int(hint.group(1)) if hint else 50304
+    cfg = configure(train.config, ([config_path] if config_path else []) + list(overrides))
+    return model_config(cfg, vocab_size)
+
+
+def param_counts(gptconf, tp=1, pp=1):
+    """Parameters counted on the meta device (no memory): the whole model, what one tensor-parallel rank holds
+    (its 1/tp of every matrix and embedding; norms and the remaining vectors replicated: Megatron's split), and
+    the largest pipeline stage (its n_layer/pp blocks, plus the embeddings on the first and the final norm and head
+    on the last; a tied embedding is held by both, as Megatron does)."""
+    with torch.device('meta'):
+        model = GPT(gptconf)
+    total = sum(p.numel() for p in model.parameters())
+    tp_rank = sum(p.numel() // tp if p.dim() >= 2 and p is not getattr(model.transformer.wpe, 'weight', None)
+                  else p.numel() for p in model.parameters())
+    blocks = model.transformer.h
+    per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    first = sum(p.numel() for m in (model.transformer.wte, model.transformer.wpe) if m is not None
+                for p in m.parameters())
+    last = sum(p.numel() for p in model.transformer.ln_f.parameters()) + model.lm_head.weight.numel()
+    stages = []
+    if gptconf.n_layer % pp == 0:
+        k = gptconf.n_layer // pp
+        stages = [sum(per_block[i * k:(i + 1) * k]) for i in range(pp)]
+        stages[0] += first
+        stages[-1] += last
+    return dict(total=total, tp_rank=tp_rank, pp_stage_max=max(stages) if stages else None)
+
+
+def model_states(numel, dp, stage, mixed_precision):
+    """Bytes per rank of parameters, gradients and optimizer state: zero.py's formula (the ZeRO paper's)."""
+    zero, why = formula_module('zero')
+    if zero is None:
+        raise SystemExit(f"error: --estimate needs zero.model_state_bytes_formula: {why}")
+    return zero.model_state_bytes_formula(numel, dp, stage, mixed_precision)
+
+
+def strategies(gpus, tp, pp, zero_stage):
+    """(name, dp, tp, pp, zero stage, sequence parallel, schedule) of each row of the estimate."""
+    rows = [('DDP', gpus, 1, 1, 0, False, None)]
+    rows += [(f'ZeRO-{s}', gpus, 1, 1, s, False, None) for s in (1, 2, 3)]
+    rows += [('FSDP (full shard = ZeRO-3)', gpus, 1, 1, 3, False, None)]
+    if tp > 1:
+        rows += [(f'TP={tp}', 1, tp, 1, 0, False, None), (f'TP={tp} + SP', 1, tp, 1, 0, True, None)]
+    if pp > 1:
+        rows += [(f'PP={pp} GPipe', 1, 1, pp, 0, False, 'gpipe'), (f'PP={pp} 1F1B', 1, 1, pp, 0, False, '1f1b')]
+    if tp > 1 and gpus % tp == 0 and gpus > tp:
+        rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', gpus // tp, tp, 1, zero_stage, True, None)]
+    if pp > 1 and gpus % pp == 0 and gpus > pp:
+        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}', gpus // pp, 1, pp, zero_stage, False, '1f1b')]
+    return rows
+
+
+def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbatches, zero_stage, mixed_precision):
+    """One dict per strategy: model-state bytes, activation bytes with and without activation checkpointing,
+    bytes communicated per step, and whether it fits. Activations are the transformer layers' (Korthikanti et
+    al.'s table: it assumes multi-head attention and a 4h MLP, so GQA/SwiGLU models are approximate) for the
+    micro-batches a rank holds at once: 1 without a pipeline, m with GPipe, min(p, m) on 1F1B's first stage.
+    With checkpointing a rank keeps each layer's input and recomputes one layer at a time (that layer's full
+    activations are added once). Communication per step: each dp rank runs n_microbatches micro-batches of
+    micro_batch sequences, then one gradient synchronisation."""
+    tensor_parallel, tp_why = formula_module('tensor_parallel')
+    pipeline, pp_why = formula_module('pipeline')
+    zero, zero_why = formula_module('zero')
+    if zero is None:
+        raise SystemExit(f"error: --estimate needs zero.py's formulas: {zero_why}")
+    s, b, h, a, L = seq_len, micro_batch, gptconf.n_embd, gptconf.n_head, gptconf.n_layer
+    act_bytes = 2 if mixed_precision else 4
+    rows = []
+    for name, dp, t, p, stage, sp, schedule in strategies(gpus, tp, pp, zero_stage):
+        row = dict(strategy=name, dp=dp, tp=t, pp=p, zero_stage=stage, gpus_used=dp * t * p, notes=[])
+        problems = [msg for bad, msg in [
+            (dp * t * p > gpus, f"needs {dp * t * p} GPUs"),
+            (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
+            (L % p, f"n_layer {L} not divisible by pp={p}"),
+            (p > 1 and pipeline is None, pp_why),
+            (tensor_parallel is None, tp_why)] if bad]
+        if problems:
+            row['error'] = problems[0]
+            rows.append(row)
+            continue
+        counts = param_counts(gptconf, t, p)
+        numel = counts['tp_rank'] if t > 1 else counts['pp_stage_max'] if p > 1 else counts['total']
+        row['params_per_rank'] = numel
+        row.update(zero.model_state_bytes_formula(numel, dp, stage, mixed_precision))
+        row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
+
+        layer = tensor_parallel.activation_bytes_formula(s, b, h, a, t, sp, recompute=False, bytes_per_elem=act_bytes)
+        layer_ckpt = tensor_parallel.activation_bytes_formula(s, b, h, a, t, sp, recompute=True,
+                                                              bytes_per_elem=act_bytes)
+        in_flight = 1 if p == 1 else n_microbatches if schedule == 'gpipe' else min(p, n_microbatches)
+        layers = L // p
+        row['activation_bytes'] = layers * in_flight * layer
+        row['activation_bytes_ckpt'] = layers * in_flight * layer_ckpt + layer
+        if p > 1:
+            row['bubble_fraction'] = pipeline.bubble_fraction_formula(p, n_microbatches)
+
+        comm = zero.comm_bytes_formula(numel, dp, stage, act_bytes) if dp > 1 else 0
+        if t > 1:
+            per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, bytes_per_elem=act_bytes)
+            comm += per_layer * L * n_microbatches
+        if p > 1:
+            p2p = getattr(pipeline, 'p2p_comm_bytes_formula', None)
+            if p2p is None:
+                row['comm_note'] = ' + p2p'
+                row['notes'].append('+ p2p: pipeline send/recv bytes not counted (pipeline.py has no formula for them)')
+            else:
+                comm += p2p(s, b, h, p, n_microbatches, bytes_per_elem=act_bytes)
+        row['comm_bytes_per_step'] = comm
+        row['total_bytes'] = row['model_state_bytes'] + row['activation_bytes']
+        row['total_bytes_ckpt'] = row['model_state_bytes'] + row['activation_bytes_ckpt']
+        limit = gpu_mem_gb * GB
+        row['fits'] = ('yes' if row['total_bytes'] <= limit else
+                       'with ckpt' if row['total_bytes_ckpt'] <= limit else 'no')
+        rows.append(row)
+    return rows
+
+
+def estimate_markdown(rows, header):
+    lines = [header, '',
+             '| strategy | GPUs (dp x tp x pp) | params | grads | optimizer | activations | act. (ckpt) | total | '
+             'total (ckpt) | comm/step | fits |',
+             '|---|---|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        grid = f"{r['gpus_used']} ({r['dp']} x {r['tp']} x {r['pp']})"
+        if 'error' in r:
+            lines.append(f"| {r['strategy']} | {grid} | n/a: {r['error']} |" + ' |' * 8)
+            continue
+        extra = f" (bubble {100 * r['bubble_fraction']:.0f}%)" if 'bubble_fraction' in r else ''
+        lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | {fmt_bytes(r['grad_bytes'])} | "
+                     f"{fmt_bytes(r['optim_bytes'])} | {fmt_bytes(r['activation_bytes'])} | "
+                     f"{fmt_bytes(r['activation_bytes_ckpt'])} | {fmt_bytes(r['total_bytes'])} | "
+                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])}{r.get('comm_note', '')} | {r['fits']} |")
+    notes = sorted({n for r in rows for n in r.get('notes', [])})
+    return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
+
+
+def model_state_markdown(numel, gpus, mixed_precision):
+    """The ZeRO paper's table: model states per GPU for DP and ZeRO stages 1-3 (no shape needed)."""
+    lines = [f"Model states per GPU, Ψ = {numel / 1e9:.3g}B parameters, N = {gpus} GPUs, "
+             f"{'mixed-precision Adam (2+2+12 bytes)' if mixed_precision else 'fp32 Adam (4+4+8 bytes)'}:", '',
+             '| stage | params | grads | optimizer | total per GPU | comm/step |', '|---|---|---|---|---|---|']
+    zero, why = formula_module('zero')
+    if zero is None:
+        raise SystemExit(f"error: --estimate needs zero.py's formulas: {why}")
+    for stage, name in enumerate(['DDP (ZeRO-0)', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3 / FSDP']):
+        m = model_states(numel, gpus, stage, mixed_precision)
+        comm = zero.comm_bytes_formula(numel, gpus, stage, 2 if mixed_precision else 4)
+        lines.append(f"| {name} | {fmt_bytes(m['param_bytes'])} | {fmt_bytes(m['grad_bytes'])} | "
+                     f"{fmt_bytes(m['optim_bytes'])} | {fmt_bytes(sum(m.values()))} | {fmt_bytes(comm)} |")
+    return '\n'.join(lines)
+
+
+def run_estimate(args, overrides):
+    mixed = args.dtype != 'float32'
+    if args.params:
+        print(model_state_markdown(int(float(args.params)), args.gpus, mixed))
+        return
+    if not args.estimate or not os.path.isfile(args.estimate):
+        raise SystemExit(f"error: --estimate needs a config file (or --params=N), got {args.estimate!r}")
+    gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
+    # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at most 4)
+    args.tp = args.tp or max(t for t in range(1, min(args.gpus, 8) + 1)
+                             if gptconf.n_head % t == 0 and gptconf.n_kv_head % t == 0)
+    args.pp = args.pp or max(p for p in range(1, min(args.gpus, 4) + 1) if gptconf.n_layer % p == 0)
+    seq_len = args.seq_len or gptconf.block_size
+    numel = param_counts(gptconf)['total']
+    n_micro = args.n_microbatches or max(1, 2 * args.pp)
+    header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
+              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}); {args.gpus} GPUs of "
+              f"{args.gpu_mem_gb} GB; micro-batch {args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches "
+              f"per step; {'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
+    print(model_state_markdown(numel, args.gpus, mixed) + '\n')
+    rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, n_micro,
+                    args.zero_stage, mixed)
+    print(estimate_markdown(rows, header))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, 'estimate.json'), 'w') as f:
+            json.dump({'config': args.estimate, 'params': numel, 'rows': rows}, f, indent=1)
+
+
+# -----------------------------------------------------------------------------
+# the bench: every script on the same small GPT, the same data and the same global batch
+
+def bench_rows(world_size, n_microbatches):
+    """name -> (script, its own flags, processes). The order is the table's."""
+    w = world_size
+    return {
+        'train': ('train.py', [], 1),
+        'ddp': ('train_ddp.py', [], w),
+        'zero0': ('zero.py', ['--stage=0'], w),
+        'zero1': ('zero.py', ['--stage=1'], w),
+        'zero2': ('zero.py', ['--stage=2'], w),
+        'zero3': ('zero.py', ['--stage=3'], w),
+        'fsdp': ('train_fsdp.py', [], w),
+        'tp': ('tensor_parallel.py', [f'--tp={w}'], w),
+        'tp_sp': ('tensor_parallel.py', [f'--tp={w}', '--sequence_parallel=True'], w),
+        'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}'], w),
+        'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}'], w),
+    }
+
+
+def model_flags(args):
+    """The small GPT and the batch every row trains: the same global batch (batch_size x world_size sequences)
+    for every script; dp ranks split it, tp/pp ranks share it. fp32, dropout 0: every row must give one loss."""
+    return [f'--n_layer={args.n_layer}', f'--n_head={args.n_head}', f'--n_embd={args.n_embd}',
+            f'--block_size={args.block_size}', f'--batch_size={args.batch_size}',
+            f'--gradient_accumulation_steps={args.world_size}', f'--max_iters={args.max_iters}',
+            f'--lr_decay_iters={args.max_iters}', '--warmup_iters=2', '--log_interval=1',
+            f'--eval_interval={args.max_iters}', '--eval_iters=1', '--dropout=0.0', f'--dtype={args.dtype}',
+            '--compile=False', '--sample_at_end=False', '--always_save_checkpoint=False', f'--seed={args.seed}'] + (
+        [f'--peak_flops={args.peak_flops}'] if args.peak_flops else [])
+
+
+def command(script, flags, nproc):
+    if nproc == 1:
+        return [sys.executable, script] + flags
+    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', script] + flags
+
+
+def read_log(out_dir):
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'comm_bytes_per_step', 'bubble_fraction',
+            'peak_microbatches_held']
+
+
+def summarize(log, warmup):
+    """What the script reported: median ms, tokens/s and MFU over the iterations after the warm-up, the loss
+    curve, and the per-rank rows (all the rows of one rank merged), with the largest rank's value of each
+    measured number and its formula."""
+    train_rows = [r for r in log if 'loss' in r and 'rank' not in r and 'ms' in r]
+    timed = [r for r in train_rows if r['iter'] >= warmup] or train_rows
+    out = {'losses': {r['iter']: r['loss'] for r in train_rows}}
+    for key in ('ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'):
+        values = [r[key] for r in timed if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    out['final_loss'] = train_rows[-1]['loss'] if train_rows else None
+    evals = [r for r in log if 'val_loss' in r and 'rank' not in r]
+    out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
+    ranks = {}
+    for r in log:
+        if 'rank' in r:
+            ranks.setdefault(r['rank'], {}).update(r)
+    out['ranks'] = [ranks[k] for k in sorted(ranks)]
+    for key in MEASURED:
+        for k in (key, key + '_formula'):
+            values = [r[k] for r in out['ranks'] if isinstance(r.get(k), (int, float))]
+            out[k] = max(values) if values else None
+    return out
+
+
+def run_row(name, script, flags, nproc, args, runs_dir):
+    """Run one row's script with torchrun; its log.jsonl is the row."""
+    if not os.path.exists(os.path.join(REPO, script)):
+        return {'status': f'not available: {script} is not in this checkout'}
+    out_dir = os.path.join(runs_dir, name)
+    shutil.rmtree(out_dir, ignore_errors=True)  # log.jsonl appends: start each row from nothing
+    cmd = command(script, model_flags(args) + [f'--out_dir={out_dir}'] + flags, nproc)
+    threads = max(1, (os.cpu_count() or 1) // nproc)  # every row uses the whole machine, split among its ranks
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {'status': f'failed: no result within {args.row_timeout} s', 'wall_s': time.time() - t0}
+    row = {'wall_s': time.time() - t0, 'command': ' '.join(['python' if c == sys.executable else c for c in cmd])}
+    if proc.returncode != 0:
+        lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
+        error = next((l for l in reversed(lines) if 'error' in l.lower()), lines[-1] if lines else '')
+        row['status'] = f'failed (exit {proc.returncode}): {error.strip()[:200]}'
+        return row
+    row.update(summarize(read_log(out_dir), args.warmup))
+    row['status'] = 'ok' if row['final_loss'] is not None else 'failed: no training rows in log.jsonl'
+    return row
+
+
+def check_losses(results, rtol):
+    """Compare every row's loss curve with the first ok row's (train.py's when it ran): the largest relative
+    difference over the iterations both logged. Marks each row 'same' or 'DIFFERS'."""
+    ok = [r for r in results.values() if r.get('status') == 'ok']
+    if not ok:
+        return None
+    ref = ok[0]['losses']
+    for r in ok:
+        common = [i for i in r['losses'] if i in ref]
+        r['loss_max_rel_diff'] = max(abs(r['losses'][i] - ref[i]) / abs(ref[i]) for i in common) if common else None
+        r['loss_matches'] = r['loss_max_rel_diff'] is not None and r['loss_max_rel_diff'] <= rtol
+    return all(r['loss_matches'] for r in ok)
+
+
+def measured_cell(row, key, fmt=fmt_bytes):
+    """'measured (formula)' from the script's own per-rank rows; '-' where the script does not report it."""
+    value, formula = row.get(key), row.get(key + '_formula')
+    if value is None:
+        return '-' if formula is None else f"- ({fmt(formula)})"
+    return fmt(value) + ('' if formula is None else f" ({fmt(formula)})")
+
+
+def bench_markdown(results, rows, all_same, rtol):
+    pct = lambda x: f"{100 * x:.1f}%"
+    lines = ['| row | script | ms/step | tokens/s | MFU | params/rank | grads/rank | optimizer/rank | '
+             'activations/rank | comm/step/rank | bubble | final loss | same loss |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    for name, r in results.items():
+        script = ' '.join([rows[name][0]] + rows[name][1])
+        if r.get('status') != 'ok':
+            lines.append(f"| {name} | {script} | {r.get('status')} |" + ' |' * 10)
+            continue
+        mfu = pct(r['mfu']) if r.get('mfu') is not None else 'n/a'
+        same = 'yes' if r['loss_matches'] else f"**DIFFERS** ({r['loss_max_rel_diff']:.1e})"
+        lines.append(f"| {name} | {script} | {r['ms']:.1f} | {r['tokens_per_sec']:.0f} | {mfu} | "
+                     f"{measured_cell(r, 'param_bytes')} | {measured_cell(r, 'grad_bytes')} | "
+                     f"{measured_cell(r, 'optim_bytes')} | {measured_cell(r, 'activation_bytes')} | "
+                     f"{measured_cell(r, 'comm_bytes_per_step')} | {measured_cell(r, 'bubble_fraction', pct)} | "
+                     f"{r['final_loss']:.6f} | {same} |")
+    ok = [n for n, r in results.items() if r.get('status') == 'ok']
+    if all_same:
+        verdict = f"Final loss: the same in every row that ran ({len(ok)} rows, loss curves within {rtol:g} relative)."
+    elif all_same is None:
+        verdict = "No row ran."
+    else:
+        differ = [n for n in ok if not results[n]['loss_matches']]
+        verdict = f"Final loss: DIFFERS in rows {', '.join(differ)} (more than {rtol:g} relative from {ok[0]})."
+    missing = [f"{n} ({results[n]['status']})" for n in results if results[n].get('status') != 'ok']
+    return '\n'.join(lines + ['', verdict] + ([f"Rows that did not run: {'; '.join(missing)}."] if missing else []))
+
+
+def machine_description(args):
+    if torch.cuda.is_available():
+        name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, NCCL"
+    else:
+        name = f"{os.cpu_count()}-core CPU, gloo"
+    return f"{name}, torch {torch.__version__}, {args.world_size} processes per distributed row"
+
+
+def run_bench(args):
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_gpus == 1:  # one GPU: the single-process rows only, plus GPT-2 124M in bf16 with compile
+        args.world_size = 1
+    elif n_gpus > 1 and args.world_size > n_gpus:
+        raise SystemExit(f"error: --world_size={args.world_size} but only {n_gpus} GPUs")
+    rows = bench_rows(args.world_size, args.n_microbatches)
+    if n_gpus == 1:
+        rows = {'train': rows['train'],
+                'gpt2_124m_bf16_compile': ('train.py', ['--n_layer=12', '--n_head=12', '--n_embd=768',
+                                                        '--block_size=1024', '--batch_size=16', '--dtype=bfloat16',
+                                                        '--compile=True', '--bias=True'], 1)}
+    selected = list(rows) if args.rows == 'all' else args.rows.split(',')
+    unknown = [n for n in selected if n not in rows]
+    if unknown:
+        raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
+    if args.world_size < 2 and any(rows[n][2] > 1 for n in selected):
+        raise SystemExit("error: distributed rows need --world_size >= 2")
+    if args.n_head % args.world_size or args.n_layer % args.world_size:
+        raise SystemExit(f"error: n_head ({args.n_head}) and n_layer ({args.n_layer}) must be divisible by "
+                         f"--world_size={args.world_size} for the tp and pp rows")
+    load_dataset('stdlib_char')  # prepare the data once, before the rows race to do it
+    runs_dir = os.path.join(args.out, 'runs')
+    os.makedirs(runs_dir, exist_ok=True)
+    print(f"bench: {len(selected)} rows on {machine_description(args)}; {args.max_iters} iterations each, "
+          f"timing after {args.warmup}; logs in {runs_dir}", flush=True)
+    results, t_start = {}, time.time()
+    for i, name in enumerate(selected):
+        script, flags, nproc = rows[name]
+        print(f"[{i + 1}/{len(selected)}] {name}: {' '.join([script] + flags)} on {nproc} process(es) ...",
+              end=' ', flush=True)
+        results[name] = run_row(name, script, flags, nproc, args, runs_dir)  # its flags override the bench's
+        r = results[name]
+        detail = f"{r['ms']:.1f} ms/step, loss {r['final_loss']:.6f}" if r['status'] == 'ok' else r['status']
+        print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
+    if 'gpt2_124m_bf16_compile' in results:  # a different model: not part of the same-loss comparison
+        results['gpt2_124m_bf16_compile']['loss_matches'] = True
+        results['gpt2_124m_bf16_compile']['loss_max_rel_diff'] = 0.0
+    compared = {n: r for n, r in results.items() if n != 'gpt2_124m_bf16_compile'}
+    rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
+    all_same = check_losses(compared, rtol)
+    cmd_line = 'python bench.py ' + ' '.join(sys.argv[1:])
+    header = (f"`{cmd_line.strip()}` on {machine_description(args)}. Model: {args.n_layer} layers, {args.n_head} "
+              f"heads, {args.n_embd} wide, block {args.block_size}; global batch {args.batch_size * args.world_size} "
+              f"sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
+              f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
+    table = bench_markdown(results, rows, all_same, rtol)
+    print('\n' + header + '\n\n' + table, flush=True)
+    with open(os.path.join(args.out, 'bench.md'), 'w') as f:
+        f.write(header + '\n\n' + table + '\n')
+    with open(os.path.join(args.out, 'bench.json'), 'w') as f:
+        json.dump({'command': cmd_line.strip(), 'machine': machine_description(args), 'all_losses_equal': all_same,
+                   'loss_rtol': rtol, 'rows': results}, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'bench.md')} and bench.json ({time.time() - t_start:.0f} s)")
+    failed = [n for n, r in results.items() if r['status'].startswith('failed')]
+    if failed or all_same is False:
+        sys.exit(1)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument('--estimate', nargs='?', const='', default=None, metavar='CONFIG',
+                   help='plan memory for the model of a config file (config keys may follow as --key=value)')
+    p.add_argument('--params', default=None, help='--estimate with a parameter count only (model states)')
+    p.add_argument('--gpus', type=int, default=8)
+    p.add_argument('--gpu_mem_gb', type=float, default=80)
+    p.add_argument('--micro_batch', type=int, default=1, help='sequences per micro-batch per GPU')
+    p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")
+    p.add_argument('--tp', type=int, default=None, help='tensor-parallel degree (default: the largest <= 8 that fits)')
+    p.add_argument('--pp', type=int, default=None, help='pipeline stages (default: the largest <= 4 that fits)')
+    p.add_argument('--n_microbatches', type=int, default=None, help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
+    p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
+    p.add_argument('--vocab_size', type=int, default=None, help='default: a "# vocab_size: N" line, else 50304')
+    p.add_argument('--rows', default='all', help='comma-separated rows of the bench (default all)')
+    p.add_argument('--world_size', type=int, default=2)
+    p.add_argument('--max_iters', type=int, default=12)
+    p.add_argument('--warmup', type=int, default=2, help='iterations left out of the timing')
+    p.add_argument('--n_layer', type=int, default=4)
+    p.add_argument('--n_head', type=int, default=4)
+    p.add_argument('--n_embd', type=int, default=128)
+    p.add_argument('--block_size', type=int, default=64)
+    p.add_argument('--batch_size', type=int, default=8, help='sequences per dp rank; global batch x world_size')
+    p.add_argument('--dtype', default=None, help='bench default float32; estimate default bfloat16 (mixed precision)')
+    p.add_argument('--seed', type=int, default=1337)
+    p.add_argument('--peak_flops', type=float, default=None, help="the device's peak FLOP/s, for MFU on a CPU")
+    p.add_argument('--loss_rtol', type=float, default=None, help='default 1e-4 (fp32), 2e-2 (16-bit)')
+    p.add_argument('--row_timeout', type=int, default=600)
+    p.add_argument('--out', default='out_bench')
+    args, rest = p.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith('--') or args.estimate is None]
+    if bad:
+        raise SystemExit(f"error: unrecognized arguments: {' '.join(bad)}")
+    args.dtype = args.dtype or ('bfloat16' if args.estimate is not None else 'float32')
+    if args.dtype not in ('float32', 'bfloat16', 'float16'):
+        raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {args.dtype!r}")
+    if args.estimate is None and args.max_iters <= args.warmup:
+        raise SystemExit(f"error: --max_iters ({args.max_iters}) must be larger than --warmup ({args.warmup})")
+    if args.gpus < 1 or args.world_size < 1 or args.micro_batch < 1:
+        raise SystemExit("error: --gpus, --world_size and --micro_batch must be at least 1")
+    return args, rest
+
+
+def main(argv):
+    args, overrides = parse_args(argv)
+    if args.estimate is not None:
+        run_estimate(args, overrides)
+    else:
+        args.n_microbatches = args.n_microbatches or 4
+        run_bench(args)
+
+
+if __name__ == '__main__':
+    try:
+        main(sys.argv[1:])
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            sys.exit(1)
+        raise
