@@ -559,16 +559,20 @@ def trim_log(out_dir, iter_num):
 
 def get_codec(dataset):
     """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl if it
-    has one, else tiktoken's GPT-2 BPE."""
+    has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
     import pickle
-    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset, 'meta.pkl')
-    if os.path.exists(meta_path):
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset or '', 'meta.pkl')
+    if dataset is not None and os.path.exists(meta_path):
         with open(meta_path, 'rb') as f:
             meta = pickle.load(f)
         stoi, itos = meta['stoi'], meta['itos']
         return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
     import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    try:
+        enc = tiktoken.get_encoding('gpt2')
+    except Exception as e:  # offline on first use: tiktoken cannot fetch its vocabulary files
+        raise SystemExit(f"error: tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it is "
+                         f"downloaded on first use, so run once with network access")
     return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
 
 

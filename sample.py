@@ -1,0 +1,86 @@
+"""
+Sample from a trained model: out_dir/ckpt.pt (its model config and data set come from the checkpoint, so no
+model flags are needed) or real GPT-2 weights through Hugging Face transformers.
+
+    python sample.py                                  # out/ckpt.pt, as written by python train.py
+    python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=2
+    python sample.py --start=FILE:prompt.txt --max_new_tokens=200 --temperature=0.9 --top_k=50
+    python sample.py --init_from=gpt2 --start="Hello, I'm a language model,"   # needs transformers
+"""
+
+import os
+
+import torch
+
+from model import GPT, GPTConfig, autocast_context, config_defaults, configure, get_codec, run_main
+
+# -----------------------------------------------------------------------------
+# config
+init_from = 'resume'            # 'resume' (out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', ...
+out_dir = 'out'
+start = '\n'                    # the prompt; FILE:path reads it from a file
+num_samples = 3
+max_new_tokens = 500
+temperature = 0.8               # < 1 sharper, > 1 more random
+top_k = 200                     # keep only the top_k most likely tokens; 0 keeps all
+seed = 1337
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+compile = False
+# sampling has no model keys: the model is what the checkpoint (or GPT-2) says it is
+config = {k: v for k, v in config_defaults(globals()).items() if k not in GPTConfig.__dataclass_fields__}
+# -----------------------------------------------------------------------------
+
+
+def load_model(cfg):
+    """(model, dataset name or None for GPT-2 BPE) for init_from."""
+    if cfg.init_from == 'resume':
+        ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"error: no checkpoint at {ckpt_path}; train one first (python train.py) or set --out_dir")
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model.load_state_dict(checkpoint['model'])
+        return model, checkpoint['config']['dataset']
+    if cfg.init_from.startswith('gpt2'):
+        return GPT.from_pretrained(cfg.init_from), None
+    raise SystemExit(f"error: init_from must be 'resume' or a GPT-2 name, got {cfg.init_from!r}")
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
+        raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
+    if cfg.top_k < 0:
+        raise SystemExit(f"error: top_k must be >= 0 (0 keeps all tokens), got {cfg.top_k}")
+    prompt = cfg.start
+    if prompt.startswith('FILE:'):
+        path = prompt[len('FILE:'):]
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: start file {path} not found")
+        with open(path, encoding='utf-8') as f:
+            prompt = f.read()
+
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+    model, dataset = load_model(cfg)
+    model.eval()
+    model.to(cfg.device)
+    if cfg.compile:
+        model = torch.compile(model)
+    encode, decode = get_codec(dataset)
+    ids = encode(prompt)
+    if not ids:
+        raise SystemExit(f"error: the prompt {prompt!r} has no character of the model's vocabulary")
+    x = torch.tensor([ids], dtype=torch.long, device=cfg.device)
+
+    with torch.no_grad(), ctx:
+        for _ in range(cfg.num_samples):
+            y = model.generate(x, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None)
+            print(decode(y[0].tolist()))
+            print('---------------')
+
+
+if __name__ == '__main__':
+    run_main(main)
