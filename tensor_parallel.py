@@ -1,0 +1,740 @@
+"""
+train.py plus tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and, optionally, sequence parallelism
+(Korthikanti et al. 2022), written by hand with torch.distributed. The tp ranks of a group split every layer:
+attention by heads (and KV heads), the MLP column then row, the vocabulary of the embedding, the head and the
+loss. Each transformer block then runs 2 all-reduces forward and 2 backward; with --sequence_parallel=True each
+becomes an all-gather + a reduce-scatter and the norms work on 1/tp of the sequence each.
+
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp=2
+    torchrun --nproc_per_node=4 tensor_parallel.py --tp=4 --sequence_parallel=True
+    torchrun --nproc_per_node=4 tensor_parallel.py --tp=2 --gradient_accumulation_steps=2   # dp=2 x tp=2
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --consolidate=out_full  # + one train.py checkpoint
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --init_from=resume        # same tp and world size
+
+Every rank builds the full GPT from the seed exactly as train.py does and keeps its slice, so for the same
+config and seed the loss curve is train.py's. Each rank prints (and logs, one row per rank) what it measured
+beside the formula: parameter bytes, activation bytes saved for backward by one layer, bytes sent per step.
+"""
+
+import json
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn import functional as F
+
+from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
+                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
+                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+
+# -----------------------------------------------------------------------------
+# config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
+out_dir = 'out'
+eval_interval = 250
+log_interval = 25
+eval_iters = 20
+eval_only = False
+always_save_checkpoint = True   # save at every eval, not only when val loss improves
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt_rank<r>.pt) or a GPT-2 name: 'gpt2', ...
+sample_at_end = True            # print a short sample when training ends
+# data
+dataset = 'stdlib_char'
+gradient_accumulation_steps = 1  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 16                  # sequences per micro-step per data-parallel rank
+block_size = 128
+# model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 2e-3
+max_iters = 1500
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
+# learning rate schedule
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 1500
+min_lr = 2e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+compile = False
+seed = 1337
+peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+# tensor parallelism
+dist_timeout = 60               # seconds a rank waits for the others before failing
+tp = 1                          # tensor-parallel degree; world size = dp * tp
+sequence_parallel = False       # shard norms and dropout along the sequence (all-gather + reduce-scatter)
+consolidate = ''                # a directory: at every checkpoint also write one train.py-format ckpt.pt there
+config = config_defaults(globals())
+# -----------------------------------------------------------------------------
+
+
+# The formulas printed beside the measurements (bench.py --estimate imports them too).
+
+def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, bytes_per_elem=2):
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, table 2; their
+    numbers are for 16-bit activations, scaled here by bytes_per_elem / 2). recompute: full activation
+    checkpointing, only the layer input is kept (sharded along the sequence under sequence parallelism)."""
+    scale = bytes_per_elem / 2
+    if recompute:
+        return 2 * s * b * h * scale / (t if sequence_parallel else 1)
+    if sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t * scale
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+
+
+def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
+    """Bytes one rank sends per transformer layer per micro-batch (forward + backward), ring algorithms:
+    4 all-reduces of the b*s*h activations, each 2(t-1)/t of it. Sequence parallelism turns each into an
+    all-gather + reduce-scatter of (t-1)/t each: the same total."""
+    return 4 * 2 * (t - 1) / t * s * b * h * bytes_per_elem
+
+
+def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
+    """The rest of a micro-batch: the vocabulary-parallel embedding (1 all-reduce forward) and head (1 backward)
+    of b*s*h each, and the vocabulary-parallel cross-entropy's 3 all-reduces of b*s fp32 numbers (max, sum of
+    exponentials, target logit)."""
+    return 2 * 2 * (t - 1) / t * s * b * h * bytes_per_elem + 3 * 2 * (t - 1) / t * s * b * 4
+
+
+def param_bytes_formula(config, t, bytes_per_elem=4):
+    """Parameter bytes on one tp rank: 1/t of the split layers (q/k/v, attention output, MLP, embedding, head)
+    plus every replicated one (norms, the row-parallel biases, learned positions)."""
+    h, L, hd, bias = config.n_embd, config.n_layer, config.n_embd // config.n_head, int(config.bias)
+    qkv = (config.n_head + 2 * config.n_kv_head) * hd
+    n_mlp_in = 2 if config.mlp == 'swiglu' else 1
+    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + config.n_hidden * (n_mlp_in * (h + bias) + h)
+    split = L * split_per_layer + config.vocab_size * h * (1 if config.tie_embeddings else 2)
+    norm = h * (1 + (bias if config.norm == 'layernorm' else 0))
+    replicated = L * (2 * norm + 2 * h * bias) + norm + (config.block_size * h if config.pos == 'learned' else 0)
+    return (split / t + replicated) * bytes_per_elem
+
+
+# -----------------------------------------------------------------------------
+# Collectives, each counting at the call the bytes this rank sends (ring algorithms).
+
+COMM_BYTES = Counter()  # 'tp all_reduce', 'tp all_gather', 'tp reduce_scatter', 'grad all_reduce', 'dp all_reduce'
+
+
+@dataclass
+class Group:
+    """A process group and this rank's place in it; size 1 means no communication at all."""
+    group: object
+    rank: int
+    size: int
+
+
+def all_reduce(x, g, purpose, op=dist.ReduceOp.SUM):
+    if g.size > 1:
+        COMM_BYTES[f'{purpose} all_reduce'] += 2 * (g.size - 1) / g.size * x.numel() * x.element_size()
+        dist.all_reduce(x, op=op, group=g.group)
+    return x
+
+
+def all_gather_seq(x, g):
+    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
+    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
+    out = chunk.new_empty((g.size * chunk.size(0),) + chunk.shape[1:])
+    COMM_BYTES['tp all_gather'] += (g.size - 1) / g.size * out.numel() * out.element_size()
+    dist.all_gather_into_tensor(out, chunk, group=g.group)
+    return out.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_seq(x, g):
+    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((full.size(0) // g.size,) + full.shape[1:])
+    COMM_BYTES['tp reduce_scatter'] += (g.size - 1) / g.size * full.numel() * full.element_size()
+    dist.reduce_scatter_tensor(out, full, group=g.group)
+    return out.transpose(0, 1).contiguous()
+
+
+# -----------------------------------------------------------------------------
+# Megatron's communication operators, one autograd.Function each.
+
+class CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce backward. It enters the tensor-parallel region: every rank
+    feeds the same x to its slice of a column-parallel layer, so each rank's dL/dx covers only its slice of
+    the outputs, and the full gradient is their sum."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.g, 'tp'), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward. It leaves the tensor-parallel region: the
+    row-parallel layer's partial sums (one per rank) add up to the full output, whose gradient every rank
+    already has whole."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), g, 'tp')
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Sequence parallelism's g: all-gather along the sequence forward, reduce-scatter backward. Replaces f: the
+    norm ran on this rank's chunk of the sequence, the column-parallel layer needs all of it."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return all_gather_seq(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.g), None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Sequence parallelism's g-bar: reduce-scatter along the sequence forward, all-gather backward. Replaces g:
+    each rank keeps only its chunk of the summed output, for the dropout, residual and norm that follow."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return reduce_scatter_seq(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.g), None
+
+
+@dataclass
+class TensorParallel:
+    """This rank's tensor-parallel group and mode."""
+    g: Group
+    sequence_parallel: bool = False
+
+
+def enter_tp_region(x, par):
+    if par.g.size == 1:
+        return x
+    return GatherFromSequence.apply(x, par.g) if par.sequence_parallel else CopyToTP.apply(x, par.g)
+
+
+def leave_tp_region(x, par):
+    if par.g.size == 1:
+        return x
+    return ScatterToSequence.apply(x, par.g) if par.sequence_parallel else ReduceFromTP.apply(x, par.g)
+
+
+# -----------------------------------------------------------------------------
+# The parallel layers. Each holds this rank's slice of the dense layer's weights.
+
+def take_slice(full, kind, g, qkv_sizes=None):
+    """This rank's part of a dense tensor. 'col': rows (output features), 'row': columns (input features),
+    'qkv': the rows of this rank's heads in each of q, k and v, 'replicated': all of it."""
+    if kind == 'col':
+        return torch.tensor_split(full, g.size, dim=0)[g.rank]
+    if kind == 'row':
+        return torch.tensor_split(full, g.size, dim=1)[g.rank]
+    if kind == 'qkv':
+        return torch.cat([torch.tensor_split(part, g.size, dim=0)[g.rank] for part in full.split(qkv_sizes)])
+    return full
+
+
+def join_slices(slices, kind, qkv_sizes=None):
+    """The dense tensor from every rank's part (rank order): the inverse of take_slice."""
+    if kind == 'col':
+        return torch.cat(slices, dim=0)
+    if kind == 'row':
+        return torch.cat(slices, dim=1)
+    if kind == 'qkv':
+        local = [s // len(slices) for s in qkv_sizes]
+        parts = [s.split(local) for s in slices]
+        return torch.cat([parts[r][i] for i in range(3) for r in range(len(slices))])
+    return slices[0]
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X A_r^T + b_r: this rank's output features. Its input X must be whole on every rank: the f (or
+    sequence all-gather) that puts it there sits once after the norm before it (NormThenEnter), so that the
+    MLP's c_fc and c_gate share one."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_r X_r A_r^T + b: this rank's input features give a partial sum; g (or the sequence
+    reduce-scatter) adds them up, then the replicated bias is added once."""
+
+    def __init__(self, weight, bias, par):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = bias  # the dense layer's own Parameter: replicated
+        self.par = par
+
+    def forward(self, x):
+        y = leave_tp_region(F.linear(x, self.weight), self.par)
+        return y if self.bias is None else y + self.bias
+
+
+class NormThenEnter(nn.Module):
+    """The block's norm, then the entry into the tensor-parallel region: f in plain TP, the sequence all-gather
+    with sequence parallelism (where the norm ran on this rank's chunk of the sequence)."""
+
+    def __init__(self, norm, par):
+        super().__init__()
+        self.norm, self.par = norm, par
+
+    def forward(self, x):
+        return enter_tp_region(self.norm(x), self.par)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, start + n) of the token embedding: tokens outside it look up zeros, and g (or the
+    reduce-scatter to sequence chunks) sums the ranks' lookups into the full embedding."""
+
+    def __init__(self, weight, start, par):
+        super().__init__()
+        self.weight, self.start, self.par = weight, start, par
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.size(0))
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return leave_tp_region(x.masked_fill(outside[..., None], 0.0), self.par)
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_start, par):
+    """Mean cross-entropy from this rank's vocabulary slice of the logits (B, T, V/t), never gathering them:
+    3 all-reduces of one number per token (the max, the sum of exponentials, the target's logit).
+    Targets -1 are ignored, as F.cross_entropy(ignore_index=-1)."""
+    logits, targets = logits.float().flatten(0, 1), targets.flatten()
+    top = all_reduce(logits.max(dim=-1).values.detach(), par.g, 'tp', op=dist.ReduceOp.MAX)  # for stability only
+    shifted = logits - top[:, None]
+    sum_exp = shifted.exp().sum(dim=-1)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < logits.size(-1))
+    target_logit = shifted.gather(1, local.clamp(0, logits.size(-1) - 1)[:, None]).squeeze(1) * mine
+    if par.g.size > 1:  # g: all-reduce forward, identity backward gives each rank softmax - one_hot on its slice
+        sum_exp, target_logit = ReduceFromTP.apply(sum_exp, par.g), ReduceFromTP.apply(target_logit, par.g)
+    valid = targets != -1
+    return ((sum_exp.log() - target_logit) * valid).sum() / valid.sum()
+
+
+def shard_gpt(model, par):
+    """Turn the full GPT (built exactly as train.py builds it) into this rank's part, in place: reuses model.py's
+    blocks with their Linear layers replaced by parallel ones holding this rank's slice.
+    Returns {dense parameter name: (this rank's parameter, kind)} for consolidation and gradient sync."""
+    cfg, g = model.config, par.g
+    dense_named = list(model.named_parameters())
+    names = {id(p): n for n, p in dense_named}
+    specs = {}
+
+    def keep(dense, local, kind):
+        if dense is not None:
+            specs[names[id(dense)]] = (local, kind)
+        return local
+
+    def column(linear, kind, qkv_sizes=None):
+        layer = ColumnParallelLinear(take_slice(linear.weight.detach(), kind, g, qkv_sizes).clone(),
+                                     None if linear.bias is None else
+                                     take_slice(linear.bias.detach(), kind, g, qkv_sizes).clone())
+        keep(linear.weight, layer.weight, kind)
+        keep(linear.bias, layer.bias, kind)
+        return layer
+
+    def row(linear):
+        layer = RowParallelLinear(take_slice(linear.weight.detach(), 'row', g).clone(), linear.bias, par)
+        keep(linear.weight, layer.weight, 'row')
+        return layer
+
+    hd = cfg.n_embd // cfg.n_head
+    qkv_sizes = [cfg.n_head * hd, cfg.n_kv_head * hd, cfg.n_kv_head * hd]
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn, attn.c_proj = column(attn.c_attn, 'qkv', qkv_sizes), row(attn.c_proj)
+        attn.n_head, attn.n_kv_head = cfg.n_head // g.size, cfg.n_kv_head // g.size  # the heads this rank holds
+        mlp.c_fc = column(mlp.c_fc, 'col')
+        if mlp.swiglu:
+            mlp.c_gate = column(mlp.c_gate, 'col')
+        mlp.c_proj = row(mlp.c_proj)
+        block.ln_1, block.ln_2 = NormThenEnter(block.ln_1, par), NormThenEnter(block.ln_2, par)
+    model.transformer.ln_f = NormThenEnter(model.transformer.ln_f, par)
+
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(cfg.vocab_size), g.size)]
+    start = sum(sizes[:g.rank])
+    wte, lm_head = model.transformer.wte, model.lm_head
+    wte_slice = nn.Parameter(take_slice(wte.weight.detach(), 'col', g).clone())
+    model.transformer.wte = VocabParallelEmbedding(keep(wte.weight, wte_slice, 'col'), start, par)
+    if cfg.tie_embeddings:  # the head is the same vocabulary slice of the same tensor
+        model.lm_head = ColumnParallelLinear(wte_slice, None)
+    else:
+        model.lm_head = column(lm_head, 'col')
+    model.lm_head.vocab_start = start
+    for name, p in dense_named:  # what is left (norms, row-parallel biases, wpe) is the dense model's own
+        if name not in specs:
+            specs[name] = (p, 'replicated')
+    return specs
+
+
+def tp_forward(model, idx, targets, par):
+    """GPT.forward with the vocabulary-parallel embedding, head and loss. Returns (this rank's vocabulary slice
+    of the logits, the mean loss)."""
+    x = model.transformer.wte(idx)  # summed over the ranks (and, with SP, this rank's chunk of the sequence)
+    if model.transformer.wpe is not None:
+        T = x.size(1)
+        first = par.g.rank * T if par.sequence_parallel and par.g.size > 1 else 0
+        x = x + model.transformer.wpe(torch.arange(first, first + T, dtype=torch.long, device=idx.device))
+    x = model.transformer.drop(x)
+    for block in model.transformer.h:
+        x = model.run_block(block, x)
+    logits = model.lm_head(model.transformer.ln_f(x))
+    loss = None if targets is None else vocab_parallel_cross_entropy(logits, targets, model.lm_head.vocab_start, par)
+    return logits, loss
+
+
+def sync_tp_grads(specs, par):
+    """Sequence parallelism only: the replicated parameters (norms, row-parallel biases, learned positions) saw
+    only this rank's chunk of the sequence, so their full gradient is the sum over the tp ranks. (Without it
+    every tp rank computed the same gradient from the same whole sequence.)"""
+    grads = [p.grad for p, kind in specs.values() if kind == 'replicated' and p.grad is not None]
+    if par.sequence_parallel and par.g.size > 1 and grads:
+        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), par.g, 'grad')
+        for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
+            gr.copy_(new.view_as(gr))
+
+
+def sync_dp_grads(params, dp):
+    """Data parallelism: average every gradient over the dp ranks (one flat all-reduce)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if dp.size > 1 and grads:
+        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), dp, 'dp') / dp.size
+        for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
+            gr.copy_(new.view_as(gr))
+
+
+def clip_grad_norm(specs, par, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the whole model: the split parameters' squares summed over the tp
+    ranks, the replicated ones counted once."""
+    split = [p.grad for p, kind in specs.values() if kind != 'replicated' and p.grad is not None]
+    replicated = [p.grad for p, kind in specs.values() if kind == 'replicated' and p.grad is not None]
+    split_sq = torch.stack([gr.float().pow(2).sum() for gr in split]).sum() if split else torch.zeros(())
+    total_sq = all_reduce(split_sq, par.g, 'grad')
+    if replicated:
+        total_sq = total_sq + torch.stack([gr.float().pow(2).sum() for gr in replicated]).sum()
+    coef = torch.clamp(max_norm / (total_sq.sqrt() + 1e-6), max=1.0)
+    for gr in split + replicated:
+        gr.mul_(coef.to(gr.dtype))
+    return total_sq.sqrt()
+
+
+def measure_activation_bytes(model, idx, par):
+    """Bytes one layer saves for backward, measured: run the embedding and the first block on idx and add up
+    the distinct storages that autograd keeps (saved_tensors_hooks), parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.enable_grad():
+        x = model.transformer.wte(idx).detach()  # the block's input as it sees it (with SP: this rank's chunk)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.run_block(model.transformer.h[0], x)
+    return sum(seen.values())
+
+
+def make_grid(world_size, tp_size, rank):
+    """The process grid as one reshape: grid[dp_rank, tp_rank] is a global rank. Each row is a tp group (the
+    ranks that split one model), each column a dp group (the same slice, different data)."""
+    grid = torch.arange(world_size).view(world_size // tp_size, tp_size)
+    dp_rank, tp_rank = divmod(rank, tp_size)
+    if world_size == 1:
+        return grid, Group(None, 0, 1), Group(None, 0, 1)
+    tp_groups = [dist.new_group(row.tolist()) for row in grid]  # every rank creates every group, in one order
+    dp_groups = [dist.new_group(col.tolist()) for col in grid.t()]
+    return grid, Group(tp_groups[dp_rank], tp_rank, tp_size), Group(dp_groups[tp_rank], dp_rank, grid.size(0))
+
+
+def check_config(cfg, world_size):
+    """Every bad combination, before any work: one line, the same on every rank."""
+    if cfg.tp < 1 or world_size % cfg.tp:
+        raise SystemExit(f"error: world size {world_size} is not divisible by tp={cfg.tp}")
+    dp_size = world_size // cfg.tp
+    if cfg.gradient_accumulation_steps % dp_size:
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
+                         f"by the data-parallel size dp={dp_size} (world size {world_size} / tp {cfg.tp}): "
+                         f"the world is larger than the batch")
+    n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    if cfg.n_head % cfg.tp or n_kv_head % cfg.tp:
+        raise SystemExit(f"error: n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) must both be divisible by "
+                         f"tp={cfg.tp}: each rank holds whole query and key/value heads")
+    if cfg.sequence_parallel and cfg.block_size % cfg.tp:
+        raise SystemExit(f"error: sequence_parallel needs block_size ({cfg.block_size}) divisible by tp={cfg.tp}")
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: dtype must be float32 or bfloat16 for tensor_parallel.py, got {cfg.dtype!r} "
+                         f"(float16's GradScaler would need its inf check shared by the tp ranks)")
+    if cfg.init_from == 'resume':
+        for r in range(world_size):
+            if not os.path.exists(rank_ckpt_path(cfg.out_dir, r)):
+                raise SystemExit(f"error: init_from=resume but there is no checkpoint at "
+                                 f"{rank_ckpt_path(cfg.out_dir, r)} (resume needs the same world size)")
+
+
+def rank_ckpt_path(out_dir, rank):
+    return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
+
+
+def consolidated_checkpoint(specs, optimizer, dense_config, tpg, state):
+    """One train.py-format checkpoint (full model, torch AdamW state in configure_optimizers' order) from every tp
+    rank's slices; a collective over the tp group, the result is used on global rank 0."""
+    local = {name: (p.detach().cpu(), {k: v.cpu() for k, v in optimizer.state.get(p, {}).items()})
+             for name, (p, kind) in specs.items()}
+    gathered = [local]
+    if tpg.size > 1:
+        gathered = [None] * tpg.size
+        dist.all_gather_object(gathered, local, group=tpg.group)
+    hd = dense_config.n_embd // dense_config.n_head
+    qkv_sizes = [dense_config.n_head * hd, dense_config.n_kv_head * hd, dense_config.n_kv_head * hd]
+    with torch.random.fork_rng(devices=[]):  # building the dense GPT draws its init: leave the run's RNG alone
+        dense = GPT(dense_config)
+    dense_params = dict(dense.named_parameters())
+    optim = dense.configure_optimizers(optimizer.param_groups[0]['weight_decay'], optimizer.defaults['lr'],
+                                       optimizer.defaults['betas'], 'cpu')
+    for dense_group, group in zip(optim.param_groups, optimizer.param_groups):
+        dense_group['lr'] = group['lr']
+    with torch.no_grad():
+        for name, (_, kind) in specs.items():
+            p = dense_params[name]
+            p.copy_(join_slices([parts[name][0] for parts in gathered], kind, qkv_sizes))
+            states = [parts[name][1] for parts in gathered]
+            if states[0]:
+                optim.state[p] = {k: (v.clone() if k == 'step' else join_slices([s[k] for s in states], kind,
+                                                                                   qkv_sizes))
+                                  for k, v in states[0].items()}
+    return dict(state, model=dense.state_dict(), optimizer=optim.state_dict(), scaler={},
+                model_args=vars(dense_config))
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    world_size = world_size_from_env()
+    check_config(cfg, world_size)
+    dp_size = world_size // cfg.tp
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+
+    # setup
+    rank, local_rank, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    grid, tpg, dp = make_grid(world_size, cfg.tp, rank)
+    dp_rank = dp.rank
+    par = TensorParallel(tpg, cfg.sequence_parallel)
+    master = rank == 0
+    if master:
+        print(f"tokens per iteration: {tokens_per_iter:,}")
+        print(f"process grid (dp x tp) = torch.arange({world_size}).view({dp_size}, {cfg.tp}):\n{grid}")
+    print(f"[rank {rank}] tp group {grid[dp_rank].tolist()} (tp rank {tpg.rank}), "
+          f"dp group {grid[:, tpg.rank].tolist()} (dp rank {dp_rank})", flush=True)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model: the full GPT, exactly as train.py builds it, then this rank's slice of it
+    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    if cfg.init_from == 'scratch':
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from == 'resume':
+        checkpoint = torch.load(rank_ckpt_path(cfg.out_dir, rank), map_location='cpu', weights_only=False)
+        if checkpoint['tp'] != cfg.tp or checkpoint['world_size'] != world_size:
+            raise SystemExit(f"error: the checkpoint was written with tp={checkpoint['tp']} on "
+                             f"{checkpoint['world_size']} ranks; resume with the same (or consolidate it)")
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        if master:
+            trim_log(cfg.out_dir, iter_num)
+    elif cfg.init_from.startswith('gpt2'):
+        model = GPT.from_pretrained(cfg.init_from)
+        model.config.dropout = cfg.dropout
+        model.config.activation_checkpointing = cfg.activation_checkpointing
+    else:
+        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
+    if cfg.block_size > model.config.block_size:
+        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    dense_params = model.get_num_params()
+    specs = shard_gpt(model, par)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint['model'])
+    if cfg.dropout > 0:  # same masks on the tp ranks where activations are replicated, different along the sequence
+        torch.manual_seed(cfg.seed + (rank if cfg.sequence_parallel else dp_rank))
+    model.to(cfg.device)
+    if master:
+        print(f"model: {dense_params / 1e6:.2f}M parameters, split over tp={cfg.tp}"
+              f"{' with sequence parallelism' if cfg.sequence_parallel else ''}")
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        torch.set_rng_state(checkpoint['rng_state'])
+        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
+            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+    checkpoint = None  # free it
+    raw_model = model
+    params = [p for p, _ in specs.values()]
+
+    def loss_of(x, y):
+        with ctx:
+            return tp_forward(model, x, y, par)[1]
+
+    # measured: parameter bytes, activation bytes of one layer for one micro-batch
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    x0, _ = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, cfg.batch_size, cfg.block_size, None,
+                      cfg.device)
+    with ctx:
+        activation_bytes = measure_activation_bytes(model, x0, par)
+    act_elem = 2 if cfg.dtype == 'bfloat16' else 4
+
+    # training loop
+    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    t_last, iters_since_log, reported = time.time(), 0, False
+    while True:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+
+        # evaluate, and checkpoint the state from which iteration iter_num starts
+        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+            model.eval()
+            losses = estimate_loss(loss_of, data, cfg)
+            model.train()
+            if master:
+                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
+                                      'lr': lr})
+            if not math.isfinite(losses['val']):
+                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
+            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+                best_val_loss = min(best_val_loss, losses['val'])
+                state = {'rng_state': torch.get_rng_state(),
+                         'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                         'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}
+                save_checkpoint(dict(state, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+                                     model_args=vars(raw_model.config), tp=cfg.tp, world_size=world_size),
+                                rank_ckpt_path(cfg.out_dir, rank))
+                if cfg.consolidate:
+                    full = consolidated_checkpoint(specs, optimizer, raw_model.config, tpg, state)
+                    if master:
+                        save_checkpoint(full, os.path.join(cfg.consolidate, 'ckpt.pt'))
+            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+
+        # one iteration: forward and backward over every micro-batch, then one optimizer step
+        COMM_BYTES.clear()
+        micro_steps = cfg.gradient_accumulation_steps // dp_size
+        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+        loss_sum = torch.zeros((), device=cfg.device)
+        for micro_step in range(micro_steps):
+            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
+            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
+                             cfg.device)
+            with ctx:
+                _, loss = tp_forward(model, x, y, par)
+                loss = loss / micro_steps  # the gradient is the mean over the whole batch
+            loss_sum += loss.detach()
+            loss.backward()
+        sync_tp_grads(specs, par)
+        sync_dp_grads(params, dp)
+        if cfg.grad_clip != 0.0:
+            clip_grad_norm(specs, par, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_comm = dict(COMM_BYTES)
+
+        # log
+        loss_value = all_reduce(loss_sum, dp, 'loss').item() / dp.size  # the mean loss over the global batch
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
+        if not reported:  # once: what each rank measured, beside the formulas
+            reported = True
+            report_measurements(cfg, raw_model.config, iter_num, rank, tpg, dp, micro_steps, param_bytes, activation_bytes,
+                                act_elem, step_comm)
+        iters_since_log += 1
+        if iter_num % cfg.log_interval == 0 and master:
+            dt = (time.time() - t_last) / iters_since_log
+            t_last, iters_since_log = time.time(), 0
+            tokens_per_sec = tokens_per_iter / dt
+            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
+                                  'tokens_per_sec': tokens_per_sec,
+                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        iter_num += 1
+
+    if cfg.sample_at_end and not cfg.eval_only and master:
+        print("(sampling needs the whole model: consolidate, then python sample.py --out_dir=<that directory>)")
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def report_measurements(cfg, dense_config, iter_num, rank, tpg, dp, micro_steps, param_bytes, activation_bytes, act_elem,
+                        step_comm):
+    """One row per rank in log.jsonl (gathered to rank 0) and one printed line each: measured beside formula."""
+    s, b, h, t, L = cfg.block_size, cfg.batch_size, dense_config.n_embd, tpg.size, dense_config.n_layer
+    tp_comm = sum(v for k, v in step_comm.items() if k.startswith('tp '))
+    grad_sync = sum(v for k, v in step_comm.items() if k.startswith('dp '))
+    row = {'rank': rank, 'iter': iter_num, 'tp_rank': tpg.rank, 'dp_rank': dp.rank, 'tp': t, 'dp': dp.size,
+           'sequence_parallel': cfg.sequence_parallel,
+           'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(dense_config, t),
+           'activation_bytes': activation_bytes,
+           'activation_bytes_formula': activation_bytes_formula(s, b, h, dense_config.n_head, t,
+                                                                cfg.sequence_parallel, bytes_per_elem=act_elem),
+           'comm_bytes_per_step': tp_comm,
+           'comm_bytes_per_step_formula': micro_steps * (
+               L * tp_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)
+               + tp_edge_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)),
+           'comm_bytes_by_collective': step_comm,
+           'dp_grad_bytes_per_step': grad_sync,
+           'dp_grad_bytes_per_step_formula': 2 * (dp.size - 1) / dp.size * param_bytes}
+    print(f"[rank {rank}] tp {tpg.rank}/{t} dp {dp.rank}/{dp.size}: "
+          f"param bytes {row['param_bytes']:,} (formula {row['param_bytes_formula']:,.0f}); "
+          f"activation bytes/layer {activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}, "
+          f"{'with' if cfg.sequence_parallel else 'no'} SP); "
+          f"tp comm bytes/step {tp_comm:,.0f} (formula {row['comm_bytes_per_step_formula']:,.0f}) = "
+          + ', '.join(f"{k} {v:,.0f}" for k, v in sorted(step_comm.items()) if k.startswith('tp '))
+          + f"; dp grad all-reduce {grad_sync:,.0f} (formula {row['dp_grad_bytes_per_step_formula']:,.0f})",
+          flush=True)
+    rows = [row]
+    if dist.is_initialized():
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+    if rank == 0:
+        for r in rows:
+            with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
+                f.write(json.dumps(r) + '\n')
+
+
+if __name__ == '__main__':
+    run_main(main)
