@@ -48,6 +48,10 @@ class GPTConfig:
     activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
 
     def __post_init__(self):
+        for name in ('n_kv_head', 'n_hidden'):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.n_hidden is None:
@@ -280,13 +284,16 @@ class GPT(nn.Module):
         return idx
 
     @classmethod
-    def from_hf(cls, hf_model):
-        """A GPT whose logits match a Hugging Face GPT2LMHeadModel or LlamaForCausalLM."""
+    def from_hf(cls, hf_model, **overrides):
+        """A GPT whose logits match a Hugging Face GPT2LMHeadModel or LlamaForCausalLM. overrides sets GPTConfig
+        fields that do not change the weights (dropout, activation_checkpointing).
+        GPT-2 computes GELU with the tanh approximation ('gelu_new'), this model the exact erf form: the logits
+        differ by about 1e-6 relative at random init, and a little more with trained weights."""
         hf_cfg, sd_hf = hf_model.config, hf_model.state_dict()
         if hf_cfg.model_type == 'gpt2':
             config = GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
                                n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
-                               dropout=0.0, bias=True)
+                               **{'dropout': 0.0, 'bias': True, **overrides})
             model = cls(config)
             sd = model.state_dict()
             # GPT-2 stores its Linear layers as Conv1D, weight (in, out): these four are transposed
@@ -302,9 +309,10 @@ class GPT(nn.Module):
             config = GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
                                n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
                                n_embd=hf_cfg.hidden_size, n_kv_head=n_kv, n_hidden=hf_cfg.intermediate_size,
-                               dropout=0.0, bias=False, norm='rmsnorm', mlp='swiglu', pos='rope',
+                               bias=False, norm='rmsnorm', mlp='swiglu', pos='rope',
                                tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', False)),
-                               norm_eps=hf_cfg.rms_norm_eps, rope_theta=getattr(hf_cfg, 'rope_theta', 10000.0))
+                               norm_eps=hf_cfg.rms_norm_eps, rope_theta=getattr(hf_cfg, 'rope_theta', 10000.0),
+                               **{'dropout': 0.0, **overrides})
             model = cls(config)
             sd = model.state_dict()
             with torch.no_grad():
@@ -325,13 +333,13 @@ class GPT(nn.Module):
         raise ValueError(f"from_hf supports gpt2 and llama models, not {hf_cfg.model_type!r}")
 
     @classmethod
-    def from_pretrained(cls, name):
+    def from_pretrained(cls, name, **overrides):
         """Load GPT-2 weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') through transformers."""
         try:
             from transformers import GPT2LMHeadModel
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
-        return cls.from_hf(GPT2LMHeadModel.from_pretrained(name))
+        return cls.from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
 
 
 def param_groups(model, weight_decay):
