@@ -1,0 +1,647 @@
+"""
+Pipeline parallelism: train.py with the model's blocks split over pp stages, written by hand with point-to-point
+send/recv. Stage 0 holds the embedding, the last stage the final norm, head and loss; each micro-step's batch is
+cut into n_microbatches that flow through the stages. Two schedules, each one straight-line function below:
+GPipe (all forwards, then all backwards) and 1F1B (warm-up, one forward one backward, cool-down).
+Composes with data parallelism: world = dp x pp.
+
+    torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
+    torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
+    python pipeline.py --consolidate=out_full      # merge out_dir's stage checkpoints into one train.py ckpt.pt
+
+At the end it prints the schedule each stage actually executed, as a timeline from the clock, with the measured
+bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose activations the stage held.
+"""
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
+                   get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
+                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+
+# -----------------------------------------------------------------------------
+# config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
+out_dir = 'out'
+eval_interval = 250
+log_interval = 25
+eval_iters = 20
+eval_only = False
+always_save_checkpoint = True   # save at every eval, not only when val loss improves
+init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_stage{r}.pt)
+sample_at_end = False           # (no sampling here: consolidate, then python sample.py)
+# data
+dataset = 'stdlib_char'
+gradient_accumulation_steps = 1  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 16                  # sequences per micro-step per data-parallel rank
+block_size = 128
+# model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 2e-3
+max_iters = 750                 # ~0.19 s per iteration on 2 CPU cores: about 2.5 minutes
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
+# learning rate schedule
+decay_lr = True
+warmup_iters = 50
+lr_decay_iters = 750            # usually equal to max_iters
+min_lr = 2e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+compile = False
+seed = 1337
+peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+dist_timeout = 60               # seconds before a rank gives up on a dead peer
+# pipeline
+pp = 2                          # pipeline stages; world size = dp * pp
+schedule = '1f1b'               # 'gpipe' or '1f1b'
+n_microbatches = 4              # microbatches per micro-step: batch_size sequences cut into this many
+consolidate = ''                # a directory: write out_dir's stage checkpoints there as one train.py ckpt.pt, exit
+config = config_defaults(globals())
+# -----------------------------------------------------------------------------
+
+
+def bubble_fraction_formula(p, m, v=1):
+    """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
+    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the ideal)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def peak_microbatches_formula(schedule_name, p, m, stage):
+    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m)."""
+    return m if schedule_name == 'gpipe' else min(p - stage, m)
+
+
+def validate(cfg, world_size):
+    """Every bad combination, before any work (the same on every rank)."""
+    if cfg.schedule not in ('gpipe', '1f1b'):
+        raise SystemExit(f"error: schedule must be 'gpipe' or '1f1b', got {cfg.schedule!r}")
+    if cfg.pp < 1 or world_size % cfg.pp != 0:
+        raise SystemExit(f"error: world size {world_size} is not divisible by pp={cfg.pp} (world = dp x pp)")
+    dp_size = world_size // cfg.pp
+    if cfg.gradient_accumulation_steps % dp_size != 0:
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
+                         f"by the data-parallel size {dp_size} (world size larger than the batch)")
+    if cfg.n_layer % cfg.pp != 0:
+        raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp ({cfg.pp}): each stage gets "
+                         f"n_layer/pp blocks")
+    if cfg.n_microbatches < 1 or cfg.batch_size % cfg.n_microbatches != 0:
+        raise SystemExit(f"error: batch_size ({cfg.batch_size}) must be divisible into n_microbatches "
+                         f"({cfg.n_microbatches}) equal microbatches")
+    if cfg.schedule == '1f1b' and cfg.n_microbatches < cfg.pp:
+        raise SystemExit(f"error: 1f1b needs n_microbatches ({cfg.n_microbatches}) >= pp ({cfg.pp}) to fill the "
+                         f"pipeline")
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: pipeline.py trains in float32 or bfloat16, got dtype={cfg.dtype!r} (float16 would "
+                         f"need one loss scale agreed by every stage)")
+    if cfg.compile:
+        raise SystemExit("error: compile=True is not supported by pipeline.py")
+    return dp_size
+
+
+def process_grid(world_size, pp_size):
+    """The process grid as one reshape: rank = dp_rank * pp + stage. Rows are pipelines, columns are stages."""
+    return torch.arange(world_size).view(world_size // pp_size, pp_size)
+
+
+def make_groups(grid, rank, tied):
+    """This rank's data-parallel group (its column: the same stage of every pipeline) and pipeline group (its row),
+    and, for tied embeddings, the group {first stage, last stage} of its pipeline. Every rank creates every group
+    in the same order, as new_group requires."""
+    dp_group = pp_group = embed_group = None
+    for s in range(grid.size(1)):
+        g = dist.new_group(grid[:, s].tolist())
+        if rank in grid[:, s].tolist():
+            dp_group = g
+    for d in range(grid.size(0)):
+        g = dist.new_group(grid[d, :].tolist())
+        if rank in grid[d, :].tolist():
+            pp_group = g
+    if tied and grid.size(1) > 1:
+        for d in range(grid.size(0)):
+            pair = [int(grid[d, 0]), int(grid[d, -1])]
+            g = dist.new_group(pair)
+            if rank in pair:
+                embed_group = g
+    return dp_group, pp_group, embed_group
+
+
+def keep_stage(model, stage, pp_size):
+    """Cut the full GPT down to this stage's part, in place: its n_layer/pp blocks (the others become Identity, so
+    parameter names stay the full model's and the stage checkpoints merge by name), the embedding on the first
+    stage, ln_f and lm_head on the last. With tied embeddings and pp > 1 the first stage's wte and the last stage's
+    lm_head are two copies of the one weight, kept equal by summing their gradients (as Megatron does)."""
+    n = model.config.n_layer // pp_size
+    layers = range(stage * n, (stage + 1) * n)
+    for i in range(model.config.n_layer):
+        if i not in layers:
+            model.transformer.h[i] = torch.nn.Identity()
+    if stage != 0:
+        model.transformer['wte'] = None
+        model.transformer['wpe'] = None
+    if stage != pp_size - 1:
+        model.transformer['ln_f'] = None
+        model.lm_head = None
+    return layers
+
+
+class Stage:
+    """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
+    boundary, and the record of what it executed (op, microbatch, start, end) and held."""
+
+    def __init__(self, model, layers, stage, pp_size, grid_row, act_shape, device, ctx):
+        self.model, self.layers, self.stage, self.pp = model, layers, stage, pp_size
+        self.is_first, self.is_last = stage == 0, stage == pp_size - 1
+        self.prev_rank = None if self.is_first else int(grid_row[stage - 1])
+        self.next_rank = None if self.is_last else int(grid_row[stage + 1])
+        self.act_shape, self.device, self.ctx = act_shape, device, ctx
+        self.held = {}           # microbatch -> (input, output): the activations whose graph is alive
+        self.peak_held = 0
+        self.records = []        # (op 'F'/'B', microbatch, t_start, t_end), seconds since the schedule started
+        self.pending_sends = []  # a gloo send completes only when the peer receives: wait for them at the end
+        self.t0 = 0.0
+        self.loss_sum = torch.zeros((), device=device)
+
+
+# -----------------------------------------------------------------------------
+# point-to-point communication: activations go to the next stage, their gradients back to the previous one
+
+
+def communicate(st, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    """Post this stage's sends and receives together (one batch_isend_irecv, as Megatron's _communicate: two
+    neighbours that send to each other at the same moment cannot deadlock, also on NCCL), wait for the receives.
+    The shape is known from the config, so there is no shape handshake. Returns (from_prev, from_next)."""
+    ops, from_prev, from_next = [], None, None
+    if send_next is not None:
+        ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), st.next_rank))
+    if send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, send_prev.detach().contiguous(), st.prev_rank))
+    if recv_prev:
+        from_prev = torch.empty(st.act_shape, device=st.device)
+        ops.append(dist.P2POp(dist.irecv, from_prev, st.prev_rank))
+    if recv_next:
+        from_next = torch.empty(st.act_shape, device=st.device)
+        ops.append(dist.P2POp(dist.irecv, from_next, st.next_rank))
+    if not ops:
+        return None, None
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):
+        n_sends = (send_next is not None) + (send_prev is not None)
+        st.pending_sends += works[:n_sends]
+        works = works[n_sends:]
+    for w in works:  # the receives (or, where the backend coalesces the batch into one work, everything)
+        w.wait()
+    return from_prev, from_next
+
+
+def recv_forward(st):
+    return None if st.is_first else communicate(st, recv_prev=True)[0]
+
+
+def send_forward(st, y):
+    if not st.is_last:
+        communicate(st, send_next=y)
+
+
+def recv_backward(st):
+    return None if st.is_last else communicate(st, recv_next=True)[1]
+
+
+def send_backward(st, dx):
+    if not st.is_first:
+        communicate(st, send_prev=dx)
+
+
+def send_forward_recv_backward(st, y):
+    """1F1B's steady state: the forward's output goes on while the gradient of an older microbatch comes back."""
+    if st.is_last:
+        return None
+    return communicate(st, send_next=y, recv_next=True)[1]
+
+
+def send_backward_recv_forward(st, dx):
+    if st.is_first:
+        return None
+    return communicate(st, send_prev=dx, recv_prev=True)[0]
+
+
+# -----------------------------------------------------------------------------
+# one microbatch's forward and backward on this stage
+
+
+def forward_step(st, i, x, idx, targets, loss_scale):
+    """F of microbatch i: embed (first stage) or take the received activation, run this stage's blocks, and on the
+    last stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
+    t = time.perf_counter()
+    model = st.model
+    with st.ctx:
+        if st.is_first:
+            x = None
+            h = model.embed(idx[i])
+        else:
+            x.requires_grad_(True)
+            h = x
+        for layer in st.layers:
+            h = model.run_block(model.transformer.h[layer], h)
+        if st.is_last:
+            _, loss = model.head(h, targets[i])
+            h = loss * loss_scale  # the gradient is the mean over the global batch
+            st.loss_sum += h.detach()
+    # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
+    # buffers of the next stage fit it
+    st.held[i] = (x, h)
+    st.peak_held = max(st.peak_held, len(st.held))
+    st.records.append(('F', i, t - st.t0, time.perf_counter() - st.t0))
+    return None if st.is_last else h
+
+
+def backward_step(st, i, grad_output):
+    """B of microbatch i: backpropagate from its loss (last stage) or from the received gradient of its output,
+    free its activations, return the gradient of its input (to send to the previous stage)."""
+    t = time.perf_counter()
+    x, out = st.held.pop(i)
+    if st.is_last:
+        out.backward()
+    else:
+        torch.autograd.backward(out, grad_output)
+    st.records.append(('B', i, t - st.t0, time.perf_counter() - st.t0))
+    return None if st.is_first else x.grad
+
+
+# -----------------------------------------------------------------------------
+# the two schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
+
+
+def gpipe(st, m, idx, targets, loss_scale):
+    """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
+    activations before the first backward; the bubble is (p-1) forward slots at the start plus (p-1) backward
+    slots at the end."""
+    for i in range(m):
+        x = recv_forward(st)
+        y = forward_step(st, i, x, idx, targets, loss_scale)
+        send_forward(st, y)
+    for i in range(m):
+        g = recv_backward(st)
+        dx = backward_step(st, i, g)
+        send_backward(st, dx)
+
+
+def one_f_one_b(st, m, idx, targets, loss_scale):
+    """1F1B (PipeDream-Flush, Megatron's non-interleaved schedule). Stage r first does p-r-1 forwards to fill the
+    pipeline, then alternates one forward and one backward, then drains the last backwards. The same bubble as
+    GPipe, but a stage never holds more than p-r microbatches' activations."""
+    warmup = min(st.pp - st.stage - 1, m)
+    steady = m - warmup
+    # warm-up: forwards only
+    for i in range(warmup):
+        x = recv_forward(st)
+        y = forward_step(st, i, x, idx, targets, loss_scale)
+        send_forward(st, y)
+    x = recv_forward(st) if steady > 0 else None
+    # steady state: forward of microbatch warmup+k, then backward of microbatch k
+    for k in range(steady):
+        y = forward_step(st, warmup + k, x, idx, targets, loss_scale)
+        g = send_forward_recv_backward(st, y)
+        dx = backward_step(st, k, g)
+        if k == steady - 1:
+            send_backward(st, dx)
+        else:
+            x = send_backward_recv_forward(st, dx)
+    # cool-down: the backwards of the warm-up microbatches
+    for k in range(steady, m):
+        g = recv_backward(st)
+        dx = backward_step(st, k, g)
+        send_backward(st, dx)
+
+
+SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b}
+
+
+def run_schedule(st, name, m, x, y, loss_scale, pp_group):
+    """Split the micro-step's batch into m microbatches and run the schedule; all stages start together (a barrier)
+    so each stage's clock starts at the same moment. Returns the step's duration on this stage."""
+    idx, targets = list(x.chunk(m)), list(y.chunk(m))
+    st.records, st.peak_held = [], 0
+    if pp_group is not None:
+        dist.barrier(group=pp_group)
+    st.t0 = time.perf_counter()
+    SCHEDULES[name](st, m, idx, targets, loss_scale)
+    for w in st.pending_sends:
+        w.wait()
+    st.pending_sends = []
+    return time.perf_counter() - st.t0
+
+
+@torch.no_grad()
+def forward_loss(st, x, y, pp_group, last_rank):
+    """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every rank."""
+    st.act_shape = (x.size(0), x.size(1), st.model.config.n_embd)
+    model, h = st.model, recv_forward(st)
+    with st.ctx:
+        if st.is_first:
+            h = model.embed(x)
+        for layer in st.layers:
+            h = model.run_block(model.transformer.h[layer], h)
+        loss = model.head(h, y)[1].float() if st.is_last else torch.zeros((), device=st.device)
+    send_forward(st, h)
+    for w in st.pending_sends:
+        w.wait()
+    st.pending_sends = []
+    if pp_group is not None:
+        dist.broadcast(loss, src=last_rank, group=pp_group)
+    return loss
+
+
+# -----------------------------------------------------------------------------
+# what was executed: a timeline per stage from the clock, the measured bubble and held activations
+
+
+def bubble_fraction(records, total):
+    """Idle time over the step's time on this stage (the step's time = the slowest stage's, all started together)."""
+    busy = sum(t1 - t0 for _, _, t0, t1 in records)
+    return 1.0 - busy / total
+
+
+def timeline(records, total, n_slots, width):
+    """One line of the stage's step: n_slots equal slices of the clock, each showing the op running at its middle
+    (F3 = forward of microbatch 3, B3 its backward) or '.' when the stage was idle (waiting for a neighbour)."""
+    cells = []
+    for s in range(n_slots):
+        t = (s + 0.5) * total / n_slots
+        label = next((f"{op}{i}" for op, i, t0, t1 in records if t0 <= t < t1), '.')
+        cells.append(label.ljust(width))
+    return ' '.join(cells)
+
+
+def report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num):
+    """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
+    per stage (dp replica 0's pipeline)."""
+    total = torch.tensor([step_time])
+    if pp_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+    total = float(total)
+    mine = {'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': st.records,
+            'bubble_fraction': bubble_fraction(st.records, total), 'peak_microbatches_held': st.peak_held}
+    everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return
+    p, m = cfg.pp, cfg.n_microbatches
+    stages = sorted((r for r in everyone if r['dp_rank'] == 0), key=lambda r: r['stage'])
+    n_slots = 3 * (m + p - 1)  # about one forward per slot when a backward costs two forwards
+    width = len(str(m - 1)) + 1
+    print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, iter {iter_num}, step {1000 * total:.1f} ms "
+          f"(one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = forward/backward of microbatch 3, . = idle)")
+    for r in stages:
+        print(f"stage {r['stage']} | {timeline(r['records'], total, n_slots, width)}")
+    for r in stages:
+        order = ' '.join(f"{op}{i}" for op, i, _, _ in r['records'])
+        print(f"stage {r['stage']} executed: {order}")
+    formula = bubble_fraction_formula(p, m)
+    for r in stages:
+        held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'])
+        print(f"stage {r['stage']}: bubble fraction measured {r['bubble_fraction']:.3f} (formula (p-1)/(m+p-1) = "
+              f"{formula:.3f}), peak microbatches held {r['peak_microbatches_held']} (formula "
+              f"{'m' if cfg.schedule == 'gpipe' else 'p-r'} = {held_formula})")
+        log_row(cfg.out_dir, {'iter': iter_num, 'rank': r['rank'], 'stage': r['stage'], 'schedule': cfg.schedule,
+                              'bubble_fraction': r['bubble_fraction'], 'bubble_fraction_formula': formula,
+                              'peak_microbatches_held': r['peak_microbatches_held'],
+                              'peak_microbatches_held_formula': held_formula})
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: one file per stage; consolidate merges them into train.py's format
+
+
+def stage_ckpt_path(out_dir, stage):
+    return os.path.join(out_dir, f'ckpt_stage{stage}.pt')
+
+
+def optimizer_param_names(model, optimizer):
+    """The names of the optimizer's parameters in its order (the order its state_dict numbers them)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group['params']]
+
+
+def consolidate_checkpoints(out_dir, dest_dir):
+    """Merge the stage checkpoints of out_dir into dest_dir/ckpt.pt in train.py's format: the full state_dict
+    (names are the full model's already) and the AdamW state renumbered in configure_optimizers' order of the
+    full model. A tied weight's two copies are equal; the first stage's is taken."""
+    if not os.path.exists(stage_ckpt_path(out_dir, 0)):
+        raise SystemExit(f"error: consolidate: no stage checkpoint {stage_ckpt_path(out_dir, 0)}")
+    first = torch.load(stage_ckpt_path(out_dir, 0), map_location='cpu', weights_only=False)
+    stages = [first] + [torch.load(stage_ckpt_path(out_dir, s), map_location='cpu', weights_only=False)
+                        for s in range(1, first['config']['pp'])]
+    state_by_name, model_sd = {}, {}
+    for ck in stages:
+        model_sd.update(ck['model'])
+        for idx, n in enumerate(ck['param_names']):
+            if n not in state_by_name and idx in ck['optimizer']['state']:
+                state_by_name[n] = ck['optimizer']['state'][idx]
+    cfg = first['config']
+    full = GPT(GPTConfig(**first['model_args']))
+    full.load_state_dict(model_sd)
+    optimizer = full.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']),
+                                          'cpu')
+    names = optimizer_param_names(full, optimizer)
+    if full.config.tie_embeddings:  # the full model knows the tied weight as transformer.wte.weight
+        state_by_name.setdefault('transformer.wte.weight', state_by_name.get('lm_head.weight'))
+    opt_sd = optimizer.state_dict()
+    opt_sd['state'] = {i: state_by_name[n] for i, n in enumerate(names) if state_by_name.get(n) is not None}
+    for group, saved in zip(opt_sd['param_groups'], first['optimizer']['param_groups']):
+        group.update({k: v for k, v in saved.items() if k != 'params'})
+    cfg = dict(cfg, out_dir=dest_dir, init_from='resume', consolidate='')
+    path = os.path.join(dest_dir, 'ckpt.pt')
+    save_checkpoint({'model': full.state_dict(), 'optimizer': opt_sd, 'scaler': first['scaler'],
+                     'rng_state': first['rng_state'], 'cuda_rng_state': first['cuda_rng_state'],
+                     'model_args': first['model_args'], 'iter_num': first['iter_num'],
+                     'best_val_loss': first['best_val_loss'], 'config': cfg}, path)
+    return path
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    if cfg.consolidate:
+        path = consolidate_checkpoints(cfg.out_dir, cfg.consolidate)
+        print(f"wrote {path} (train.py format) from the stage checkpoints in {cfg.out_dir}")
+        return
+    world_size = world_size_from_env()
+    dp_size = validate(cfg, world_size)
+    rank, local_rank, world_size, dev = init_distributed(cfg.dist_timeout)
+    if dev.startswith('cuda') or cfg.device.startswith('cuda'):
+        cfg.device = dev
+    grid = process_grid(world_size, cfg.pp)
+    dp_rank, stage = rank // cfg.pp, rank % cfg.pp
+    master = rank == 0
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    if master:
+        print(f"tokens per iteration: {tokens_per_iter:,}")
+        print(f"process grid (dp={dp_size} x pp={cfg.pp}): pipelines are rows, stages are columns\n{grid}")
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+    dp_group = pp_group = embed_group = None
+    if dist.is_initialized():
+        dp_group, pp_group, embed_group = make_groups(grid, rank, cfg.tie_embeddings)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model: every rank builds train.py's full GPT from the same seed, then keeps its stage's part
+    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    if cfg.init_from == 'scratch':
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from == 'resume':
+        ckpt_path = stage_ckpt_path(cfg.out_dir, stage)
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    else:
+        raise SystemExit(f"error: init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
+    if cfg.block_size > model.config.block_size:
+        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
+    layers = keep_stage(model, stage, cfg.pp)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint['model'])
+        if master:
+            trim_log(cfg.out_dir, iter_num)
+    model.to(cfg.device)
+    if master:
+        print(f"model: {n_params / 1e6:.2f}M parameters, {model.config.n_layer // cfg.pp} blocks per stage, "
+              f"schedule {cfg.schedule}, {cfg.n_microbatches} microbatches of {cfg.batch_size // cfg.n_microbatches}")
+    scaler = torch.amp.GradScaler(device_type, enabled=False)  # float16 is rejected above; kept for the format
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        scaler.load_state_dict(checkpoint['scaler'])
+        torch.set_rng_state(checkpoint['rng_state'])
+        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
+            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+    checkpoint = None  # free it
+    raw_model = model
+    micro_rows = cfg.batch_size // cfg.n_microbatches
+    st = Stage(model, layers, stage, cfg.pp, grid[dp_rank], (micro_rows, cfg.block_size, model.config.n_embd),
+               cfg.device, ctx)
+    last_rank = int(grid[dp_rank, -1])
+    # a tied weight counts once in the gradient norm: on the last stage lm_head.weight is the first stage's wte
+    tied_copy = raw_model.lm_head.weight if cfg.tie_embeddings and cfg.pp > 1 and st.is_last else None
+
+    def loss_of(x, y):
+        return forward_loss(st, x, y, pp_group, last_rank)
+
+    # training loop
+    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    t_last, iters_since_log = time.time(), 0
+    while True:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+
+        # evaluate, and checkpoint the state from which iteration iter_num starts
+        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+            model.eval()
+            losses = estimate_loss(loss_of, data, cfg)
+            model.train()
+            if master:
+                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
+                                      'lr': lr})
+            if not math.isfinite(losses['val']):
+                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
+            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+                best_val_loss = min(best_val_loss, losses['val'])
+                if dp_rank == 0:  # the dp replicas of a stage are equal: one file per stage
+                    save_checkpoint({
+                        'model': raw_model.state_dict(),
+                        'optimizer': optimizer.state_dict(),
+                        'param_names': optimizer_param_names(raw_model, optimizer),
+                        'scaler': scaler.state_dict(),
+                        'rng_state': torch.get_rng_state(),
+                        'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                        'model_args': vars(raw_model.config),
+                        'iter_num': iter_num,
+                        'best_val_loss': best_val_loss,
+                        'config': vars(cfg),
+                        'stage': stage,
+                    }, stage_ckpt_path(cfg.out_dir, stage))
+            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+
+        # one iteration: the pipeline schedule over the microbatches of every micro-step, then one optimizer step
+        micro_steps = cfg.gradient_accumulation_steps // dp_size
+        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+        st.loss_sum = torch.zeros((), device=cfg.device)
+        st.act_shape = (micro_rows, cfg.block_size, raw_model.config.n_embd)
+        for micro_step in range(micro_steps):
+            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
+            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
+                             cfg.device)
+            step_time = run_schedule(st, cfg.schedule, cfg.n_microbatches, x, y,
+                                     1.0 / (cfg.n_microbatches * micro_steps), pp_group)
+        grads = [p.grad for p in raw_model.parameters() if p.grad is not None]
+        if dp_size > 1:  # data parallel: average each stage's gradients over its column of the grid
+            for g in grads:
+                dist.all_reduce(g, group=dp_group)
+                g.div_(dp_size)
+        if embed_group is not None:  # the tied weight's two copies: sum the embedding's and the head's gradient
+            g = raw_model.transformer.wte.weight.grad if st.is_first else raw_model.lm_head.weight.grad
+            dist.all_reduce(g, group=embed_group)
+        if cfg.grad_clip != 0.0:  # clip_grad_norm_ over the whole model: the squared norms of every stage
+            sq = sum(p.grad.pow(2).sum() for p in raw_model.parameters() if p.grad is not None and p is not tied_copy)
+            sq = torch.as_tensor(sq, dtype=torch.float32, device=cfg.device)
+            if pp_group is not None:
+                dist.all_reduce(sq, group=pp_group)
+            clip_coef = torch.clamp(cfg.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(clip_coef)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # log
+        loss_sum = st.loss_sum.clone()  # nonzero on the last stages only: the sum over all ranks, over dp
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
+        iters_since_log += 1
+        if iter_num % cfg.log_interval == 0 and master:
+            dt = (time.time() - t_last) / iters_since_log
+            t_last, iters_since_log = time.time(), 0
+            tokens_per_sec = tokens_per_iter / dt
+            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
+                                  'tokens_per_sec': tokens_per_sec,
+                                  'mfu': flops_per_token * tokens_per_sec / (peak * world_size) if peak else None,
+                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        if iter_num == cfg.max_iters - 1:  # the last iteration's schedule, as executed
+            report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num)
+        iter_num += 1
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    run_main(main)
