@@ -65,18 +65,14 @@ def gpt_config_from(config_path, overrides, vocab_size):
     return model_config(cfg, vocab_size)
 
 
-def param_counts(gptconf, tp=1, pp=1):
-    """Parameters counted on the meta device (no memory): the whole model, what one tensor-parallel rank holds
-    (its 1/tp of every matrix and embedding; norms and the remaining vectors replicated: Megatron's split), and
-    the largest pipeline stage (its n_layer/pp blocks, plus the embeddings on the first and the final norm and head
-    on the last; a tied embedding is held by both, as Megatron does)."""
+def param_counts(gptconf, pp=1):
+    """Parameters counted on the meta device (no memory): the whole model, and the largest pipeline stage (its
+    n_layer/pp blocks, plus the embeddings on the first and the final norm and head on the last; a tied embedding
+    is held by both, as Megatron does)."""
     with torch.device('meta'):
         model = GPT(gptconf)
     total = sum(p.numel() for p in model.parameters())
-    tp_rank = sum(p.numel() // tp if p.dim() >= 2 and p is not getattr(model.transformer.wpe, 'weight', None)
-                  else p.numel() for p in model.parameters())
-    blocks = model.transformer.h
-    per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    per_block = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
     first = sum(p.numel() for m in (model.transformer.wte, model.transformer.wpe) if m is not None
                 for p in m.parameters())
     last = sum(p.numel() for p in model.transformer.ln_f.parameters()) + model.lm_head.weight.numel()
@@ -86,7 +82,7 @@ def param_counts(gptconf, tp=1, pp=1):
         stages = [sum(per_block[i * k:(i + 1) * k]) for i in range(pp)]
         stages[0] += first
         stages[-1] += last
-    return dict(total=total, tp_rank=tp_rank, pp_stage_max=max(stages) if stages else None)
+    return dict(total=total, pp_stage_max=max(stages) if stages else None)
 
 
 def model_states(numel, dp, stage, mixed_precision):
@@ -117,7 +113,8 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbat
     """One dict per strategy: model-state bytes, activation bytes with and without activation checkpointing,
     bytes communicated per step, and whether it fits. Activations are the transformer layers' (Korthikanti et
     al.'s table: it assumes multi-head attention and a 4h MLP, so GQA/SwiGLU models are approximate) for the
-    micro-batches a rank holds at once: 1 without a pipeline, m with GPipe, min(p, m) on 1F1B's first stage.
+    micro-batches a rank holds at once: 1 without a pipeline, else pipeline.peak_microbatches_formula for the first
+    stage (GPipe m, 1F1B min(p, m)).
     With checkpointing a rank keeps each layer's input and recomputes one layer at a time (that layer's full
     activations are added once). Communication per step: each dp rank runs n_microbatches micro-batches of
     micro_batch sequences, then one gradient synchronisation."""
@@ -141,8 +138,9 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbat
             row['error'] = problems[0]
             rows.append(row)
             continue
-        counts = param_counts(gptconf, t, p)
-        numel = counts['tp_rank'] if t > 1 else counts['pp_stage_max'] if p > 1 else counts['total']
+        counts = param_counts(gptconf, p)
+        numel = (math.ceil(tensor_parallel.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
+                 counts['pp_stage_max'] if p > 1 else counts['total'])
         row['params_per_rank'] = numel
         row.update(zero.model_state_bytes_formula(numel, dp, stage, mixed_precision))
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
@@ -150,7 +148,7 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbat
         layer = tensor_parallel.activation_bytes_formula(s, b, h, a, t, sp, recompute=False, bytes_per_elem=act_bytes)
         layer_ckpt = tensor_parallel.activation_bytes_formula(s, b, h, a, t, sp, recompute=True,
                                                               bytes_per_elem=act_bytes)
-        in_flight = 1 if p == 1 else n_microbatches if schedule == 'gpipe' else min(p, n_microbatches)
+        in_flight = 1 if p == 1 else pipeline.peak_microbatches_formula(schedule, p, n_microbatches, stage=0)
         layers = L // p
         row['activation_bytes'] = layers * in_flight * layer
         row['activation_bytes_ckpt'] = layers * in_flight * layer_ckpt + layer
@@ -159,8 +157,9 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbat
 
         comm = zero.comm_bytes_formula(numel, dp, stage, act_bytes) if dp > 1 else 0
         if t > 1:
-            per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, bytes_per_elem=act_bytes)
-            comm += per_layer * L * n_microbatches
+            per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, sp, bytes_per_elem=act_bytes)
+            edges = tensor_parallel.tp_edge_comm_bytes_formula(s, b, h, t, sp, bytes_per_elem=act_bytes)
+            comm += (per_layer * L + edges) * n_microbatches
         if p > 1:
             p2p = getattr(pipeline, 'p2p_comm_bytes_formula', None)
             if p2p is None:
@@ -193,7 +192,11 @@ def estimate_markdown(rows, header):
                      f"{fmt_bytes(r['optim_bytes'])} | {fmt_bytes(r['activation_bytes'])} | "
                      f"{fmt_bytes(r['activation_bytes_ckpt'])} | {fmt_bytes(r['total_bytes'])} | "
                      f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])}{r.get('comm_note', '')} | {r['fits']} |")
-    notes = sorted({n for r in rows for n in r.get('notes', [])})
+    notes = sorted({n for r in rows for n in r.get('notes', [])}) + [
+        "activations: the transformer layers' (Korthikanti et al.), for the micro-batches a rank holds at once; "
+        "the logits (s x b x V), the embedding output and temporary buffers come on top",
+        "act. (ckpt): full activation checkpointing, each layer's input kept plus one layer recomputed at a time",
+        "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / no)"]
     return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
 
 
@@ -221,6 +224,8 @@ def run_estimate(args, overrides):
     if not args.estimate or not os.path.isfile(args.estimate):
         raise SystemExit(f"error: --estimate needs a config file (or --params=N), got {args.estimate!r}")
     gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
+    hinted = args.vocab_size or re.search(r'#\s*vocab_size:\s*\d+', open(args.estimate).read())
+    vocab_note = '' if hinted else ' (the default: pass --vocab_size=N for another vocabulary)'
     # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at most 4)
     args.tp = args.tp or max(t for t in range(1, min(args.gpus, 8) + 1)
                              if gptconf.n_head % t == 0 and gptconf.n_kv_head % t == 0)
@@ -229,7 +234,7 @@ def run_estimate(args, overrides):
     numel = param_counts(gptconf)['total']
     n_micro = args.n_microbatches or max(1, 2 * args.pp)
     header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
-              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}); {args.gpus} GPUs of "
+              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}); {args.gpus} GPUs of "
               f"{args.gpu_mem_gb} GB; micro-batch {args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches "
               f"per step; {'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
     print(model_state_markdown(numel, args.gpus, mixed) + '\n')
@@ -325,8 +330,7 @@ def run_row(name, script, flags, nproc, args, runs_dir):
     out_dir = os.path.join(runs_dir, name)
     shutil.rmtree(out_dir, ignore_errors=True)  # log.jsonl appends: start each row from nothing
     cmd = command(script, model_flags(args) + [f'--out_dir={out_dir}'] + flags, nproc)
-    threads = max(1, (os.cpu_count() or 1) // nproc)  # every row uses the whole machine, split among its ranks
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED='1')
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout, env=env)
@@ -365,6 +369,13 @@ def measured_cell(row, key, fmt=fmt_bytes):
     return fmt(value) + ('' if formula is None else f" ({fmt(formula)})")
 
 
+def bubble_cell(row, pct):
+    """The pipeline's measured bubble (formula), and the most micro-batches' activations a stage held."""
+    cell = measured_cell(row, 'bubble_fraction', pct)
+    held = row.get('peak_microbatches_held')
+    return cell if held is None else f"{cell}, held {held}"
+
+
 def bench_markdown(results, rows, all_same, rtol):
     pct = lambda x: f"{100 * x:.1f}%"
     lines = ['| row | script | ms/step | tokens/s | MFU | params/rank | grads/rank | optimizer/rank | '
@@ -373,16 +384,17 @@ def bench_markdown(results, rows, all_same, rtol):
     for name, r in results.items():
         script = ' '.join([rows[name][0]] + rows[name][1])
         if r.get('status') != 'ok':
-            lines.append(f"| {name} | {script} | {r.get('status')} |" + ' |' * 10)
+            lines.append(f"| {name} | {script} | {r.get('status').replace('|', '/')} |" + ' |' * 10)
             continue
         mfu = pct(r['mfu']) if r.get('mfu') is not None else 'n/a'
-        same = 'yes' if r['loss_matches'] else f"**DIFFERS** ({r['loss_max_rel_diff']:.1e})"
+        same = ('other model' if name == GPT2_ROW else 'yes' if r['loss_matches'] else
+                f"**DIFFERS** ({r['loss_max_rel_diff']:.1e})")
         lines.append(f"| {name} | {script} | {r['ms']:.1f} | {r['tokens_per_sec']:.0f} | {mfu} | "
                      f"{measured_cell(r, 'param_bytes')} | {measured_cell(r, 'grad_bytes')} | "
                      f"{measured_cell(r, 'optim_bytes')} | {measured_cell(r, 'activation_bytes')} | "
-                     f"{measured_cell(r, 'comm_bytes_per_step')} | {measured_cell(r, 'bubble_fraction', pct)} | "
+                     f"{measured_cell(r, 'comm_bytes_per_step')} | {bubble_cell(r, pct)} | "
                      f"{r['final_loss']:.6f} | {same} |")
-    ok = [n for n, r in results.items() if r.get('status') == 'ok']
+    ok = [n for n, r in results.items() if r.get('status') == 'ok' and n != GPT2_ROW]
     if all_same:
         verdict = f"Final loss: the same in every row that ran ({len(ok)} rows, loss curves within {rtol:g} relative)."
     elif all_same is None:
@@ -399,28 +411,34 @@ def machine_description(args):
         name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, NCCL"
     else:
         name = f"{os.cpu_count()}-core CPU, gloo"
-    return f"{name}, torch {torch.__version__}, {args.world_size} processes per distributed row"
+    return (f"{name}, torch {torch.__version__}, {args.world_size} processes per distributed row, "
+            f"{args.threads} thread(s) per process")
+
+
+GPT2_ROW = 'gpt2_124m_bf16_compile'  # a different model: left out of the same-loss comparison
 
 
 def run_bench(args):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n_gpus == 1:  # one GPU: the single-process rows only, plus GPT-2 124M in bf16 with compile
+    if n_gpus == 1:  # one GPU: the single-process rows only
         args.world_size = 1
     elif n_gpus > 1 and args.world_size > n_gpus:
         raise SystemExit(f"error: --world_size={args.world_size} but only {n_gpus} GPUs")
     rows = bench_rows(args.world_size, args.n_microbatches)
     if n_gpus == 1:
-        rows = {'train': rows['train'],
-                'gpt2_124m_bf16_compile': ('train.py', ['--n_layer=12', '--n_head=12', '--n_embd=768',
-                                                        '--block_size=1024', '--batch_size=16', '--dtype=bfloat16',
-                                                        '--compile=True', '--bias=True'], 1)}
+        rows = {'train': rows['train']}
+    if n_gpus >= 1:  # and on a GPU, GPT-2 124M (its shape; the data's vocabulary) in bf16 with compile, for MFU
+        rows[GPT2_ROW] = ('train.py', ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
+                                       '--batch_size=16', '--gradient_accumulation_steps=1', '--dtype=bfloat16',
+                                       '--compile=True', '--bias=True'], 1)
     selected = list(rows) if args.rows == 'all' else args.rows.split(',')
     unknown = [n for n in selected if n not in rows]
     if unknown:
         raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
     if args.world_size < 2 and any(rows[n][2] > 1 for n in selected):
         raise SystemExit("error: distributed rows need --world_size >= 2")
-    if args.n_head % args.world_size or args.n_layer % args.world_size:
+    if any(n.startswith(('tp', 'pp')) for n in selected) and (args.n_head % args.world_size or
+                                                             args.n_layer % args.world_size):
         raise SystemExit(f"error: n_head ({args.n_head}) and n_layer ({args.n_layer}) must be divisible by "
                          f"--world_size={args.world_size} for the tp and pp rows")
     load_dataset('stdlib_char')  # prepare the data once, before the rows race to do it
@@ -437,10 +455,7 @@ def run_bench(args):
         r = results[name]
         detail = f"{r['ms']:.1f} ms/step, loss {r['final_loss']:.6f}" if r['status'] == 'ok' else r['status']
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
-    if 'gpt2_124m_bf16_compile' in results:  # a different model: not part of the same-loss comparison
-        results['gpt2_124m_bf16_compile']['loss_matches'] = True
-        results['gpt2_124m_bf16_compile']['loss_max_rel_diff'] = 0.0
-    compared = {n: r for n, r in results.items() if n != 'gpt2_124m_bf16_compile'}
+    compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
     cmd_line = 'python bench.py ' + ' '.join(sys.argv[1:])
@@ -488,6 +503,8 @@ def parse_args(argv):
     p.add_argument('--seed', type=int, default=1337)
     p.add_argument('--peak_flops', type=float, default=None, help="the device's peak FLOP/s, for MFU on a CPU")
     p.add_argument('--loss_rtol', type=float, default=None, help='default 1e-4 (fp32), 2e-2 (16-bit)')
+    p.add_argument('--threads', type=int, default=None,
+                   help='threads per process in every row (default: cores / world_size, at least 1)')
     p.add_argument('--row_timeout', type=int, default=600)
     p.add_argument('--out', default='out_bench')
     args, rest = p.parse_known_args(argv)
@@ -499,6 +516,7 @@ def parse_args(argv):
         raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {args.dtype!r}")
     if args.estimate is None and args.max_iters <= args.warmup:
         raise SystemExit(f"error: --max_iters ({args.max_iters}) must be larger than --warmup ({args.warmup})")
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.world_size)
     if args.gpus < 1 or args.world_size < 1 or args.micro_batch < 1:
         raise SystemExit("error: --gpus, --world_size and --micro_batch must be at least 1")
     return args, rest

@@ -1,0 +1,74 @@
+"""bench.py: the estimate reproduces the ZeRO paper's worked example and, at the tiny scale, what zero.py measures
+from the tensors it holds; a bench run produces one table whose rows all reach the same loss, and the JSON."""
+import json
+import os
+
+from helpers import TINY, check, run_script
+
+import bench
+
+# The ZeRO paper (Rajbhandari et al. 2020), its worked example: Ψ = 7.5B, N = 64, mixed-precision Adam.
+# Published, rounded to 0.1 GB: DP 120 GB, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB per GPU.
+PAPER_GB = [120.0, 31.4, 16.6, 1.9]
+
+BENCH_MODEL = ['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=4']
+
+
+def test_estimate_reproduces_the_zero_papers_example():
+    for stage, paper in enumerate(PAPER_GB):
+        states = bench.model_states(int(7.5e9), 64, stage, mixed_precision=True)
+        assert abs(sum(states.values()) / 1e9 - paper) <= 0.05, (stage, states)
+    proc = check(run_script('bench.py', ['--estimate', '--params=7.5e9', '--gpus=64']))
+    for shown in ('120 GB', '31.4 GB', '16.6 GB', '1.88 GB'):
+        assert shown in proc.stdout, proc.stdout
+
+
+def test_estimate_of_a_config_lists_every_strategy(tmp_path):
+    config = tmp_path / 'shape.py'
+    config.write_text('# vocab_size: 32000\nn_layer = 4\nn_head = 8\nn_kv_head = 4\nn_embd = 256\n'
+                      "block_size = 256\nnorm = 'rmsnorm'\nmlp = 'swiglu'\npos = 'rope'\ntie_embeddings = False\n")
+    proc = check(run_script('bench.py', ['--estimate', str(config), '--gpus=8', '--gpu_mem_gb=1', '--tp=4',
+                                         '--pp=2', f'--out={tmp_path}']))
+    rows = {r['strategy']: r for r in json.load(open(tmp_path / 'estimate.json'))['rows']}
+    for name in ('DDP', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3', 'TP=4', 'TP=4 + SP', 'PP=2 1F1B', 'PP=2 GPipe'):
+        assert name in rows and 'error' not in rows[name], (name, proc.stdout)
+    ddp, tp, tp_sp, zero3 = rows['DDP'], rows['TP=4'], rows['TP=4 + SP'], rows['ZeRO-3']
+    assert rows['PP=2 GPipe']['activation_bytes'] > rows['PP=2 1F1B']['activation_bytes']
+    assert tp_sp['activation_bytes'] < tp['activation_bytes'] < ddp['activation_bytes']
+    assert ddp['activation_bytes_ckpt'] < ddp['activation_bytes']
+    assert zero3['model_state_bytes'] < ddp['model_state_bytes']
+    assert all(r['fits'] in ('yes', 'with ckpt', 'no') for r in rows.values() if 'error' not in r)
+
+
+def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
+    rows = 'train,zero2,zero3'
+    proc = run_script('bench.py', [f'--rows={rows}', '--max_iters=4', '--warmup=1', '--world_size=2',
+                                   '--peak_flops=1e12', f'--out={tmp_path}'] + BENCH_MODEL, timeout=300)
+    check(proc)
+    assert (tmp_path / 'bench.md').read_text().count('\n| ') >= 1 + len(rows.split(','))
+    report = json.load(open(tmp_path / 'bench.json'))
+    results = report['rows']
+    assert list(results) == rows.split(',')
+    for name, r in results.items():
+        assert r['status'] == 'ok', (name, r['status'])
+        for key in ('ms', 'tokens_per_sec', 'mfu', 'final_loss', 'losses', 'command', 'ranks'):
+            assert r.get(key) is not None, (name, key)
+    # every row reached train.py's loss, read straight from the JSON (not from the bench's own verdict)
+    reference = results['train']['final_loss']
+    for name, r in results.items():
+        assert abs(r['final_loss'] - reference) <= 1e-5 * abs(reference), (name, r['final_loss'], reference)
+    assert report['all_losses_equal'] is True
+
+    # the estimate for this model (Ψ from the meta-device count) against the bytes zero.py measured per rank
+    vocab_size = bench.load_dataset('stdlib_char')[1]
+    gptconf = bench.gpt_config_from(None, TINY + BENCH_MODEL, vocab_size)
+    numel = bench.param_counts(gptconf)['total']
+    for stage in (2, 3):
+        estimate = bench.model_states(numel, 2, stage, mixed_precision=False)
+        ranks = results[f'zero{stage}']['ranks']
+        assert len(ranks) == 2
+        for rank_row in ranks:
+            for key in ('param_bytes', 'grad_bytes', 'optim_bytes'):
+                padding = 0.01 * estimate[key] + 64  # a few padded elements per shard
+                assert abs(rank_row[key] - estimate[key]) <= padding, (stage, key, rank_row[key], estimate[key])
+        assert results[f'zero{stage}']['comm_bytes_per_step'] is not None
