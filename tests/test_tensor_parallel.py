@@ -1,0 +1,255 @@
+"""tensor_parallel.py against the dense model (logits, loss, every re-assembled gradient), against PyTorch's own
+tensor parallelism (DTensor ColwiseParallel/RowwiseParallel), against train.py's loss curve (dp x tp, tp=4 with
+sequence parallelism, consolidate-and-continue, resume) and against its own formulas."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import TINY, check, read_log, run_script, spawn, train_losses
+
+# Both layouts, shapes that divide by tp = 1, 2, 4. LLaMA: grouped-query attention (8 heads, 4 KV heads), untied,
+# and a vocabulary of 97 so that the vocabulary split is uneven.
+LAYOUTS = {
+    'gpt2': dict(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=96, bias=True),
+    'llama': dict(n_layer=2, n_head=8, n_kv_head=4, n_embd=32, block_size=16, vocab_size=97, bias=False,
+                  norm='rmsnorm', mlp='swiglu', pos='rope', tie_embeddings=False),
+}
+TOL = 1e-5
+
+
+def _rel_err(a, b):
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+
+def _gather(x, g):
+    """Every tp rank's tensor, in rank order."""
+    import torch.distributed as dist
+    if g.size == 1:
+        return [x]
+    out = [None] * g.size
+    dist.all_gather_object(out, x, group=g.group)
+    return out
+
+
+def _against_dense(rank, world_size):
+    """For each layout, tp and sequence_parallel: the tp model vs the dense model on one batch; also what it
+    sends and saves for backward, measured."""
+    import torch.distributed as dist
+    import tensor_parallel as tpm
+    from model import GPT, GPTConfig
+    groups = {}
+    for t in (1, 2, 4):  # every rank creates every group, in the same order
+        made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, t)]
+        groups[t] = tpm.Group(made[rank // t], rank % t, t)
+    results = {}
+    for name, layout in LAYOUTS.items():
+        config = GPTConfig(**layout)
+        hd = config.n_embd // config.n_head
+        qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+        gen = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+        targets = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+        targets[0, :3] = -1  # ignored, as in F.cross_entropy(ignore_index=-1)
+        torch.manual_seed(0)
+        dense = GPT(config)
+        dense_logits, dense_loss = dense(idx, targets)
+        dense_loss.backward()
+        dense_params = dict(dense.named_parameters())
+        for t in (1, 2, 4):
+            for sp in (False, True):
+                par = tpm.TensorParallel(groups[t], sp)
+                model = copy.deepcopy(dense)
+                model.zero_grad(set_to_none=True)
+                specs = tpm.shard_gpt(model, par)
+                tpm.COMM_BYTES.clear()
+                logits, loss = tpm.tp_forward(model, idx, targets, par)
+                loss.backward()
+                comm = sum(v for k, v in tpm.COMM_BYTES.items() if k.startswith('tp '))
+                tpm.sync_tp_grads(specs, par)
+                full_logits = torch.cat(_gather(logits.detach(), par.g), dim=-1)
+                grad_err = max(_rel_err(tpm.join_slices(_gather(p.grad, par.g), kind, qkv_sizes),
+                                        dense_params[n].grad) for n, (p, kind) in specs.items())
+                L, h = config.n_layer, config.n_embd
+                results[(name, t, sp)] = dict(
+                    logits_err=_rel_err(full_logits, dense_logits.detach()),
+                    loss_err=abs(loss.item() - dense_loss.item()),
+                    grad_err=grad_err,
+                    covered=sorted(specs) == sorted(dense_params),
+                    comm=comm,
+                    comm_formula=L * tpm.tp_comm_bytes_formula(16, 2, h, t, sp, 4)
+                    + tpm.tp_edge_comm_bytes_formula(16, 2, h, t, sp, 4),
+                    param_bytes=sum(p.numel() * 4 for p in model.parameters()),
+                    param_bytes_formula=tpm.param_bytes_formula(config, t),
+                    dense_param_bytes=sum(p.numel() * 4 for p in dense.parameters()),
+                    activation_bytes=tpm.measure_activation_bytes(model, idx, par))
+    return results
+
+
+def _against_dtensor(rank, world_size):
+    """Column then row parallel Linear (plain and sequence parallel) vs DTensor's parallelize_module with
+    ColwiseParallel/RowwiseParallel on a gloo CPU mesh, same weights: outputs and every gradient."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import tensor_parallel as tpm
+    mesh = init_device_mesh('cpu', (world_size,))
+    g = tpm.Group(dist.group.WORLD, rank, world_size)
+    errors = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        dense = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        ref = copy.deepcopy(dense)
+        if sp:  # input and output sharded along the sequence (dim 1)
+            plan = {'0': ColwiseParallel(input_layouts=Shard(1)), '2': RowwiseParallel(output_layouts=Shard(1))}
+        else:
+            plan = {'0': ColwiseParallel(), '2': RowwiseParallel()}
+        parallelize_module(ref, mesh, plan)
+        par = tpm.TensorParallel(g, sp)
+        col = tpm.ColumnParallelLinear(tpm.take_slice(dense[0].weight.detach(), 'col', g).clone(),
+                                       tpm.take_slice(dense[0].bias.detach(), 'col', g).clone())
+        row = tpm.RowParallelLinear(tpm.take_slice(dense[2].weight.detach(), 'row', g).clone(),
+                                    nn.Parameter(dense[2].bias.detach().clone()), par)
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(3, 8, 16, generator=gen)
+        if sp:
+            x = x.tensor_split(world_size, dim=1)[rank]
+        x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref = ref(x_ref)
+        y_ours = row(F.gelu(col(tpm.enter_tp_region(x_ours, par))))
+        w = torch.randn(y_ref.shape, generator=gen)
+        (y_ref * w).sum().backward()
+        (y_ours * w).sum().backward()
+        tpm.sync_tp_grads({'bias': (row.bias, 'replicated')}, par)  # SP: the bias saw only this rank's tokens
+        errors[sp] = max(_rel_err(y_ours, y_ref), _rel_err(x_ours.grad, x_ref.grad),
+                         _rel_err(col.weight.grad, ref[0].weight.grad.to_local()),
+                         _rel_err(col.bias.grad, ref[0].bias.grad.to_local()),
+                         _rel_err(row.weight.grad, ref[2].weight.grad.to_local()),
+                         _rel_err(row.bias.grad, ref[2].bias.grad.full_tensor()))
+    return errors
+
+
+def _all_checks(rank, world_size):
+    return _against_dense(rank, world_size), _against_dtensor(rank, world_size)
+
+
+@pytest.fixture(scope='module')
+def spawned():
+    """One spawn of 4 gloo processes runs every in-process check (the start-up is the slow part)."""
+    return spawn(_all_checks, 4)
+
+
+@pytest.mark.parametrize('layout', list(LAYOUTS))
+@pytest.mark.parametrize('t', [1, 2, 4])
+@pytest.mark.parametrize('sp', [False, True])
+def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t, sp):
+    for rank, (dense, _) in enumerate(spawned):
+        r = dense[(layout, t, sp)]
+        assert r['covered'], "the shard specs must cover every dense parameter"
+        assert r['logits_err'] < TOL and r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)
+
+
+def test_a_tp_layer_equals_dtensor_colwise_rowwise(spawned):
+    for rank, (_, errors) in enumerate(spawned):
+        assert errors[False] < TOL, f"plain TP vs DTensor, rank {rank}: {errors[False]}"
+        assert errors[True] < TOL, f"sequence parallel vs DTensor (Shard(1)), rank {rank}: {errors[True]}"
+
+
+def test_measured_bytes_against_the_formulas(spawned):
+    for rank, (dense, _) in enumerate(spawned):
+        for (layout, t, sp), r in dense.items():
+            # bytes sent, counted at the calls: exactly 2 all-reduces per block forward and 2 backward (or their
+            # all-gather + reduce-scatter), plus the embedding, head and cross-entropy
+            assert r['comm'] == pytest.approx(r['comm_formula']), (layout, t, sp, r)
+            if t == 1:
+                assert r['comm'] == 0 and r['param_bytes'] == r['dense_param_bytes'] == r['param_bytes_formula']
+            # parameters: 1/t of the split layers (the uneven vocabulary split is off by under one row per table)
+            assert abs(r['param_bytes'] - r['param_bytes_formula']) <= 2 * LAYOUTS[layout]['n_embd'] * 4
+        for layout in LAYOUTS:
+            dense_act = dense[(layout, 1, False)]['activation_bytes']
+            for t in (2, 4):
+                tp_act, sp_act = dense[(layout, t, False)]['activation_bytes'], dense[(layout, t, True)]['activation_bytes']
+                assert sp_act < tp_act < dense_act, (layout, t, dense_act, tp_act, sp_act)
+            assert dense[(layout, 4, True)]['activation_bytes'] < dense[(layout, 2, True)]['activation_bytes']
+
+
+# --- the script itself: loss curves, resume, consolidation, errors ---------------------------------------------
+
+FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4']
+LLAMA = ['--n_embd=32', '--n_head=8', '--n_kv_head=4', '--norm=rmsnorm', '--mlp=swiglu', '--pos=rope',
+         '--tie_embeddings=False']
+
+
+def _assert_same_curve(got, want, iters):
+    assert sorted(got) == list(iters), got
+    for it in iters:
+        assert got[it] == pytest.approx(want[it], rel=TOL), (it, got, want)
+
+
+def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path):
+    ref, tp_dir, full = tmp_path / 'train', tmp_path / 'tp', tmp_path / 'full'
+    check(run_script('train.py', FLAGS + [f'--out_dir={ref}']))
+    want = train_losses(ref)
+    # dp=2 x tp=2: the first 2 iterations, checkpoint per rank + one consolidated train.py checkpoint at iter 2
+    check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}',
+                                                    f'--consolidate={full}'], nproc=4))
+    # resume the tp run to iter 4, and continue the consolidated checkpoint in train.py
+    check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--init_from=resume', f'--out_dir={tp_dir}'], nproc=4))
+    check(run_script('train.py', FLAGS + ['--init_from=resume', f'--out_dir={full}']))
+    _assert_same_curve(train_losses(tp_dir), want, range(4))
+    _assert_same_curve(train_losses(full), want, [2, 3])
+    rows = [r for r in read_log(tp_dir) if 'rank' in r]
+    assert sorted(r['rank'] for r in rows if r['iter'] == 0) == [0, 1, 2, 3]
+    for r in rows:
+        assert (r['tp'], r['dp']) == (2, 2)
+        assert r['comm_bytes_per_step'] == pytest.approx(r['comm_bytes_per_step_formula'])
+        assert r['param_bytes'] == pytest.approx(r['param_bytes_formula'])
+        assert r['dp_grad_bytes_per_step'] == pytest.approx(r['dp_grad_bytes_per_step_formula'])
+        assert r['activation_bytes'] > 0 and r['activation_bytes_formula'] > 0
+
+
+def test_llama_gqa_tp4_sequence_parallel_matches_train_py(tmp_path):
+    ref, tp_dir = tmp_path / 'train', tmp_path / 'tp'
+    check(run_script('train.py', FLAGS + LLAMA + [f'--out_dir={ref}']))
+    check(run_script('tensor_parallel.py', FLAGS + LLAMA + ['--tp=4', '--sequence_parallel=True',
+                                                            f'--out_dir={tp_dir}'], nproc=4))
+    _assert_same_curve(train_losses(tp_dir), train_losses(ref), range(4))
+    rows = [r for r in read_log(tp_dir) if 'rank' in r]
+    assert sorted(r['rank'] for r in rows) == [0, 1, 2, 3] and all(r['sequence_parallel'] for r in rows)
+    assert all(r['comm_bytes_per_step'] == pytest.approx(r['comm_bytes_per_step_formula']) for r in rows)
+
+
+def _cfg(**over):
+    base = dict(tp=2, gradient_accumulation_steps=2, n_head=4, n_kv_head=None, sequence_parallel=False,
+                block_size=16, dtype='float32', init_from='scratch', out_dir='out')
+    return SimpleNamespace(**dict(base, **over))
+
+
+@pytest.mark.parametrize('over, world, message', [
+    (dict(tp=4), 2, 'world size 2 is not divisible by tp=4'),
+    (dict(tp=2, gradient_accumulation_steps=1), 4, 'divisible by the data-parallel size dp=2'),
+    (dict(tp=4, n_head=8, n_kv_head=2), 4, 'n_kv_head (2) must both be divisible by tp=4'),
+    (dict(tp=4, n_head=6), 4, 'n_head (6)'),
+    (dict(tp=4, sequence_parallel=True, block_size=18), 4, 'block_size (18) divisible by tp=4'),
+    (dict(dtype='float16'), 2, 'float32 or bfloat16'),
+    (dict(init_from='resume', out_dir='/nonexistent'), 2, 'no checkpoint at'),
+])
+def test_bad_config_is_one_clear_error(over, world, message):
+    import tensor_parallel as tpm
+    with pytest.raises(SystemExit) as e:
+        tpm.check_config(_cfg(**over), world)
+    assert isinstance(e.value.code, str) and e.value.code.startswith('error: ') and message in e.value.code
+    tpm.check_config(_cfg(), 2)  # and the good one passes
+
+
+def test_heads_not_divisible_exits_on_every_rank(tmp_path):
+    proc = run_script('tensor_parallel.py', TINY + ['--tp=2', '--n_kv_head=1', f'--out_dir={tmp_path}'], nproc=2,
+                      timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if 'error: n_head' in line]
+    assert sorted(line.split(']')[0] for line in lines) == ['[rank 0', '[rank 1'], proc.stderr[-2000:]
+    assert 'tensor_parallel.py", line' not in proc.stderr  # no traceback from the script
