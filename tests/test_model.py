@@ -1,0 +1,180 @@
+"""model.py: the GPT in both layouts, against its own definition (causality, init loss), against an independent
+construction (GQA as multi-head with repeated k/v heads), against itself (activation checkpointing, bf16) and
+against Hugging Face's implementations when transformers is installed."""
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+V = 67
+GPT2_LAYOUT = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=V)
+LLAMA_LAYOUT = dict(GPT2_LAYOUT, n_kv_head=2, norm='rmsnorm', mlp='swiglu', pos='rope', tie_embeddings=False,
+                    bias=False)
+LAYOUTS = {'gpt2': GPT2_LAYOUT, 'llama_gqa': LLAMA_LAYOUT}
+
+
+def build(seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**kw))
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_future_token_never_changes_an_earlier_logit(layout):
+    model = build(**LAYOUTS[layout]).eval()
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits, _ = model(idx)
+    for t in (0, 7, 14):
+        changed = idx.clone()
+        changed[:, t + 1:] = (changed[:, t + 1:] + 1) % V  # every later token differs
+        new_logits, _ = model(changed)
+        torch.testing.assert_close(new_logits[:, :t + 1], logits[:, :t + 1], rtol=0, atol=1e-6)
+        assert (new_logits[:, t + 1:] - logits[:, t + 1:]).abs().max() > 1e-4  # and the later ones do see it
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_loss_at_init_is_ln_vocab(layout):
+    model = build(**LAYOUTS[layout])
+    g = torch.Generator().manual_seed(2)
+    idx, targets = torch.randint(0, V, (8, 16), generator=g), torch.randint(0, V, (8, 16), generator=g)
+    _, loss = model(idx, targets)  # random targets: every token equally likely is the best a fresh model can do
+    assert abs(loss.item() - math.log(V)) < 0.05, (loss.item(), math.log(V))
+
+
+def test_layouts_build_what_they_say():
+    gpt2, llama = build(**GPT2_LAYOUT), build(**LLAMA_LAYOUT)
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight and gpt2.transformer.wpe is not None
+    assert llama.lm_head.weight is not llama.transformer.wte.weight and llama.transformer.wpe is None
+    hd = 32 // 4
+    assert llama.transformer.h[0].attn.c_attn.weight.shape == ((4 + 2 * 2) * hd, 32)  # q 4 heads, k and v 2 each
+    assert hasattr(llama.transformer.h[0].mlp, 'c_gate') and not hasattr(gpt2.transformer.h[0].mlp, 'c_gate')
+
+
+def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
+    """A GQA model (2 kv heads for 4 query heads) gives the logits of a plain multi-head model whose k and v
+    weights are the GQA ones with each kv head repeated for the query heads it serves."""
+    gqa = build(**LLAMA_LAYOUT).eval()
+    mha = build(**dict(LLAMA_LAYOUT, n_kv_head=4)).eval()
+    sd = gqa.state_dict()
+    hd, nh, nkv = 8, 4, 2
+    for i in range(2):
+        w = sd[f'transformer.h.{i}.attn.c_attn.weight']
+        q, k, v = w.split([nh * hd, nkv * hd, nkv * hd])
+        rep = lambda t: t.view(nkv, hd, -1).repeat_interleave(nh // nkv, dim=0).reshape(nh * hd, -1)
+        sd[f'transformer.h.{i}.attn.c_attn.weight'] = torch.cat([q, rep(k), rep(v)])
+    mha.load_state_dict(sd)
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_matches_a_hand_written_causal_softmax():
+    """The SDPA path against the textbook formula softmax(q k^T / sqrt(d) + causal mask) v."""
+    model = build(**GPT2_LAYOUT).eval()
+    attn = model.transformer.h[0].attn
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4))
+    q, k, v = attn.c_attn(x).split(32, dim=2)
+    q, k, v = (t.view(2, 16, 4, 8).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(8)
+    scores = scores.masked_fill(torch.triu(torch.ones(16, 16, dtype=torch.bool), 1), float('-inf'))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 16, 32)
+    torch.testing.assert_close(attn(x), attn.c_proj(y), rtol=1e-5, atol=1e-6)
+
+
+def saved_bytes_and_grads(activation_checkpointing, layout):
+    """Bytes of the tensors autograd keeps for backward (parameters left out: they are held anyway), counted by
+    storage with saved_tensors_hooks, plus, with checkpointing, the block inputs the checkpoint keeps to recompute
+    from; and the gradients of one backward."""
+    model = build(**dict(LAYOUTS[layout], n_layer=4, activation_checkpointing=activation_checkpointing))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in params:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    def pack(t):
+        keep(t)
+        return t
+
+    hooks = []
+    if activation_checkpointing:
+        hooks = [b.register_forward_pre_hook(lambda m, args: keep(args[0])) for b in model.transformer.h]
+    idx = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(5))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    for h in hooks:
+        h.remove()
+    loss.backward()
+    return sum(held.values()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_activation_checkpointing_same_grads_fewer_bytes(layout):
+    plain_bytes, plain_grads = saved_bytes_and_grads(False, layout)
+    ckpt_bytes, ckpt_grads = saved_bytes_and_grads(True, layout)
+    for name in plain_grads:
+        torch.testing.assert_close(ckpt_grads[name], plain_grads[name], rtol=0, atol=0, msg=name)
+    assert ckpt_bytes < plain_bytes / 3, (ckpt_bytes, plain_bytes)
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_bfloat16_autocast_close_to_float32(layout):
+    model = build(**LAYOUTS[layout])
+    idx = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(6))
+    logits32, loss32 = model(idx, idx)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        logits16, loss16 = model(idx, idx)
+    assert logits16.dtype == torch.bfloat16  # autocast really ran the matmuls in bf16
+    assert abs(loss16.item() - loss32.item()) < 1e-2 * loss32.item()
+    assert (logits16.float() - logits32).abs().max() < 0.05 * logits32.abs().max() + 1e-3
+
+
+def test_generate_extends_and_respects_top_k():
+    model = build(**GPT2_LAYOUT).eval()
+    torch.manual_seed(0)
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 20, temperature=1.0, top_k=1)
+    assert out.shape == (2, 23)
+    # top_k=1 is greedy: each token is the argmax given what came before (the window slides past block_size)
+    for t in range(3, 23):
+        logits, _ = model(out[:, max(0, t - 16):t])
+        assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
+
+
+def test_too_long_sequence_is_an_error():
+    model = build(**GPT2_LAYOUT)
+    with pytest.raises(ValueError, match='block_size'):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_bad_model_config_is_a_value_error():
+    with pytest.raises(ValueError, match='n_kv_head'):
+        GPTConfig(n_head=4, n_embd=32, n_kv_head=3)
+    with pytest.raises(ValueError, match='norm'):
+        GPTConfig(norm='batchnorm')
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'llama_gqa'])
+def test_from_hf_logits_match(kind):
+    transformers = pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    torch.manual_seed(0)
+    if kind == 'gpt2':
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+    hf.eval()
+    # random init is tiny (std 0.02): scale the weights up so that a wrong transpose or rotary layout shows
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.mul_(10)
+    ours = GPT.from_hf(hf).eval()
+    idx = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = hf(idx).logits
+    # GPT-2's tanh GELU vs our exact GELU: a small, bounded difference; LLaMA matches to float error
+    tol = 2e-3 if kind == 'gpt2' else 1e-4
+    torch.testing.assert_close(ours(idx)[0], expected, rtol=tol, atol=tol * expected.abs().max().item())
