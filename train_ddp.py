@@ -1,0 +1,243 @@
+"""
+train.py plus data parallelism with PyTorch's DistributedDataParallel: every rank holds the whole model, takes its
+own slice of the global batch, and DDP all-reduces (averages) the gradients during backward, so every rank takes
+the same optimizer step that one process would take on the whole batch.
+
+    torchrun --standalone --nproc_per_node=2 train_ddp.py   # CPU (gloo) or one GPU per process (NCCL)
+    python train_ddp.py                                     # one process, no torchrun: exactly train.py
+    torchrun --standalone --nproc_per_node=2 train_ddp.py --init_from=resume   # from its or train.py's ckpt.pt
+
+The global batch is batch_size * gradient_accumulation_steps sequences whatever the world size: N ranks each run
+gradient_accumulation_steps // N micro-steps. Rank 0 evaluates, logs and writes train.py's checkpoint format.
+"""
+
+import contextlib
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
+                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
+                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+
+# -----------------------------------------------------------------------------
+# config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
+out_dir = 'out'
+eval_interval = 250
+log_interval = 25
+eval_iters = 20
+eval_only = False
+always_save_checkpoint = True   # save at every eval, not only when val loss improves
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', ...
+sample_at_end = True            # print a short sample when training ends
+# data
+dataset = 'stdlib_char'
+gradient_accumulation_steps = 8  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 2                   # sequences per micro-step per data-parallel rank
+# (train.py's global batch of 16 sequences, cut in 8 micro-batches so that 1, 2, 4 or 8 ranks can share it)
+block_size = 128
+# model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 2e-3
+max_iters = 1500
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
+# learning rate schedule
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 1500
+min_lr = 2e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+compile = False
+seed = 1337
+peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
+config = config_defaults(globals())
+# -----------------------------------------------------------------------------
+
+
+def sync_context(model, micro_step, micro_steps):
+    """DDP all-reduces the gradients inside backward. While accumulating, that would be wasted work: under
+    no_sync the gradients only add up locally, and the last micro-step's backward all-reduces the sum."""
+    if isinstance(model, DDP) and micro_step < micro_steps - 1:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def mean_over_ranks(value):
+    """The mean over all ranks of a scalar tensor that each rank computed over its own (equal-sized) rows."""
+    if dist.is_initialized():
+        dist.all_reduce(value)  # a sum, then divided: the same on every backend
+        value /= dist.get_world_size()
+    return value
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
+        raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
+    if cfg.gradient_accumulation_steps % world_size_from_env() != 0:
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by "
+                         f"the world size ({world_size_from_env()}): each rank needs whole micro-batches (the world "
+                         f"is larger than the batch); pass a multiple of it")
+    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # joins torchrun's group; one process without
+    ddp = dist.is_initialized()
+    if ddp:
+        cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
+    master_process = dp_rank == 0  # evaluates, logs, checkpoints, samples
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    if master_process:
+        print(f"tokens per iteration: {tokens_per_iter:,} over {dp_size} data-parallel rank(s)")
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model
+    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    if cfg.init_from == 'scratch':
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from == 'resume':
+        ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model.load_state_dict(checkpoint['model'])
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        if master_process:
+            trim_log(cfg.out_dir, iter_num)
+    elif cfg.init_from.startswith('gpt2'):
+        model = GPT.from_pretrained(cfg.init_from)
+        model.config.dropout = cfg.dropout
+        model.config.activation_checkpointing = cfg.activation_checkpointing
+    else:
+        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
+    if cfg.block_size > model.config.block_size:
+        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    model.to(cfg.device)
+    if master_process:
+        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
+    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        scaler.load_state_dict(checkpoint['scaler'])
+        torch.set_rng_state(checkpoint['rng_state'])
+        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
+            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+    if cfg.dropout > 0 and dp_rank > 0:
+        torch.manual_seed(cfg.seed + dp_rank)  # its own dropout masks; rank 0 keeps train.py's (checkpointed) stream
+    checkpoint = None  # free it
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model)
+    if ddp:
+        # broadcasts rank 0's parameters, then all-reduces gradients in buckets as backward produces them
+        model = DDP(model, device_ids=[torch.device(cfg.device).index] if device_type == 'cuda' else None)
+
+    def loss_of(x, y):
+        with ctx:
+            return raw_model(x, y)[1]  # rank 0 evaluates alone: the unwrapped model never talks to the others
+
+    # training loop
+    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    t_last, iters_since_log = time.time(), 0
+    while True:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+
+        # evaluate, and checkpoint the state from which iteration iter_num starts
+        if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters) and master_process:
+            model.eval()
+            losses = estimate_loss(loss_of, data, cfg)
+            model.train()
+            log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'], 'lr': lr})
+            if not math.isfinite(losses['val']):
+                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
+            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+                best_val_loss = min(best_val_loss, losses['val'])
+                save_checkpoint({
+                    'model': raw_model.state_dict(),
+                    'optimizer': optimizer.state_dict(),
+                    'scaler': scaler.state_dict(),
+                    'rng_state': torch.get_rng_state(),
+                    'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                    'model_args': vars(raw_model.config),
+                    'iter_num': iter_num,
+                    'best_val_loss': best_val_loss,
+                    'config': vars(cfg),
+                }, os.path.join(cfg.out_dir, 'ckpt.pt'))
+            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+
+        # one iteration: forward and backward over every micro-batch, then one optimizer step
+        micro_steps = cfg.gradient_accumulation_steps // dp_size
+        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+        loss_sum = torch.zeros((), device=cfg.device)
+        for micro_step in range(micro_steps):
+            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
+            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
+                             cfg.device)
+            with sync_context(model, micro_step, micro_steps):
+                with ctx:
+                    _, loss = model(x, y)
+                    loss = loss / micro_steps  # the gradient is the mean over the whole batch (DDP averages ranks)
+                loss_sum += loss.detach()
+                scaler.scale(loss).backward()
+        if cfg.grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+        # log
+        loss_value = mean_over_ranks(loss_sum).item()  # the mean loss over the global batch
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
+        iters_since_log += 1
+        if iter_num % cfg.log_interval == 0 and master_process:
+            dt = (time.time() - t_last) / iters_since_log
+            t_last, iters_since_log = time.time(), 0
+            tokens_per_sec = tokens_per_iter / dt
+            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
+                                  'tokens_per_sec': tokens_per_sec,
+                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        iter_num += 1
+
+    if cfg.sample_at_end and not cfg.eval_only and master_process:
+        encode, decode = get_codec(cfg.dataset)
+        raw_model.eval()
+        start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
+        with ctx:
+            text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
+        print(f"---------- a sample ----------\n{text}\n------------------------------")
+        print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    run_main(main)
