@@ -55,15 +55,15 @@ dropout = 0.0
 bias = False
 # AdamW
 learning_rate = 2e-3
-max_iters = 1500
+max_iters = 750                 # ~0.19 s per iteration on 2 CPU cores: about 2.5 minutes
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
 grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
 # learning rate schedule
 decay_lr = True
-warmup_iters = 100
-lr_decay_iters = 1500
+warmup_iters = 50
+lr_decay_iters = 750            # usually equal to max_iters
 min_lr = 2e-4
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -579,9 +579,8 @@ def main(argv):
         if master:
             trim_log(cfg.out_dir, iter_num)
     elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from)
-        model.config.dropout = cfg.dropout
-        model.config.activation_checkpointing = cfg.activation_checkpointing
+        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
+                                    activation_checkpointing=cfg.activation_checkpointing)
     else:
         raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
     if cfg.block_size > model.config.block_size:
