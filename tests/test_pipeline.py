@@ -1,0 +1,233 @@
+"""pipeline.py: GPipe and 1F1B by hand equal the sequential model, torch.distributed.pipelining's schedules and
+train.py's loss curve; dp x pp equals one process; stage checkpoints resume and consolidate exactly; bad
+configs are one line and a non-zero exit on every rank."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from helpers import TINY, check, read_log, run_script, spawn, train_losses
+
+LAYOUTS = {
+    'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
+    'llama': dict(norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head=2, tie_embeddings=False),
+}
+CASES = [(p, s, layout) for p in (2, 4) for s in ('gpipe', '1f1b') for layout in LAYOUTS]
+M = 4  # microbatches in the in-process checks (8 sequences: 2 per microbatch)
+
+
+def _rel_err(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+class _TorchStageModule(torch.nn.Module):
+    """This stage's part of the GPT as a module for torch.distributed.pipelining.PipelineStage: the last stage
+    returns the logits (the schedule's loss_fn takes the loss)."""
+
+    def __init__(self, model, layers, first, last):
+        super().__init__()
+        self.model, self.layers, self.first, self.last = model, list(layers), first, last
+
+    def forward(self, x):
+        h = self.model.embed(x) if self.first else x
+        for i in self.layers:
+            h = self.model.transformer.h[i](h)
+        return self.model.lm_head(self.model.transformer.ln_f(h)) if self.last else h
+
+
+def _sync_tied(model, st, embed_group):
+    if embed_group is not None:
+        g = model.transformer.wte.weight.grad if st.is_first else model.lm_head.weight.grad
+        dist.all_reduce(g, group=embed_group)
+
+
+def _one_case(rank, world_size, p, schedule, layout):
+    """One step of pipeline.py's schedule and of PyTorch's schedule of the same name, each against the
+    sequential model's loss and gradients, plus the executed order's checks."""
+    import pipeline
+    from model import GPT, GPTConfig
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
+                       **LAYOUTS[layout])
+    torch.manual_seed(1337)
+    full = GPT(config)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 32, (8, 16), generator=g), torch.randint(0, 32, (8, 16), generator=g)
+    ref = copy.deepcopy(full)
+    ref_loss = ref(x, y)[1]
+    ref_loss.backward()
+    ref_grads = {n: p_.grad for n, p_ in ref.named_parameters()}
+    ref_grads['lm_head.weight'] = ref.lm_head.weight.grad  # the tied weight under its second name too
+
+    grid = pipeline.process_grid(world_size, p)
+    dp_rank, stage = rank // p, rank % p
+    dp_group, pp_group, embed_group = pipeline.make_groups(grid, rank, config.tie_embeddings)
+    out = {}
+
+    # pipeline.py
+    model = copy.deepcopy(full)
+    layers = pipeline.keep_stage(model, stage, p)
+    st = pipeline.Stage(model, layers, stage, p, grid[dp_rank], (8 // M, 16, 16), 'cpu',
+                        torch.autocast('cpu', enabled=False))
+    pipeline.run_schedule(st, schedule, M, x, y, 1.0 / M, pp_group)
+    _sync_tied(model, st, embed_group)
+    mine = {n: p_.grad for n, p_ in model.named_parameters()}
+    out['grad_err'] = max(_rel_err(mine[n], ref_grads[n]) for n in mine)
+    out['n_grads'] = len(mine)
+    out['loss_err'] = _rel_err(st.loss_sum, ref_loss.detach()) if st.is_last else 0.0
+    ops = [(op, i) for op, i, _, _ in st.records]
+    out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in 'FB' for i in range(M)])
+    out['b_after_f'] = all(ops.index(('F', i)) < ops.index(('B', i)) for i in range(M))
+    out['peak_held'] = st.peak_held
+    out['peak_held_formula'] = pipeline.peak_microbatches_formula(schedule, p, M, stage)
+    out['ops'] = ops
+
+    # torch.distributed.pipelining on the same weights and batch
+    model = copy.deepcopy(full)
+    layers = pipeline.keep_stage(model, stage, p)
+    module = _TorchStageModule(model, layers, stage == 0, stage == p - 1)
+    pstage = PipelineStage(module, stage, p, torch.device('cpu'), group=pp_group)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    sched = (ScheduleGPipe if schedule == 'gpipe' else Schedule1F1B)(pstage, M, loss_fn=loss_fn)
+    losses = []
+    if stage == 0:
+        sched.step(x)
+    elif stage == p - 1:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    _sync_tied(model, st, embed_group)
+    theirs = {n: p_.grad for n, p_ in model.named_parameters()}
+    out['torch_grad_err'] = max(_rel_err(mine[n], theirs[n]) for n in mine)
+    out['torch_loss_err'] = _rel_err(torch.stack(losses).mean(), st.loss_sum) if st.is_last else 0.0
+    return out
+
+
+def _all_cases(rank, world_size):
+    return {case: _one_case(rank, world_size, *case) for case in CASES}
+
+
+@pytest.fixture(scope='module')
+def spawned():
+    """One spawn of 4 gloo processes runs every in-process case (P=2 runs as two pipelines side by side)."""
+    return spawn(_all_cases, 4)
+
+
+@pytest.mark.parametrize('case', CASES, ids=[f"p{p}-{s}-{layout}" for p, s, layout in CASES])
+def test_one_step_equals_sequential_and_torch_pipelining(spawned, case):
+    for rank, results in enumerate(spawned):
+        r = results[case]
+        assert r['n_grads'] > 0
+        assert r['loss_err'] < 1e-5 and r['grad_err'] < 1e-5, (rank, r)
+        assert r['torch_loss_err'] < 1e-5 and r['torch_grad_err'] < 1e-5, (rank, r)
+
+
+@pytest.mark.parametrize('case', CASES, ids=[f"p{p}-{s}-{layout}" for p, s, layout in CASES])
+def test_executed_order_is_a_valid_schedule(spawned, case):
+    p, schedule, _ = case
+    for rank, results in enumerate(spawned):
+        r = results[case]
+        assert r['each_op_once'] and r['b_after_f'], (rank, r['ops'])
+        assert r['peak_held'] == r['peak_held_formula'], (rank, r['peak_held'], r['ops'])
+        stage = rank % p
+        if schedule == 'gpipe':  # all forwards, then all backwards
+            assert [op for op, _ in r['ops']] == ['F'] * M + ['B'] * M
+        else:  # p-r-1 warm-up forwards, then F and B alternate, then the cool-down backwards
+            warmup = p - stage - 1
+            ops = [op for op, _ in r['ops']]
+            assert ops == ['F'] * warmup + ['F', 'B'] * (M - warmup) + ['B'] * warmup, (rank, r['ops'])
+
+
+# -----------------------------------------------------------------------------
+# the script, end to end, against train.py
+
+ARGS = [a for a in TINY if not a.startswith('--n_layer')] + [
+    '--n_layer=4', '--gradient_accumulation_steps=2', '--eval_interval=3', '--log_interval=1', '--warmup_iters=2',
+    '--lr_decay_iters=6', '--learning_rate=1e-2', '--min_lr=1e-3']
+
+
+def _assert_same(got, want, iters):
+    assert sorted(got) == list(iters), got
+    for it in iters:
+        assert abs(got[it] - want[it]) <= 1e-5 * abs(want[it]), (it, got[it], want[it])
+
+
+def _val_losses(out_dir):
+    return {r['iter']: r['val_loss'] for r in read_log(out_dir) if 'val_loss' in r}
+
+
+@pytest.fixture(scope='module')
+def baseline(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('train'))
+    check(run_script('train.py', ARGS + [f'--out_dir={out}', '--max_iters=6']))
+    return out
+
+
+def test_resume_and_consolidate_continue_train_py_exactly(baseline, tmp_path):
+    """pp=2 1F1B for 3 iterations, consolidated at its checkpoint into train.py's format; then both the pipeline
+    (from its stage checkpoints) and train.py (from the consolidated one) continue to 6: all equal train.py."""
+    pipe, full = str(tmp_path / 'pipe'), str(tmp_path / 'full')
+    pargs = ARGS + ['--pp=2', '--schedule=1f1b', '--n_microbatches=4', f'--out_dir={pipe}']
+    check(run_script('pipeline.py', pargs + ['--max_iters=3'], nproc=2))
+    check(run_script('pipeline.py', [f'--out_dir={pipe}', f'--consolidate={full}']))
+    check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=2))
+    check(run_script('train.py', ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume']))
+    want = train_losses(baseline)
+    _assert_same(train_losses(pipe), want, range(6))
+    _assert_same(_val_losses(pipe), _val_losses(baseline), [0, 3, 6])
+    _assert_same({k: v for k, v in train_losses(full).items()}, want, range(3, 6))
+    rows = [r for r in read_log(pipe) if 'rank' in r and r['iter'] == 5]  # the resumed run's last step
+    assert sorted(r['rank'] for r in rows) == [0, 1]
+    for r in rows:
+        assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'] == 2 - r['stage']
+        assert 0.0 <= r['bubble_fraction'] < 1.0 and r['bubble_fraction_formula'] == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize('nproc,pp,schedule,m', [(4, 4, 'gpipe', 2), (4, 2, '1f1b', 2)],
+                         ids=['pp4-gpipe', 'dp2xpp2-1f1b'])
+def test_loss_curve_equals_train_py(baseline, tmp_path, nproc, pp, schedule, m):
+    out = str(tmp_path)
+    proc = check(run_script('pipeline.py', ARGS + [f'--pp={pp}', f'--schedule={schedule}', f'--n_microbatches={m}',
+                                                   f'--out_dir={out}', '--max_iters=6'], nproc=nproc))
+    _assert_same(train_losses(out), train_losses(baseline), range(6))
+    _assert_same(_val_losses(out), _val_losses(baseline), [0, 3, 6])
+    assert 'stage 0 |' in proc.stdout and 'bubble fraction measured' in proc.stdout
+    rows = [r for r in read_log(out) if 'rank' in r]
+    assert len(rows) == pp  # one row per stage (of dp replica 0)
+    for r in rows:
+        assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula']
+
+
+BAD = [
+    (2, ['--pp=3'], 'world size 2 is not divisible by pp=3'),
+    (2, ['--pp=2', '--n_layer=3'], 'n_layer (3) must be divisible by pp (2)'),
+    (2, ['--pp=2', '--n_microbatches=3'], 'must be divisible into n_microbatches'),
+    (2, ['--pp=2', '--schedule=1f1b', '--n_microbatches=1'], 'needs n_microbatches (1) >= pp (2)'),
+    (4, ['--pp=2', '--gradient_accumulation_steps=1'], 'must be divisible by the data-parallel size 2'),
+]
+
+
+@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch'])
+def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
+    """Every check runs before the process group exists, from the world size torchrun sets."""
+    import pipeline
+    monkeypatch.setenv('WORLD_SIZE', str(world))
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(TINY + [f'--out_dir={tmp_path}'] + args)
+    assert isinstance(e.value.code, str) and e.value.code.startswith('error:') and message in e.value.code
+    assert '\n' not in e.value.code
+
+
+def test_bad_config_exits_on_every_rank(tmp_path):
+    proc = run_script('pipeline.py', TINY + [f'--out_dir={tmp_path}', '--pp=2', '--n_microbatches=3'], nproc=2,
+                      timeout=60)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if 'error:' in l]
+    assert sorted(l.split(']')[0] for l in lines) == ['[rank 0', '[rank 1'], proc.stderr
+    assert all('must be divisible into n_microbatches' in l for l in lines), lines
