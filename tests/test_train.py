@@ -1,0 +1,173 @@
+"""train.py: it learns, the logged loss is the global-batch mean, a killed run resumes bit-for-bit, checkpoints are
+atomic, and bad input is one line on stderr and a non-zero exit before any work."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import model as M
+from helpers import REPO, TINY, check, read_log, run_script, train_losses
+
+TRAIN = 'train.py'
+
+
+def test_overfits_one_batch():
+    """The model and optimizer of train.py drive the loss on one fixed batch close to zero."""
+    data, vocab = M.load_dataset('stdlib_char')
+    x, y = M.get_batch(data['train'], 0, M.TRAIN_STREAM, 0, 4, 16)
+    torch.manual_seed(0)
+    model = M.GPT(M.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, bias=False))
+    optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.99), 'cpu')
+    first = None
+    for _ in range(150):
+        _, loss = model(x, y)
+        first = first if first is not None else loss.item()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert first > 3.0 and loss.item() < 0.1, (first, loss.item())
+
+
+def test_train_logs_and_learns(tmp_path):
+    out = str(tmp_path / 'run')
+    proc = check(run_script(TRAIN, TINY + [f'--out_dir={out}', '--max_iters=60', '--eval_interval=30',
+                                          '--log_interval=10', '--learning_rate=1e-2', '--sample_at_end=True']))
+    rows = read_log(out)
+    train_rows = [r for r in rows if 'loss' in r]
+    evals = [r for r in rows if 'val_loss' in r]
+    assert [r['iter'] for r in train_rows] == [0, 10, 20, 30, 40, 50]
+    assert [r['iter'] for r in evals] == [0, 30, 60]
+    for r in train_rows:
+        assert set(r) >= {'iter', 'loss', 'lr', 'ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'}
+    vocab = M.load_dataset('stdlib_char')[1]
+    assert abs(evals[0]['val_loss'] - torch.log(torch.tensor(float(vocab))).item()) < 0.2
+    assert evals[-1]['val_loss'] < evals[0]['val_loss'] - 1.0, evals
+    assert torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)['iter_num'] == 60
+    assert 'a sample' in proc.stdout and 'python sample.py' in proc.stdout
+
+
+def test_logged_loss_is_the_global_batch_mean(tmp_path):
+    """2 micro-steps of 4 sequences and 1 micro-step of 8 are the same global batch: same losses, same model."""
+    common = TINY + ['--max_iters=8', '--eval_interval=8', '--log_interval=1']
+    a, b = str(tmp_path / 'accum'), str(tmp_path / 'whole')
+    check(run_script(TRAIN, common + [f'--out_dir={a}', '--batch_size=4', '--gradient_accumulation_steps=2']))
+    check(run_script(TRAIN, common + [f'--out_dir={b}', '--batch_size=8', '--gradient_accumulation_steps=1']))
+    la, lb = train_losses(a), train_losses(b)
+    assert la.keys() == lb.keys() and len(la) == 8
+    for it in la:
+        assert abs(la[it] - lb[it]) <= 1e-5 * abs(lb[it]), (it, la[it], lb[it])
+
+
+def test_kill_and_resume_is_bit_identical(tmp_path):
+    """SIGKILL a run after a checkpoint at iteration k, resume it: every loss from k on equals the uninterrupted
+    run's exactly (CPU, float32)."""
+    common = TINY + ['--max_iters=300', '--eval_interval=20', '--log_interval=1', '--dropout=0.1']
+    full, killed = str(tmp_path / 'full'), str(tmp_path / 'killed')
+    check(run_script(TRAIN, common + [f'--out_dir={full}']))
+
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    proc = subprocess.Popen([sys.executable, TRAIN] + common + [f'--out_dir={killed}'], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt_path, k = os.path.join(killed, 'ckpt.pt'), None
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(ckpt_path):  # atomic rename: whatever is there is a whole checkpoint
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed: make it longer"
+    k = torch.load(ckpt_path, weights_only=False)['iter_num']
+    assert 0 < k < 300
+    check(run_script(TRAIN, common + [f'--out_dir={killed}', '--init_from=resume']))
+
+    expected, resumed = train_losses(full), train_losses(killed)
+    assert resumed.keys() == expected.keys()
+    assert all(resumed[i] == expected[i] for i in expected if i >= k), k  # bit for bit
+    evals = lambda d: [(r['iter'], r['val_loss']) for r in read_log(d) if 'val_loss' in r]
+    assert evals(killed) == evals(full)
+
+
+def test_failed_checkpoint_write_keeps_the_old_one(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ckpt.pt')
+    M.save_checkpoint({'iter_num': 1, 'w': torch.arange(4)}, path)
+    real_save = torch.save
+
+    def broken_save(obj, f, *args, **kwargs):
+        with open(f, 'wb') as fh:
+            fh.write(b'half a checkpoint')  # bytes hit the disk, then the write dies
+        raise OSError('disk full')
+
+    monkeypatch.setattr(torch, 'save', broken_save)
+    with pytest.raises(OSError):
+        M.save_checkpoint({'iter_num': 2, 'w': torch.arange(8)}, path)
+    monkeypatch.setattr(torch, 'save', real_save)
+    old = torch.load(path, weights_only=False)
+    assert old['iter_num'] == 1 and torch.equal(old['w'], torch.arange(4))
+    assert os.listdir(tmp_path) == ['ckpt.pt']  # no temporary file left behind
+
+
+def one_line_error(proc, *words):
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error:'), proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize('args, words', [
+    (['--batch_sise=4'], ["'batch_sise'"]),
+    (['--batch_size=four'], ["'batch_size'", 'int']),
+])
+def test_bad_config_is_one_line_and_nonzero_exit(tmp_path, args, words):
+    proc = run_script(TRAIN, TINY + [f'--out_dir={tmp_path}'] + args)
+    one_line_error(proc, *words)
+    assert not os.path.exists(os.path.join(tmp_path, 'log.jsonl'))  # before any work
+
+
+@pytest.mark.parametrize('args, words', [
+    (['--learning_rate=fast'], ["'learning_rate'", 'float']),
+    (['--compile=1'], ["'compile'", 'bool']),
+    (['--dtype=float8'], ['dtype']),
+    (['--dataset=no_such_data'], ['no_such_data', 'not found']),
+    (['--init_from=resume'], ['no checkpoint']),
+    (['--init_from=bert'], ['init_from']),
+    (['--n_head=3'], ['divisible']),
+    (['config/no_such_file.py'], ['not found']),
+])
+def test_bad_input_messages(tmp_path, args, words):
+    """The same checks in-process (faster): each raises SystemExit with one line naming the problem."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + [f'--out_dir={tmp_path / "o"}'] + args)
+    assert isinstance(e.value.code, str) and '\n' not in e.value.code
+    for word in words:
+        assert word in e.value.code, e.value.code
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    import train
+    bad = tmp_path / 'bad.py'
+    bad.write_text("n_layer = 2\nlearnig_rate = 1e-3\n")
+    with pytest.raises(SystemExit, match="'learnig_rate'"):
+        train.main([str(bad)])
+
+
+def test_every_shipped_config_sets_only_valid_keys():
+    import glob
+    import train
+    for path in sorted(glob.glob(os.path.join(REPO, 'config', '*.py'))):
+        cfg = M.configure(train.config, [path])
+        M.model_config(cfg, 50304)  # and describes a valid model
+
+
+def test_block_size_too_large():
+    import numpy as np
+    with pytest.raises(SystemExit, match='block_size 16 is too large'):
+        M.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
