@@ -14,6 +14,8 @@ becomes an all-gather + a reduce-scatter and the norms work on 1/tp of the seque
 Every rank builds the full GPT from the seed exactly as train.py does and keeps its slice, so for the same
 config and seed the loss curve is train.py's. Each rank prints (and logs, one row per rank) what it measured
 beside the formula: parameter bytes, activation bytes saved for backward by one layer, bytes sent per step.
+(The comm formula counts every activation at bytes_per_elem; under bfloat16 autocast the residual stream and
+the norms stay fp32, so the measured bytes are higher there.)
 """
 
 import json
@@ -124,6 +126,9 @@ def param_bytes_formula(config, t, bytes_per_elem=4):
 # -----------------------------------------------------------------------------
 # Collectives, each counting at the call the bytes this rank sends (ring algorithms).
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments); older torch has only those
+_all_gather_single = getattr(dist, 'all_gather_single', dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, 'reduce_scatter_single', dist.reduce_scatter_tensor)
 COMM_BYTES = Counter()  # 'tp all_reduce', 'tp all_gather', 'tp reduce_scatter', 'grad all_reduce', 'dp all_reduce'
 
 
@@ -147,7 +152,7 @@ def all_gather_seq(x, g):
     chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
     out = chunk.new_empty((g.size * chunk.size(0),) + chunk.shape[1:])
     COMM_BYTES['tp all_gather'] += (g.size - 1) / g.size * out.numel() * out.element_size()
-    dist.all_gather_into_tensor(out, chunk, group=g.group)
+    _all_gather_single(out, chunk, group=g.group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -156,7 +161,7 @@ def reduce_scatter_seq(x, g):
     full = x.transpose(0, 1).contiguous()
     out = full.new_empty((full.size(0) // g.size,) + full.shape[1:])
     COMM_BYTES['tp reduce_scatter'] += (g.size - 1) / g.size * full.numel() * full.element_size()
-    dist.reduce_scatter_tensor(out, full, group=g.group)
+    _reduce_scatter_single(out, full, group=g.group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -449,7 +454,10 @@ def clip_grad_norm(specs, par, max_norm):
 
 def measure_activation_bytes(model, idx, par):
     """Bytes one layer saves for backward, measured: run the embedding and the first block on idx and add up
-    the distinct storages that autograd keeps (saved_tensors_hooks), parameters left out."""
+    the distinct storages that autograd keeps (saved_tensors_hooks), parameters left out. Expect it below the
+    formula's numbers without sequence parallelism (no dropout masks at p=0, and PyTorch's attention keeps no
+    s x s matrix), and above its 1/t with it: the column-parallel layers here keep their all-gathered input,
+    where Megatron keeps the sequence chunk and all-gathers it again in backward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
