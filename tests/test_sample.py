@@ -1,0 +1,56 @@
+"""sample.py: from a checkpoint with no model flags, it prints exactly what the checkpoint's model generates."""
+import os
+
+import pytest
+import torch
+
+import model as M
+from helpers import TINY, check, run_script
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('sample') / 'run')
+    check(run_script('train.py', TINY + [f'--out_dir={out}', '--max_iters=20', '--eval_interval=20',
+                                        '--learning_rate=1e-2', '--n_kv_head=2', '--pos=rope']))
+    return out
+
+
+def expected_samples(out, start, n, max_new_tokens, seed, top_k):
+    """What sample.py should print: the checkpoint's model, generated in-process with the same seed."""
+    torch.manual_seed(seed)
+    ckpt = torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)
+    model = M.GPT(M.GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    model.eval()
+    encode, decode = M.get_codec(ckpt['config']['dataset'])
+    x = torch.tensor([encode(start)])
+    return [decode(model.generate(x, max_new_tokens, 0.8, top_k)[0].tolist()) for _ in range(n)]
+
+
+def test_sample_from_checkpoint_needs_no_model_flags(trained):
+    proc = check(run_script('sample.py', [f'--out_dir={trained}', '--start=def ', '--num_samples=2',
+                                          '--max_new_tokens=40', '--seed=3', '--device=cpu']))
+    samples = proc.stdout.split('---------------\n')
+    assert samples[-1] == '' and len(samples) == 3
+    want = expected_samples(trained, 'def ', 2, 40, 3, 200)
+    assert [s[:-1] for s in samples[:2]] == want  # print adds the newline
+    assert want[0] != want[1] and all(s.startswith('def ') and len(s) == 44 for s in want)
+
+
+def test_sample_prompt_from_file(trained, tmp_path):
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_text('import os\n')
+    proc = check(run_script('sample.py', [f'--out_dir={trained}', f'--start=FILE:{prompt}', '--num_samples=1',
+                                          '--max_new_tokens=10', '--top_k=0', '--device=cpu']))
+    assert proc.stdout.split('---------------\n')[0][:-1] == expected_samples(trained, 'import os\n', 1, 10, 1337,
+                                                                             None)[0]
+
+
+def test_sample_errors(tmp_path):
+    import sample
+    for args, words in [([f'--out_dir={tmp_path}'], 'no checkpoint'), (['--num_sample=2'], "'num_sample'"),
+                        (['--start=FILE:/no/such/file'], 'not found'), (['--init_from=bert'], 'init_from')]:
+        with pytest.raises(SystemExit) as e:
+            sample.main(args)
+        assert words in e.value.code, e.value.code
