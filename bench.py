@@ -76,8 +76,8 @@ def param_counts(gptconf, pp=1):
     first = sum(p.numel() for m in (model.transformer.wte, model.transformer.wpe) if m is not None
                 for p in m.parameters())
     last = sum(p.numel() for p in model.transformer.ln_f.parameters()) + model.lm_head.weight.numel()
-    stages = []
-    if gptconf.n_layer % pp == 0:
+    stages = [total] if pp == 1 else []
+    if pp > 1 and gptconf.n_layer % pp == 0:
         k = gptconf.n_layer // pp
         stages = [sum(per_block[i * k:(i + 1) * k]) for i in range(pp)]
         stages[0] += first
@@ -155,7 +155,7 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbat
         if p > 1:
             row['bubble_fraction'] = pipeline.bubble_fraction_formula(p, n_microbatches)
 
-        comm = zero.comm_bytes_formula(numel, dp, stage, act_bytes) if dp > 1 else 0
+        comm = zero.comm_bytes_formula(numel, dp, stage, act_bytes, micro_steps=n_microbatches) if dp > 1 else 0
         if t > 1:
             per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, sp, bytes_per_elem=act_bytes)
             edges = tensor_parallel.tp_edge_comm_bytes_formula(s, b, h, t, sp, bytes_per_elem=act_bytes)
@@ -411,8 +411,9 @@ def machine_description(args):
         name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, NCCL"
     else:
         name = f"{os.cpu_count()}-core CPU, gloo"
+    load = f", load average {os.getloadavg()[0]:.1f} at the start" if hasattr(os, 'getloadavg') else ''
     return (f"{name}, torch {torch.__version__}, {args.world_size} processes per distributed row, "
-            f"{args.threads} thread(s) per process")
+            f"{args.threads} thread(s) per process{load}")
 
 
 GPT2_ROW = 'gpt2_124m_bf16_compile'  # a different model: left out of the same-loss comparison
@@ -427,10 +428,13 @@ def run_bench(args):
     rows = bench_rows(args.world_size, args.n_microbatches)
     if n_gpus == 1:
         rows = {'train': rows['train']}
-    if n_gpus >= 1:  # and on a GPU, GPT-2 124M (its shape; the data's vocabulary) in bf16 with compile, for MFU
+    if n_gpus >= 1:  # and on a GPU, GPT-2 124M in bf16 with compile, for MFU: on GPT-2 BPE tokens when they are
+        # there (python data/shakespeare/prepare.py), else the same shape on the default characters (vocab 96)
+        bpe = os.path.exists(os.path.join(REPO, 'data', 'shakespeare', 'train.bin'))
         rows[GPT2_ROW] = ('train.py', ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
                                        '--batch_size=16', '--gradient_accumulation_steps=1', '--dtype=bfloat16',
-                                       '--compile=True', '--bias=True'], 1)
+                                       '--compile=True', '--bias=True',
+                                       f"--dataset={'shakespeare' if bpe else 'stdlib_char'}"], 1)
     selected = list(rows) if args.rows == 'all' else args.rows.split(',')
     unknown = [n for n in selected if n not in rows]
     if unknown:
@@ -444,7 +448,8 @@ def run_bench(args):
     load_dataset('stdlib_char')  # prepare the data once, before the rows race to do it
     runs_dir = os.path.join(args.out, 'runs')
     os.makedirs(runs_dir, exist_ok=True)
-    print(f"bench: {len(selected)} rows on {machine_description(args)}; {args.max_iters} iterations each, "
+    machine = machine_description(args)
+    print(f"bench: {len(selected)} rows on {machine}; {args.max_iters} iterations each, "
           f"timing after {args.warmup}; logs in {runs_dir}", flush=True)
     results, t_start = {}, time.time()
     for i, name in enumerate(selected):
@@ -459,7 +464,7 @@ def run_bench(args):
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
     cmd_line = 'python bench.py ' + ' '.join(sys.argv[1:])
-    header = (f"`{cmd_line.strip()}` on {machine_description(args)}. Model: {args.n_layer} layers, {args.n_head} "
+    header = (f"`{cmd_line.strip()}` on {machine}. Model: {args.n_layer} layers, {args.n_head} "
               f"heads, {args.n_embd} wide, block {args.block_size}; global batch {args.batch_size * args.world_size} "
               f"sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
               f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
@@ -468,7 +473,7 @@ def run_bench(args):
     with open(os.path.join(args.out, 'bench.md'), 'w') as f:
         f.write(header + '\n\n' + table + '\n')
     with open(os.path.join(args.out, 'bench.json'), 'w') as f:
-        json.dump({'command': cmd_line.strip(), 'machine': machine_description(args), 'all_losses_equal': all_same,
+        json.dump({'command': cmd_line.strip(), 'machine': machine, 'all_losses_equal': all_same,
                    'loss_rtol': rtol, 'rows': results}, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'bench.md')} and bench.json ({time.time() - t_start:.0f} s)")
     failed = [n for n, r in results.items() if r['status'].startswith('failed')]

@@ -68,6 +68,7 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
         ranks = results[f'zero{stage}']['ranks']
         assert len(ranks) == 2
         for rank_row in ranks:
+            assert rank_row['numel'] == numel  # the meta-device count is the model zero.py trains
             for key in ('param_bytes', 'grad_bytes', 'optim_bytes'):
                 padding = 0.01 * estimate[key] + 64  # a few padded elements per shard
                 assert abs(rank_row[key] - estimate[key]) <= padding, (stage, key, rank_row[key], estimate[key])
