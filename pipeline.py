@@ -84,6 +84,16 @@ def peak_microbatches_formula(schedule_name, p, m, stage):
     return m if schedule_name == 'gpipe' else min(p - stage, m)
 
 
+def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None):
+    """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b, s, h)
+    to the next stage (every stage but the last) and its gradient back (every stage but the first).
+    stage=None: the busiest stage (a middle one when p > 2)."""
+    if p == 1:
+        return 0
+    directions = (2 if p > 2 else 1) if stage is None else int(stage < p - 1) + int(stage > 0)
+    return directions * m * b * s * h * bytes_per_elem
+
+
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
     if cfg.schedule not in ('gpipe', '1f1b'):
@@ -173,6 +183,7 @@ class Stage:
         self.pending_sends = []  # a gloo send completes only when the peer receives: wait for them at the end
         self.t0 = 0.0
         self.loss_sum = torch.zeros((), device=device)
+        self.bytes_sent = 0      # counted at the send calls
 
 
 # -----------------------------------------------------------------------------
@@ -184,6 +195,9 @@ def communicate(st, send_next=None, send_prev=None, recv_prev=False, recv_next=F
     neighbours that send to each other at the same moment cannot deadlock, also on NCCL), wait for the receives.
     The shape is known from the config, so there is no shape handshake. Returns (from_prev, from_next)."""
     ops, from_prev, from_next = [], None, None
+    for t in (send_next, send_prev):
+        if t is not None:
+            st.bytes_sent += t.numel() * t.element_size()
     if send_next is not None:
         ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), st.next_rank))
     if send_prev is not None:
@@ -385,14 +399,14 @@ def timeline(records, total, n_slots, width):
     return ' '.join(cells)
 
 
-def report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num):
+def report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num, micro_steps):
     """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
     per stage (dp replica 0's pipeline)."""
     total = torch.tensor([step_time])
     if pp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
     total = float(total)
-    mine = {'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': st.records,
+    mine = {'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': st.records, 'bytes': st.bytes_sent,
             'bubble_fraction': bubble_fraction(st.records, total), 'peak_microbatches_held': st.peak_held}
     everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
@@ -413,13 +427,17 @@ def report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num):
     formula = bubble_fraction_formula(p, m)
     for r in stages:
         held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'])
+        b, h = cfg.batch_size // m, st.model.config.n_embd
+        bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'])
         print(f"stage {r['stage']}: bubble fraction measured {r['bubble_fraction']:.3f} (formula (p-1)/(m+p-1) = "
               f"{formula:.3f}), peak microbatches held {r['peak_microbatches_held']} (formula "
-              f"{'m' if cfg.schedule == 'gpipe' else 'p-r'} = {held_formula})")
+              f"{'m' if cfg.schedule == 'gpipe' else 'p-r'} = {held_formula}), p2p bytes sent this iteration "
+              f"{r['bytes']:,} (formula {bytes_formula:,})")
         log_row(cfg.out_dir, {'iter': iter_num, 'rank': r['rank'], 'stage': r['stage'], 'schedule': cfg.schedule,
                               'bubble_fraction': r['bubble_fraction'], 'bubble_fraction_formula': formula,
                               'peak_microbatches_held': r['peak_microbatches_held'],
-                              'peak_microbatches_held_formula': held_formula})
+                              'peak_microbatches_held_formula': held_formula,
+                              'p2p_bytes_per_step': r['bytes'], 'p2p_bytes_per_step_formula': bytes_formula})
 
 
 # -----------------------------------------------------------------------------
@@ -592,7 +610,7 @@ def main(argv):
         # one iteration: the pipeline schedule over the microbatches of every micro-step, then one optimizer step
         micro_steps = cfg.gradient_accumulation_steps // dp_size
         global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        st.loss_sum = torch.zeros((), device=cfg.device)
+        st.loss_sum, st.bytes_sent = torch.zeros((), device=cfg.device), 0
         st.act_shape = (micro_rows, cfg.block_size, raw_model.config.n_embd)
         for micro_step in range(micro_steps):
             rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
@@ -636,7 +654,7 @@ def main(argv):
                                   'mfu': flops_per_token * tokens_per_sec / (peak * world_size) if peak else None,
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         if iter_num == cfg.max_iters - 1:  # the last iteration's schedule, as executed
-            report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num)
+            report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num, micro_steps)
         iter_num += 1
 
     if dist.is_initialized():

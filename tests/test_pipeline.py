@@ -202,6 +202,7 @@ def test_loss_curve_equals_train_py(baseline, tmp_path, nproc, pp, schedule, m):
     assert len(rows) == pp  # one row per stage (of dp replica 0)
     for r in rows:
         assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula']
+        assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0  # counted at the send calls
 
 
 BAD = [
