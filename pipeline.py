@@ -402,7 +402,7 @@ def timeline(records, total, n_slots, width):
 def report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num, micro_steps):
     """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
     per stage (dp replica 0's pipeline)."""
-    total = torch.tensor([step_time])
+    total = torch.tensor([step_time], device=st.device)  # on the GPU for NCCL
     if pp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
     total = float(total)
