@@ -294,8 +294,8 @@ def read_log(out_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'comm_bytes_per_step', 'bubble_fraction',
-            'peak_microbatches_held']
+MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'comm_bytes_per_step',
+            'p2p_bytes_per_step', 'bubble_fraction', 'peak_microbatches_held']
 
 
 def summarize(log, warmup):
@@ -369,6 +369,13 @@ def measured_cell(row, key, fmt=fmt_bytes):
     return fmt(value) + ('' if formula is None else f" ({fmt(formula)})")
 
 
+def comm_cell(row):
+    """Bytes sent per step by collectives (zero.py, tensor_parallel.py) or by send/recv (pipeline.py)."""
+    if row.get('comm_bytes_per_step') is None and row.get('p2p_bytes_per_step') is not None:
+        return measured_cell(row, 'p2p_bytes_per_step') + ' p2p'
+    return measured_cell(row, 'comm_bytes_per_step')
+
+
 def bubble_cell(row, pct):
     """The pipeline's measured bubble (formula), and the most micro-batches' activations a stage held."""
     cell = measured_cell(row, 'bubble_fraction', pct)
@@ -392,7 +399,7 @@ def bench_markdown(results, rows, all_same, rtol):
         lines.append(f"| {name} | {script} | {r['ms']:.1f} | {r['tokens_per_sec']:.0f} | {mfu} | "
                      f"{measured_cell(r, 'param_bytes')} | {measured_cell(r, 'grad_bytes')} | "
                      f"{measured_cell(r, 'optim_bytes')} | {measured_cell(r, 'activation_bytes')} | "
-                     f"{measured_cell(r, 'comm_bytes_per_step')} | {bubble_cell(r, pct)} | "
+                     f"{comm_cell(r)} | {bubble_cell(r, pct)} | "
                      f"{r['final_loss']:.6f} | {same} |")
     ok = [n for n, r in results.items() if r.get('status') == 'ok' and n != GPT2_ROW]
     if all_same:
