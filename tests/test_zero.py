@@ -1,0 +1,274 @@
+"""zero.py: every stage on 2 and 3 ranks trains the same numbers as train.py (one process, whole batch) with
+accumulation and clipping; stage 0/1/3 match DDP / ZeroRedundancyOptimizer / FSDP2; the bytes it reports equal
+the ZeRO formulas; shard checkpoints resume exactly and consolidate into a train.py checkpoint; bad input fails
+on every rank with one line."""
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from helpers import REPO, TINY, free_port, read_log, spawn, train_losses
+
+import zero
+
+# 8 layers so a block is a small part of the model (the stage-2/3 "never a full gradient" check means something);
+# 6 micro-steps: 3 per rank on 2 ranks, 2 on 3; a clip far below the gradient norm, so it always clips.
+ARGS = TINY + ['--n_layer=8', '--gradient_accumulation_steps=6', '--grad_clip=0.05', '--learning_rate=1e-2',
+               '--warmup_iters=1', '--lr_decay_iters=10', '--weight_decay=0.1', '--log_interval=1']
+
+
+def zero_args(out_dir, stage, max_iters=3, *extra):
+    return ARGS + ['--bucket_size=1500', f'--out_dir={out_dir}', f'--stage={stage}', f'--max_iters={max_iters}',
+                   f'--eval_interval={max_iters}', *extra]
+
+
+def run_mains(rank, world_size, module, argvs):
+    """In each spawned rank: module.main(argv) for each argv, one after the other, in one process group."""
+    import importlib
+    main = importlib.import_module(module).main
+    for argv in argvs:
+        main(argv)
+
+
+def train_py(out_dir, max_iters=3, *extra):
+    import train
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: on a loaded machine more threads only contend
+    try:
+        train.main(ARGS + [f'--out_dir={out_dir}', f'--max_iters={max_iters}', f'--eval_interval={max_iters}', *extra])
+    finally:
+        torch.set_num_threads(threads)
+    return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=False)
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    """train.py, one process on the whole global batch: 3 iterations."""
+    out = str(tmp_path_factory.mktemp('train_py'))
+    return out, train_py(out)
+
+
+def assert_same_checkpoint(ckpt, ref, tol=1e-5):
+    # Summation order differs (over ranks, buckets): ~1e-7 in the gradients. AdamW divides by sqrt(v), which
+    # amplifies that for the odd element whose gradient is near zero: one in ~30k moves by a few 1e-6.
+    for name, t in ref['model'].items():
+        assert torch.allclose(ckpt['model'][name], t, atol=tol, rtol=0), name
+    for i, state in ref['optimizer']['state'].items():
+        mine = ckpt['optimizer']['state'][i]
+        assert float(mine['step']) == float(state['step'])
+        for key in ('exp_avg', 'exp_avg_sq'):
+            assert torch.allclose(mine[key], state[key], atol=tol, rtol=1e-5), (i, key)
+    assert ckpt['iter_num'] == ref['iter_num']
+
+
+def assert_same_losses(out_dir, ref_dir):
+    mine, ref = train_losses(out_dir), train_losses(ref_dir)
+    assert sorted(mine) == sorted(ref) and len(ref) >= 3
+    for it in ref:
+        assert abs(mine[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, mine[it], ref[it])
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+def test_every_stage_matches_train_py_and_formulas(tmp_path, reference, world_size):
+    """Params and AdamW state after 3 steps (accumulation, clipping) equal train.py's to 1e-5, the loss curves to
+    1e-5; the per-rank bytes equal the formulas up to padding; stages 2/3 never hold a full-size gradient."""
+    ref_dir, ref = reference
+    spawn(run_mains, world_size, 'zero', [zero_args(tmp_path / f's{s}', s) for s in range(4)])
+    for stage in range(4):
+        out = str(tmp_path / f's{stage}')
+        assert_same_losses(out, ref_dir)
+        assert_same_checkpoint(torch.load(zero.consolidate_shards(out), weights_only=False), ref)
+        rows = [r for r in read_log(out) if 'rank' in r]
+        assert sorted(r['rank'] for r in rows) == list(range(world_size))
+        for r in rows:
+            pad = 16 * world_size * r['buckets']  # at most N-1 padding elements per bucket, 16 bytes each
+            for k in ('param_bytes', 'grad_bytes', 'optim_bytes'):
+                assert r[k + '_formula'] <= r[k] <= r[k + '_formula'] + pad, (stage, k, r)
+            assert r['comm_bytes_per_step_formula'] <= r['comm_bytes_per_step'] <= r['comm_bytes_per_step_formula'] + 3 * pad
+            full_grads = 4 * r['numel']
+            if stage >= 2:
+                assert r['peak_grad_bytes'] < full_grads, (stage, r)
+            else:
+                assert r['peak_grad_bytes'] >= full_grads
+            if stage == 3:
+                assert r['peak_param_bytes'] < 4 * r['numel']
+
+
+def test_comm_bytes_per_step_are_the_theory():
+    """One micro-step per rank: DP, ZeRO-1 and -2 send an all-reduce's worth, ZeRO-3 1.5 times that."""
+    n, N = 10_000, 4
+    all_reduce = 2 * (N - 1) / N * n * 4
+    assert [zero.comm_bytes_formula(n, N, s, 4) for s in range(4)] == [all_reduce] * 3 + [1.5 * all_reduce]
+    assert zero.model_state_bytes_formula(7_500_000_000, 64, 0, True)['param_bytes'] == 15e9
+    gb = [sum(zero.model_state_bytes_formula(7_500_000_000, 64, s, True).values()) / 1e9 for s in range(4)]
+    assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]  # the ZeRO paper's worked example
+
+
+def vs_pytorch(rank, world_size):
+    """Our stage 0 / 1 / 3 against DDP / DDP + ZeroRedundancyOptimizer(AdamW) / FSDP2 fully_shard, 3 steps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from model import GPT, GPTConfig, param_groups
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, vocab_size=64, bias=True)
+    lr, betas, wd = 1e-2, (0.9, 0.99), 0.1
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(config)
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 64, (2 * world_size, 16), generator=g)
+        return x[2 * rank:2 * rank + 2], torch.roll(x, 1, 1)[2 * rank:2 * rank + 2]
+
+    diffs = {}
+    for stage, theirs_kind in ((0, 'DDP'), (1, 'ZeroRedundancyOptimizer'), (3, 'FSDP2')):
+        ours, theirs = build(), build()
+        z = zero.Zero(ours, stage, rank, world_size, wd, betas, 1e-8, 700, torch.float32, zero.Comm(world_size))
+        if theirs_kind == 'FSDP2':
+            mesh = init_device_mesh('cpu', (world_size,))
+            for block in theirs.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(theirs, mesh=mesh)
+            wrapped, opt = theirs, torch.optim.AdamW(param_groups(theirs, wd), lr=lr, betas=betas)
+        else:
+            wrapped = DDP(theirs)
+            groups = param_groups(theirs, wd)
+            opt = (torch.optim.AdamW(groups, lr=lr, betas=betas) if theirs_kind == 'DDP' else
+                   ZeroRedundancyOptimizer(groups[0]['params'], optimizer_class=torch.optim.AdamW, lr=lr,
+                                           betas=betas, weight_decay=wd))
+            if theirs_kind == 'ZeroRedundancyOptimizer':
+                opt.add_param_group(groups[1])
+        for step in range(3):
+            x, y = batch(step)
+            ours(x, y)[1].backward()
+            z.finish_backward()
+            z.step(lr)
+            wrapped(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        full = full_params(z)
+        worst = 0.0
+        for name, p in theirs.named_parameters():
+            p = p.full_tensor() if hasattr(p, 'full_tensor') else p
+            worst = max(worst, (full[name] - p.detach()).abs().max().item())
+        diffs[theirs_kind] = worst
+        dist.barrier()
+    return diffs
+
+
+def full_params(z):
+    """{name: full parameter} from every rank's fp32 master chunks (any stage)."""
+    import torch.distributed as dist
+    full = {}
+    for b in z.buckets:
+        if z.stage == 0:
+            flat = b.master
+        else:
+            flat = torch.empty(b.padded)
+            dist.all_gather_single(flat, b.master.contiguous())
+        for name, view in zip(b.names, b.views(flat)):
+            full[name] = view
+    return full
+
+
+def test_stages_match_pytorch_ddp_zero_redundancy_fsdp2():
+    for diffs in spawn(vs_pytorch, 2):
+        assert set(diffs) == {'DDP', 'ZeroRedundancyOptimizer', 'FSDP2'}
+        assert all(d < 1e-6 for d in diffs.values()), diffs
+
+
+@pytest.fixture(scope='module')
+def split_runs(tmp_path_factory):
+    """On 2 ranks: stages 1 and 3 for 2 iterations, then resumed from their shards to 3; stage 2 for 2 iterations
+    (consolidated and continued elsewhere)."""
+    tmp = tmp_path_factory.mktemp('zero_split')
+    argvs = []
+    for stage in (1, 3):
+        argvs += [zero_args(tmp / f'whole{stage}', stage), zero_args(tmp / f'split{stage}', stage, 2),
+                  zero_args(tmp / f'split{stage}', stage, 3, '--init_from=resume', '--eval_interval=2')]
+    argvs.append(zero_args(tmp / 'half2', 2, 2))
+    spawn(run_mains, 2, 'zero', argvs)
+    return tmp
+
+
+def test_shard_checkpoint_resume_is_identical(split_runs):
+    for stage in (1, 3):
+        whole, split = split_runs / f'whole{stage}', split_runs / f'split{stage}'
+        assert train_losses(whole) == train_losses(split)
+        for rank in range(2):
+            a = torch.load(zero.shard_path(whole, rank), weights_only=False)['zero']
+            b = torch.load(zero.shard_path(split, rank), weights_only=False)['zero']
+            assert a['step'] == b['step'] == 3
+            for key in ('master', 'exp_avg', 'exp_avg_sq'):
+                assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (stage, rank, key)
+
+
+def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(split_runs, reference, tmp_path):
+    """Stage 2 on 2 ranks for 2 iterations, consolidated: train.py, and zero.py stage 3 on 3 ranks, both resume
+    from that ckpt.pt and end where train.py's own 3 iterations end."""
+    ref_dir, ref = reference
+    half = split_runs / 'half2'
+    proc = subprocess.run([sys.executable, 'zero.py', f'--consolidate={half}'], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.load(half / 'ckpt.pt', weights_only=False)['iter_num'] == 2
+    other = tmp_path / 'stage3_on_3'
+    other.mkdir()
+    shutil.copy(half / 'ckpt.pt', other / 'ckpt.pt')
+    shutil.copy(half / 'log.jsonl', other / 'log.jsonl')
+    continued = train_py(str(half), 3, '--init_from=resume')
+    assert_same_checkpoint(continued, ref)
+    assert_same_losses(half, ref_dir)
+    spawn(run_mains, 3, 'zero', [zero_args(other, 3, 3, '--init_from=resume', '--eval_interval=2')])
+    assert_same_checkpoint(torch.load(zero.consolidate_shards(str(other)), weights_only=False), ref)
+
+
+def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
+    from model import configure
+    cfg = zero.apply_deepspeed_config(configure(zero.config, []), os.path.join(REPO, 'config/ds_zero2.json'), 4)
+    assert (cfg.stage, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.grad_clip, cfg.dtype) == \
+        (2, 16, 4, 1.0, 'float32')
+    assert (cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay) == (2e-3, 0.9, 0.99, 1e-8, 0.1)
+    for s in (1, 3):
+        assert zero.apply_deepspeed_config(configure(zero.config, []),
+                                           os.path.join(REPO, f'config/ds_zero{s}.json'), 1).stage == s
+    bad = tmp_path / 'ds.json'
+    bad.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    with pytest.raises(SystemExit, match='zero_optimization.offload_optimizer'):
+        zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+    bad.write_text('{"fp16": {"enabled": true}}')
+    with pytest.raises(SystemExit, match="'fp16'"):
+        zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+
+
+def launch_ranks(args, world_size=2, timeout=90):
+    """world_size `python zero.py args` processes with torchrun's environment; (returncode, stderr) of each."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, 'zero.py'] + args, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                                       MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), OMP_NUM_THREADS='1'))
+             for r in range(world_size)]
+    stderrs = [p.communicate(timeout=timeout)[1] for p in procs]
+    return [(p.returncode, stderr) for p, stderr in zip(procs, stderrs)]
+
+
+@pytest.mark.parametrize('bad, message', [
+    (['--stage=4'], 'stage must be 0, 1, 2 or 3'),
+    (['--gradient_accumulation_steps=1'], 'world size 2 is larger than the batch'),
+    (['--dataset=no_such_data'], "data set 'no_such_data' not found"),
+])
+def test_bad_input_one_line_nonzero_on_every_rank(tmp_path, bad, message):
+    results = launch_ranks(TINY + [f'--out_dir={tmp_path}', '--gradient_accumulation_steps=2'] + bad)
+    for rank, (code, stderr) in enumerate(results):
+        lines = [line for line in stderr.splitlines() if line.strip() and 'Warning' not in line]
+        assert code is not None and code != 0, stderr
+        assert lines == [lines[0]] and lines[0].startswith(f'[rank {rank}] error: ') and message in lines[0], stderr
