@@ -1,0 +1,139 @@
+"""train_fsdp.py: FSDP2 (fully_shard) trains the same model to the same numbers as train.py, resumes from its
+sharded (DCP) checkpoint as if uninterrupted, and exports a train.py checkpoint that train.py continues exactly."""
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from helpers import REPO, TINY, check, read_log, run_script, spawn, train_losses
+from test_ddp import ARGS, assert_same_checkpoint, assert_same_losses, assert_survivors_fail_when_a_rank_dies, eval_losses
+
+import pytest
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """ref: train.py for 8 iterations. f: FSDP on 2 ranks for 4 (sharded checkpoint + exported ckpt.pt), then
+    resumed from the sharded checkpoint alone to 8. g: a copy of f at 4 that train.py continues from the exported
+    ckpt.pt. h: FSDP on 3 ranks for 8 with activation checkpointing (recompute changes no number)."""
+    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('ref', 'f', 'h')}
+    d['g'] = d['f'] + '_g'
+    check(run_script('train.py', ARGS + [f'--out_dir={d["ref"]}', '--max_iters=8']))
+    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=4'], nproc=2))
+    d['f_log4'] = train_losses(d['f'])
+    shutil.copytree(d['f'], d['g'])
+    shutil.rmtree(os.path.join(d['g'], 'ckpt_dcp'))  # train.py reads ckpt.pt only; make sure of it
+    check(run_script('train.py', ARGS + [f'--out_dir={d["g"]}', '--max_iters=8', '--init_from=resume']))
+    os.remove(os.path.join(d['f'], 'ckpt.pt'))  # resume from the shards alone
+    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=8', '--init_from=resume'], nproc=2))
+    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["h"]}', '--max_iters=8',
+                                              '--activation_checkpointing=True'], nproc=3))
+    return d
+
+
+def test_fsdp_two_ranks_logs_train_py_losses(runs):
+    assert_same_losses(runs['f_log4'], train_losses(runs['ref']), range(4))
+
+
+def test_train_py_continues_from_exported_checkpoint(runs):
+    """The exported ckpt.pt (full model, plain AdamW state in configure_optimizers' order) continues in train.py
+    exactly as the uninterrupted train.py run: so the export at iteration 4 was train.py's state at 4."""
+    assert_same_losses(train_losses(runs['g']), train_losses(runs['ref']), range(8))
+    assert_same_checkpoint(os.path.join(runs['g'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
+
+
+def test_sharded_resume_is_uninterrupted_run(runs):
+    """Resumed from its DCP shards at 4: the losses 4..7 and the exported state at 8 are train.py's."""
+    assert not os.path.exists(os.path.join(runs['f'], 'ckpt_dcp.tmp'))
+    assert_same_losses(train_losses(runs['f']), train_losses(runs['ref']), range(8))
+    assert_same_losses(eval_losses(runs['f']), eval_losses(runs['ref']), [0, 4, 8])
+    assert_same_checkpoint(os.path.join(runs['f'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
+
+
+def test_fsdp_three_ranks_with_activation_checkpointing_equals_train_py(runs):
+    assert_same_losses(train_losses(runs['h']), train_losses(runs['ref']), range(8))
+    assert_same_losses(eval_losses(runs['h']), eval_losses(runs['ref']), [0, 4, 8])
+    assert_same_checkpoint(os.path.join(runs['h'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
+
+
+@pytest.mark.parametrize('run,world_size', [('f', 2), ('h', 3)])
+def test_held_bytes_are_the_shards_and_match_psi_over_n(runs, run, world_size):
+    """The logged per-rank bytes add up to the whole model's 4Ψ (parameters), 4Ψ (gradients), 8Ψ (AdamW m and
+    v); no rank holds more than its padded share (ceil(dim 0 / N) rows of every parameter, FSDP's chunk), and
+    the formula logged beside each is 4Ψ/N, 4Ψ/N, 8Ψ/N."""
+    from model import GPT, GPTConfig
+    rows = [r for r in read_log(runs[run]) if 'rank' in r and r['iter'] == 0]
+    assert sorted(r['rank'] for r in rows) == list(range(world_size))
+    model = GPT(GPTConfig(block_size=16, vocab_size=torch.load(os.path.join(runs[run], 'ckpt.pt'),
+                                                               weights_only=False)['model_args']['vocab_size'],
+                          n_layer=2, n_head=4, n_embd=16, bias=False))
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    padded_share = sum(-(-p.shape[0] // world_size) * p[0].numel() for p in params)
+    for key, per_param in (('param_bytes', 4), ('grad_bytes', 4), ('optim_bytes', 8)):
+        assert sum(r[key] for r in rows) == per_param * numel
+        for r in rows:
+            assert r[key + '_formula'] == pytest.approx(per_param * numel / world_size)
+            assert r[key] <= per_param * padded_share
+
+
+def _mixed_precision_worker(rank, world_size):
+    """bf16 MixedPrecisionPolicy: blocks compute with bf16 weights while the stored shards, their gradients and
+    the reduction stay fp32; and with gradient sync off the sharded gradients are not produced (no
+    reduce-scatter) until the last micro-step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+    from model import GPT, GPTConfig
+    from train_fsdp import shard_model
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, bias=False)
+    model = shard_model(GPT(config), init_device_mesh('cpu', (world_size,)),
+                        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    seen = []
+    model.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
+    x = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(rank))
+    model.set_requires_gradient_sync(False)
+    model(x, x)[1].backward()
+    no_grad_yet = all(p.grad is None for p in model.parameters())
+    model.set_requires_gradient_sync(True)
+    model(x, x)[1].backward()
+    p = model.transformer.h[0].attn.c_attn.weight
+    return (seen[0], no_grad_yet, isinstance(p, DTensor), p.to_local().dtype, p.grad.to_local().dtype,
+            tuple(p.to_local().shape), tuple(p.shape))
+
+
+def test_bf16_mixed_precision_policy_and_deferred_gradient_sync():
+    for rank, (dtypes, no_grad_yet, is_dtensor, param_dtype, grad_dtype, local, full) in enumerate(
+            spawn(_mixed_precision_worker, 2)):
+        assert dtypes == (torch.bfloat16, torch.bfloat16)
+        assert no_grad_yet
+        assert is_dtensor and param_dtype == torch.float32 and grad_dtype == torch.float32
+        assert local == (full[0] // 2, full[1])
+
+
+def run_alone(args, world_size='1'):
+    """python train_fsdp.py with WORLD_SIZE set as torchrun would: the checks that run before any process group."""
+    return subprocess.run([sys.executable, 'train_fsdp.py'] + args, cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, WORLD_SIZE=world_size))
+
+
+def test_bad_input_is_one_line_and_non_zero(tmp_path):
+    for args, world_size, message in [
+            (['--gradient_accumulation_steps=2'], '3', 'error: gradient_accumulation_steps (2) must be divisible'),
+            (['--dtype=float16'], '1', 'error: train_fsdp.py trains in float32 or bfloat16')]:
+        proc = run_alone(TINY + args, world_size)
+        assert proc.returncode == 1 and proc.stdout == '', proc.stderr
+        assert proc.stderr.startswith(message) and proc.stderr.strip().count('\n') == 0, proc.stderr
+    # after the process group (here a group of one); every rank fails alike (train_ddp's test shows it per rank)
+    proc = run_alone(TINY + ['--dataset=no_such_data', f'--out_dir={tmp_path}'])
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: data set 'no_such_data' not found"), proc.stderr
+    assert proc.stderr.strip().count('\n') == 0, proc.stderr
+
+
+def test_a_rank_that_dies_makes_the_others_exit_non_zero(tmp_path):
+    assert_survivors_fail_when_a_rank_dies('train_fsdp.py', TINY + ['--gradient_accumulation_steps=2'],
+                                           str(tmp_path))

@@ -1,0 +1,372 @@
+"""
+train.py plus fully sharded data parallelism with PyTorch's FSDP2 (fully_shard): like DDP every rank takes its
+slice of the global batch, but each rank stores only 1/N of every parameter, gradient and AdamW moment (ZeRO-3).
+Each block's parameters are all-gathered just before it runs and freed after; gradients are reduce-scattered.
+
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py                  # CPU (gloo) or GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py --dtype=bfloat16 --activation_checkpointing=True
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume   # from ckpt_dcp/ (or a ckpt.pt)
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume --eval_only=True  # export only
+
+bfloat16 is FSDP's MixedPrecisionPolicy (bf16 compute and all-gathers, fp32 sharded master weights and fp32
+gradient reduction), not autocast. Checkpoints are sharded (torch.distributed.checkpoint, out_dir/ckpt_dcp/, every
+rank writes its own shards); at the end the run is also exported to out_dir/ckpt.pt in train.py's format (full
+model and AdamW state), from which train.py, sample.py and every other script continue.
+"""
+
+import json
+import math
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
+                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
+                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+
+# -----------------------------------------------------------------------------
+# config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
+out_dir = 'out'
+eval_interval = 250
+log_interval = 25
+eval_iters = 20
+eval_only = False
+always_save_checkpoint = True   # save at every eval, not only when val loss improves
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', ...
+sample_at_end = True            # print a short sample when training ends
+# data
+dataset = 'stdlib_char'
+gradient_accumulation_steps = 8  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 2                   # sequences per micro-step per data-parallel rank
+# (train.py's global batch of 16 sequences, cut in 8 micro-batches so that 1, 2, 4 or 8 ranks can share it)
+block_size = 128
+# model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 2e-3
+max_iters = 1500
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
+# learning rate schedule
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 1500
+min_lr = 2e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+compile = False
+seed = 1337
+peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
+export = True                   # when the run ends, also write out_dir/ckpt.pt in train.py's format
+config = config_defaults(globals())
+# -----------------------------------------------------------------------------
+
+
+def shard_model(model, mesh, mp_policy):
+    """FSDP2: one sharded group per block, and the root group for the rest (embeddings, final norm, the tied
+    head). fully_shard turns each parameter into a DTensor that holds this rank's slice of dim 0 (the last
+    ranks' slices are shorter when dim 0 does not divide)."""
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def mean_over_ranks(value):
+    """The mean over all ranks of a scalar tensor that each rank computed over its own (equal-sized) rows."""
+    dist.all_reduce(value)  # a sum, then divided: the same on every backend
+    return value / dist.get_world_size()
+
+
+def held_bytes(model, optimizer):
+    """Measured: the bytes this rank holds between steps in its local shards of the parameters, the gradients
+    and AdamW's two moments (not counting the step counters, one scalar per tensor)."""
+    def nbytes(tensors):
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return sum(t.numel() * t.element_size() for t in local)
+    params = list(model.parameters())
+    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
+    return {'param_bytes': nbytes(params), 'grad_bytes': nbytes(p.grad for p in params if p.grad is not None),
+            'optim_bytes': nbytes(moments)}
+
+
+def held_bytes_formula(numel, world_size):
+    """ZeRO-3 for Ψ = numel parameters over N ranks, as FSDP2 keeps them: fp32 parameter shards 4Ψ/N (they are
+    the master weights; bf16 copies exist only while a group is gathered), fp32 gradient shards 4Ψ/N (the
+    reduce dtype), AdamW's m and v 8Ψ/N. The measured numbers differ from these only by the dim-0 rounding."""
+    return {'param_bytes': 4 * numel / world_size, 'grad_bytes': 4 * numel / world_size,
+            'optim_bytes': 8 * numel / world_size}
+
+
+def log_held_bytes(out_dir, iter_num, model, optimizer, master_process):
+    """Every rank's measured bytes, gathered to rank 0: one log row per rank with the formula beside each."""
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, held_bytes(model, optimizer))
+    numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
+    formula = held_bytes_formula(numel, len(rows))
+    for rank, measured in enumerate(rows if master_process else []):
+        row = {'iter': iter_num, 'rank': rank}
+        for key, value in measured.items():
+            row[key], row[key + '_formula'] = value, formula[key]
+        with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
+            f.write(json.dumps(row) + '\n')
+        print(f"rank {rank} holds (measured, its shards): parameters {measured['param_bytes']:,} B, gradients "
+              f"{measured['grad_bytes']:,} B, AdamW moments {measured['optim_bytes']:,} B | formula 4Ψ/N, 4Ψ/N, 8Ψ/N "
+              f"(Ψ={numel:,}, N={len(rows)}): {formula['param_bytes']:,.0f}, {formula['grad_bytes']:,.0f}, "
+              f"{formula['optim_bytes']:,.0f}")
+
+
+def save_sharded(state, extras, path, master_process):
+    """A sharded checkpoint: every rank writes its own shards of state (torch.distributed.checkpoint) into a
+    fresh directory, rank 0 adds the small train.py fields (extras.pt), then swaps the directory in whole, so a
+    crash mid-save leaves the previous checkpoint."""
+    tmp, old = path + '.tmp', path + '.old'
+    if master_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if master_process:
+        torch.save(extras, os.path.join(tmp, 'extras.pt'))
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def full_checkpoint_state(model, optimizer):
+    """train.py's 'model' and 'optimizer': the shards gathered to full tensors on rank 0 (on the CPU), the
+    optimizer state keyed by position in configure_optimizers' parameter order, as a plain AdamW's state_dict.
+    Every rank must call it (it gathers); the others get empty dicts."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
+    if not model_sd:
+        return {}, {}
+    name_of = {p: name for name, p in model.named_parameters()}
+    names = [name_of[p] for group in optimizer.param_groups for p in group['params']]
+    plain = optimizer.state_dict()  # ids 0..n-1 in that order, and the groups' hyperparameters
+    plain['state'] = {i: optim_sd['state'][name] for i, name in enumerate(names) if name in optim_sd['state']}
+    return model_sd, plain
+
+
+def shard_optimizer_state(optimizer):
+    """After loading a full (train.py) AdamW state_dict: keep only this rank's shard of each moment, sharded as
+    its parameter is."""
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(p, DTensor) and key != 'step' and not isinstance(value, DTensor):
+                state[key] = distribute_tensor(value, p.device_mesh, p.placements)
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), got "
+                         f"{cfg.dtype!r}; float16 needs train.py's loss scaling")
+    if cfg.gradient_accumulation_steps % world_size_from_env() != 0:
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by "
+                         f"the world size ({world_size_from_env()}): each rank needs whole micro-batches (the world "
+                         f"is larger than the batch); pass a multiple of it")
+    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # joins torchrun's group
+    if dist.is_initialized():
+        cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
+    else:  # python train_fsdp.py: a group of one, so that the same code runs
+        dist.init_process_group('nccl' if cfg.device.startswith('cuda') else 'gloo', store=dist.HashStore(),
+                                rank=0, world_size=1)
+    master_process = dp_rank == 0  # logs, writes the full checkpoint, prints the sample
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    if master_process:
+        print(f"tokens per iteration: {tokens_per_iter:,} over {dp_size} data-parallel rank(s)")
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, 'float32')  # no autocast: the MixedPrecisionPolicy below casts instead
+    mesh = init_device_mesh(device_type, (dp_size,))
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.dtype == 'bfloat16' else MixedPrecisionPolicy()
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model
+    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    if cfg.init_from == 'scratch':
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from == 'resume':
+        # our sharded checkpoint if there is one, else a full train.py-format ckpt.pt (any script's)
+        sharded_path, ckpt_path = os.path.join(cfg.out_dir, 'ckpt_dcp'), os.path.join(cfg.out_dir, 'ckpt.pt')
+        if not os.path.exists(sharded_path) and not os.path.exists(ckpt_path):
+            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {sharded_path} or {ckpt_path}")
+        sharded = os.path.exists(sharded_path)
+        checkpoint = torch.load(os.path.join(sharded_path, 'extras.pt') if sharded else ckpt_path,
+                                map_location='cpu', weights_only=False)
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        if not sharded:
+            model.load_state_dict(checkpoint['model'])
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        if master_process:
+            trim_log(cfg.out_dir, iter_num)
+    elif cfg.init_from.startswith('gpt2'):
+        model = GPT.from_pretrained(cfg.init_from)
+        model.config.dropout = cfg.dropout
+        model.config.activation_checkpointing = cfg.activation_checkpointing
+    else:
+        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
+    if cfg.block_size > model.config.block_size:
+        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    model.to(cfg.device)
+    if master_process:
+        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
+    model = shard_model(model, mesh, mp_policy)  # every rank built the same full model; now each keeps 1/N
+    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
+    # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        if sharded:  # every rank reads its own shards of the model and the optimizer state
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {'model': model_sd, 'optimizer': optim_sd}
+            dcp.load(state, checkpoint_id=sharded_path)
+            set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optimizer'])
+        else:
+            optimizer.load_state_dict(checkpoint['optimizer'])
+            shard_optimizer_state(optimizer)
+        scaler.load_state_dict(checkpoint['scaler'])
+        torch.set_rng_state(checkpoint['rng_state'])
+        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
+            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+    if cfg.dropout > 0 and dp_rank > 0:
+        torch.manual_seed(cfg.seed + dp_rank)  # its own dropout masks; rank 0 keeps train.py's (checkpointed) stream
+    checkpoint = None  # free it
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model)
+
+    def loss_of(x, y):
+        with ctx:
+            return model(x, y)[1]
+
+    # training loop
+    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    t_last, iters_since_log = time.time(), 0
+    start_iter = iter_num
+    while True:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+
+        # evaluate, and checkpoint the state from which iteration iter_num starts
+        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+            model.eval()
+            losses = estimate_loss(loss_of, data, cfg)
+            model.train()
+            if master_process:  # every rank evaluated (the forward gathers), with the same result
+                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
+                                      'lr': lr})
+            if not math.isfinite(losses['val']):
+                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
+            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+                best_val_loss = min(best_val_loss, losses['val'])
+                model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # this rank's shards, keyed by name
+                save_sharded({'model': model_sd, 'optimizer': optim_sd}, {
+                    'scaler': scaler.state_dict(),
+                    'rng_state': torch.get_rng_state(),
+                    'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                    'model_args': vars(raw_model.config),
+                    'iter_num': iter_num,
+                    'best_val_loss': best_val_loss,
+                    'config': vars(cfg),
+                }, os.path.join(cfg.out_dir, 'ckpt_dcp'), master_process)
+            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+
+        # one iteration: forward and backward over every micro-batch, then one optimizer step
+        micro_steps = cfg.gradient_accumulation_steps // dp_size
+        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+        loss_sum = torch.zeros((), device=cfg.device)
+        for micro_step in range(micro_steps):
+            # reduce-scatter the gradients in the last micro-step's backward only; before it they add up locally
+            # (full size, per block: less communication for more memory)
+            model.set_requires_gradient_sync(micro_step == micro_steps - 1)
+            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
+            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
+                             cfg.device)
+            with ctx:
+                _, loss = model(x, y)
+                loss = loss / micro_steps  # the gradient is the mean over the whole batch (FSDP averages ranks)
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()
+        if cfg.grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the norm of all ranks' shards
+        scaler.step(optimizer)
+        scaler.update()
+        if iter_num == start_iter:  # once, when the gradients and the AdamW state exist
+            log_held_bytes(cfg.out_dir, iter_num, model, optimizer, master_process)
+        optimizer.zero_grad(set_to_none=True)
+
+        # log
+        loss_value = mean_over_ranks(loss_sum).item()  # the mean loss over the global batch
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
+        iters_since_log += 1
+        if iter_num % cfg.log_interval == 0 and master_process:
+            dt = (time.time() - t_last) / iters_since_log
+            t_last, iters_since_log = time.time(), 0
+            tokens_per_sec = tokens_per_iter / dt
+            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
+                                  'tokens_per_sec': tokens_per_sec,
+                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        iter_num += 1
+
+    if cfg.export:  # one train.py-format checkpoint of the state from which iteration iter_num starts
+        model_sd, optim_sd = full_checkpoint_state(raw_model, optimizer)
+        if master_process:
+            save_checkpoint({
+                'model': model_sd,
+                'optimizer': optim_sd,
+                'scaler': scaler.state_dict(),
+                'rng_state': torch.get_rng_state(),
+                'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                'model_args': vars(raw_model.config),
+                'iter_num': iter_num,
+                'best_val_loss': best_val_loss,
+                'config': vars(cfg),
+            }, os.path.join(cfg.out_dir, 'ckpt.pt'))
+            print(f"exported {os.path.join(cfg.out_dir, 'ckpt.pt')} (train.py's format) at iter {iter_num}")
+    if cfg.sample_at_end and not cfg.eval_only:
+        encode, decode = get_codec(cfg.dataset)
+        raw_model.eval()
+        start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
+        with ctx:  # every rank generates (each forward gathers the shards); rank 0 prints
+            text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
+        if master_process:
+            print(f"---------- a sample ----------\n{text}\n------------------------------")
+            print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+    dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    run_main(main)
