@@ -1,7 +1,7 @@
 # The CPU default, written out: exactly what `python train.py` with no arguments does. A 0.8M-parameter GPT-2-layout
 # model on the Python standard library's own sources as characters (data/stdlib_char, built offline on first use),
-# 750 iterations of 16 x 128 characters: about 3 minutes on 2 CPU cores, val loss from ln(96) = 4.56 down to
-# about 2, and a sample that looks like Python. Copy this file to change the default run.
+# 750 iterations of 16 x 128 characters: about 3 minutes on 2 idle CPU cores (~0.2 s per iteration). Val loss
+# starts at ln(96) = 4.56 and was 2.39 by iteration 200 in a measured run. Copy this file to change the default.
 #   python train.py config/train_stdlib_char.py
 #   python sample.py
 out_dir = 'out'

@@ -167,6 +167,11 @@ def test_every_shipped_config_sets_only_valid_keys():
         M.model_config(cfg, 50304)  # and describes a valid model
 
 
+def test_cpu_default_config_is_the_default():
+    import train
+    assert vars(M.configure(train.config, [os.path.join(REPO, 'config', 'train_stdlib_char.py')])) == train.config
+
+
 def test_block_size_too_large():
     import numpy as np
     with pytest.raises(SystemExit, match='block_size 16 is too large'):
