@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from model import GPT, GPTConfig, configure, load_dataset, model_config
+from model import GPT, configure, load_dataset, model_config
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
