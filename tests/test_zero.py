@@ -191,13 +191,14 @@ def test_stages_match_pytorch_ddp_zero_redundancy_fsdp2():
 @pytest.fixture(scope='module')
 def split_runs(tmp_path_factory):
     """On 2 ranks: stages 1 and 3 for 2 iterations, then resumed from their shards to 3; stage 2 for 2 iterations
-    (consolidated and continued elsewhere)."""
+    (consolidated and continued elsewhere); every stage for 1 iteration in bfloat16."""
     tmp = tmp_path_factory.mktemp('zero_split')
     argvs = []
     for stage in (1, 3):
         argvs += [zero_args(tmp / f'whole{stage}', stage), zero_args(tmp / f'split{stage}', stage, 2),
                   zero_args(tmp / f'split{stage}', stage, 3, '--init_from=resume', '--eval_interval=2')]
     argvs.append(zero_args(tmp / 'half2', 2, 2))
+    argvs += [zero_args(tmp / f'bf16_{stage}', stage, 1, '--dtype=bfloat16') for stage in range(4)]
     spawn(run_mains, 2, 'zero', argvs)
     return tmp
 
@@ -212,6 +213,19 @@ def test_shard_checkpoint_resume_is_identical(split_runs):
             assert a['step'] == b['step'] == 3
             for key in ('master', 'exp_avg', 'exp_avg_sq'):
                 assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (stage, rank, key)
+
+
+def test_bfloat16_holds_the_papers_2_2_12_bytes(split_runs):
+    """bf16 parameters and gradients, fp32 master + Adam m, v: 2Ψ + 2Ψ + 12Ψ, sharded as each stage says."""
+    for stage in range(4):
+        rows = [r for r in read_log(split_runs / f'bf16_{stage}') if 'rank' in r]
+        assert len(rows) == 2
+        for r in rows:
+            formula = zero.model_state_bytes_formula(r['numel'], 2, stage, mixed_precision=True)
+            for k, v in formula.items():
+                assert v == r[k + '_formula'] and v <= r[k] <= v + 16 * 2 * r['buckets'], (stage, k, r)
+            assert r['comm_bytes_per_step'] == pytest.approx(
+                zero.comm_bytes_formula(r['numel'], 2, stage, 2, micro_steps=3), rel=0.01)
 
 
 def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(split_runs, reference, tmp_path):
