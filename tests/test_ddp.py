@@ -97,7 +97,6 @@ def test_ddp_without_torchrun_is_train_py(runs, tmp_path):
 def _no_sync_worker(rank, world_size):
     """Rank's view of DDP with gradient accumulation: after a no_sync micro-step its gradient is its own (no
     all-reduce yet); after the last micro-step it is the mean gradient of the whole global batch."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from model import GPT, GPTConfig
     from train_ddp import sync_context
