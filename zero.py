@@ -76,7 +76,7 @@ seed = 1337
 peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
 # ZeRO
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
-bucket_size = 1_000_000         # elements per gradient bucket in stages 0-2 (stage 3 uses one bucket per block)
+bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
 consolidate = ''                # a directory: write its rank shards as one train.py checkpoint, then exit
