@@ -18,7 +18,7 @@ stage 3  + parameters sharded: a block's parameters are all-gathered just before
 
 The update is torch.optim.AdamW's, element by element, so every stage trains the same numbers as train.py.
 It prints, per rank, the bytes it holds (at rest and at the peak of a step) and the bytes it sends per step,
-measured, beside the ZeRO paper's formulas (/work/shared/REFERENCE.md). Diff it against train.py.
+measured, beside the ZeRO paper's formulas (Rajbhandari et al. 2020). Diff it against train.py.
 """
 
 import json
