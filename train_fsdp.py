@@ -57,15 +57,15 @@ dropout = 0.0
 bias = False
 # AdamW
 learning_rate = 2e-3
-max_iters = 1500
+max_iters = 750
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
 grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
 # learning rate schedule
 decay_lr = True
-warmup_iters = 100
-lr_decay_iters = 1500
+warmup_iters = 50
+lr_decay_iters = 750            # usually equal to max_iters
 min_lr = 2e-4
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
