@@ -48,7 +48,7 @@ dropout = 0.0
 bias = False
 # AdamW
 learning_rate = 2e-3
-max_iters = 750
+max_iters = 1250                # ~0.12 s per iteration on an idle 2-core CPU: under 3 minutes
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
@@ -56,7 +56,7 @@ grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 tur
 # learning rate schedule
 decay_lr = True
 warmup_iters = 50
-lr_decay_iters = 750            # usually equal to max_iters
+lr_decay_iters = 1250           # usually equal to max_iters
 min_lr = 2e-4
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
