@@ -658,6 +658,7 @@ def main(argv):
         iter_num += 1
 
     if dist.is_initialized():
+        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
         dist.destroy_process_group()
 
 

@@ -703,6 +703,7 @@ def main(argv):
     if cfg.sample_at_end and not cfg.eval_only and master:
         print("(sampling needs the whole model: consolidate, then python sample.py --out_dir=<that directory>)")
     if world_size > 1:
+        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
         dist.destroy_process_group()
 
 

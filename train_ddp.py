@@ -236,6 +236,7 @@ def main(argv):
         print(f"---------- a sample ----------\n{text}\n------------------------------")
         print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
     if ddp:
+        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
         dist.destroy_process_group()
 
 

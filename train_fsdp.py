@@ -365,6 +365,7 @@ def main(argv):
         if master_process:
             print(f"---------- a sample ----------\n{text}\n------------------------------")
             print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+    dist.barrier()  # wait for rank 0's last checkpoint and sample: tearing gloo down under a busy peer can abort
     dist.destroy_process_group()
 
 

@@ -808,6 +808,7 @@ def main(argv):
             print(f"consolidate and sample more with: python zero.py --consolidate={cfg.out_dir} && "
                   f"python sample.py --out_dir={cfg.out_dir}")
     if owns_group and world_size > 1:
+        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
         dist.destroy_process_group()
 
 
