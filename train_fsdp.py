@@ -45,9 +45,8 @@ init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt) or a GPT
 sample_at_end = True            # print a short sample when training ends
 # data
 dataset = 'stdlib_char'
-gradient_accumulation_steps = 8  # micro-steps per iteration, summed over all data-parallel ranks
-batch_size = 2                   # sequences per micro-step per data-parallel rank
-# (train.py's global batch of 16 sequences, cut in 8 micro-batches so that 1, 2, 4 or 8 ranks can share it)
+gradient_accumulation_steps = 2  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 8                   # sequences per micro-step per data-parallel rank
 block_size = 128
 # model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
 n_layer = 4

@@ -47,8 +47,8 @@ init_from = 'scratch'           # 'scratch' or 'resume' (out_dir's rank shards, 
 sample_at_end = True            # print a short sample when training ends
 # data
 dataset = 'stdlib_char'
-gradient_accumulation_steps = 2  # micro-steps per iteration, summed over all data-parallel ranks (2: 2 ranks)
-batch_size = 8                   # sequences per micro-step per data-parallel rank (8 × 2: train.py's batch)
+gradient_accumulation_steps = 2  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 8                   # sequences per micro-step per data-parallel rank
 block_size = 128
 # model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
 n_layer = 4

@@ -1,6 +1,6 @@
 # The CPU default, written out: exactly what `python train.py` with no arguments does. A 0.8M-parameter GPT-2-layout
 # model on the Python standard library's own sources as characters (data/stdlib_char, built offline on first use),
-# 1250 iterations of 16 x 128 characters: under 3 minutes on 2 idle CPU cores (~0.12 s per iteration). Val loss
+# 1250 iterations of 2 x 8 x 128 characters: under 3 minutes on 2 idle CPU cores (~0.12 s per iteration). Val loss
 # starts at ln(96) = 4.56; a measured run of 750 iterations ended at 1.96. Copy this file to change the default.
 #   python train.py config/train_stdlib_char.py
 #   python sample.py
@@ -9,8 +9,8 @@ eval_interval = 250
 log_interval = 25
 eval_iters = 20
 dataset = 'stdlib_char'
-gradient_accumulation_steps = 1
-batch_size = 16
+gradient_accumulation_steps = 2
+batch_size = 8
 block_size = 128
 n_layer = 4
 n_head = 4
