@@ -294,8 +294,9 @@ def read_log(out_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'comm_bytes_per_step',
-            'p2p_bytes_per_step', 'bubble_fraction', 'peak_microbatches_held']
+MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'peak_activation_bytes',
+            'collective_bytes', 'wire_bytes', 'p2p_bytes_per_step', 'bubble_fraction', 'compute_fraction',
+            'send_recv_fraction', 'peak_microbatches_held']
 
 
 def summarize(log, warmup):
@@ -369,16 +370,28 @@ def measured_cell(row, key, fmt=fmt_bytes):
     return fmt(value) + ('' if formula is None else f" ({fmt(formula)})")
 
 
-def comm_cell(row):
-    """Bytes sent per step by collectives (zero.py, tensor_parallel.py) or by send/recv (pipeline.py)."""
-    if row.get('comm_bytes_per_step') is None and row.get('p2p_bytes_per_step') is not None:
-        return measured_cell(row, 'p2p_bytes_per_step') + ' p2p'
-    return measured_cell(row, 'comm_bytes_per_step')
+def activation_cell(row):
+    """tensor_parallel.py: one layer's saved activations; pipeline.py: the stage's peak of saved activations."""
+    if row.get('activation_bytes') is None and row.get('peak_activation_bytes') is not None:
+        return measured_cell(row, 'peak_activation_bytes') + ' peak'
+    return measured_cell(row, 'activation_bytes')
+
+
+def sent_cells(row):
+    """Bytes one rank sent per step: handed to its collectives and sends (counted at the calls), and on the wire:
+    measured from the OS's loopback counter (the ring formula for those calls in parentheses)."""
+    counted = fmt_bytes(row.get('collective_bytes')) if row.get('collective_bytes') is not None else '-'
+    if row.get('wire_bytes') is None and row.get('wire_bytes_formula') is None:
+        return counted, '-'
+    return counted, measured_cell(row, 'wire_bytes')
 
 
 def bubble_cell(row, pct):
-    """The pipeline's measured bubble (formula), and the most micro-batches' activations a stage held."""
+    """The pipeline's measured bubble (formula), the share of the step in send/recv, and the most micro-batches'
+    activations a stage held."""
     cell = measured_cell(row, 'bubble_fraction', pct)
+    if row.get('send_recv_fraction') is not None:
+        cell += f", send/recv {pct(row['send_recv_fraction'])}"
     held = row.get('peak_microbatches_held')
     return cell if held is None else f"{cell}, held {held}"
 
@@ -386,20 +399,20 @@ def bubble_cell(row, pct):
 def bench_markdown(results, rows, all_same, rtol):
     pct = lambda x: f"{100 * x:.1f}%"
     lines = ['| row | script | ms/step | tokens/s | MFU | params/rank | grads/rank | optimizer/rank | '
-             'activations/rank | comm/step/rank | bubble | final loss | same loss |',
-             '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+             'activations/rank | sent/step/rank: collective bytes | wire bytes | bubble | final loss | same loss |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for name, r in results.items():
         script = ' '.join([rows[name][0]] + rows[name][1])
         if r.get('status') != 'ok':
-            lines.append(f"| {name} | {script} | {r.get('status').replace('|', '/')} |" + ' |' * 10)
+            lines.append(f"| {name} | {script} | {r.get('status').replace('|', '/')} |" + ' |' * 11)
             continue
         mfu = pct(r['mfu']) if r.get('mfu') is not None else 'n/a'
         same = ('other model' if name == GPT2_ROW else 'yes' if r['loss_matches'] else
                 f"**DIFFERS** ({r['loss_max_rel_diff']:.1e})")
         lines.append(f"| {name} | {script} | {r['ms']:.1f} | {r['tokens_per_sec']:.0f} | {mfu} | "
                      f"{measured_cell(r, 'param_bytes')} | {measured_cell(r, 'grad_bytes')} | "
-                     f"{measured_cell(r, 'optim_bytes')} | {measured_cell(r, 'activation_bytes')} | "
-                     f"{comm_cell(r)} | {bubble_cell(r, pct)} | "
+                     f"{measured_cell(r, 'optim_bytes')} | {activation_cell(r)} | "
+                     f"{' | '.join(sent_cells(r))} | {bubble_cell(r, pct)} | "
                      f"{r['final_loss']:.6f} | {same} |")
     ok = [n for n, r in results.items() if r.get('status') == 'ok' and n != GPT2_ROW]
     if all_same:
@@ -508,8 +521,9 @@ def parse_args(argv):
     p.add_argument('--warmup', type=int, default=2, help='iterations left out of the timing')
     p.add_argument('--n_layer', type=int, default=4)
     p.add_argument('--n_head', type=int, default=4)
-    p.add_argument('--n_embd', type=int, default=128)
-    p.add_argument('--block_size', type=int, default=64)
+    p.add_argument('--n_embd', type=int, default=384,
+                   help='wide enough that compute dominates, so the pipeline rows measure a bubble near the formula')
+    p.add_argument('--block_size', type=int, default=128)
     p.add_argument('--batch_size', type=int, default=8, help='sequences per dp rank; global batch x world_size')
     p.add_argument('--dtype', default=None, help='bench default float32; estimate default bfloat16 (mixed precision)')
     p.add_argument('--seed', type=int, default=1337)

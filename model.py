@@ -9,17 +9,21 @@ process-group setup), so that each training script is train.py plus one idea.
 """
 
 import ast
+import contextlib
 import inspect
 import json
 import math
 import os
+import re
 import sys
-import time
-from dataclasses import dataclass, fields, asdict
+import threading
+from collections import Counter
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -131,6 +135,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.rope = config.pos == 'rope'
         self.rope_theta = config.rope_theta
+        # the random stream the attention-probability dropout draws from; tensor parallelism gives each rank's
+        # heads their own (Megatron's model-parallel RNG), everything else shares the process's stream
+        self.dropout_rng = contextlib.nullcontext
 
     def forward(self, x):
         B, T, _ = x.size()
@@ -147,7 +154,9 @@ class CausalSelfAttention(nn.Module):
         if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head // n_kv_head query heads
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        with self.dropout_rng() if dropout > 0 else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
@@ -262,12 +271,6 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus attention's 12*L*h*s."""
         cfg = self.config
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
-
-    def estimate_mfu(self, tokens_per_sec, peak_flops):
-        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak (None where it is unknown)."""
-        if not peak_flops:
-            return None
-        return self.flops_per_token() * tokens_per_sec / peak_flops
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -488,50 +491,74 @@ def get_lr(it, cfg):
 
 
 @torch.no_grad()
-def estimate_loss(loss_of, data, cfg):
+def estimate_loss(loss_of, data, cfg, dp=None):
     """Mean loss over eval_iters fixed batches of batch_size sequences for each split. loss_of(x, y) returns the
-    mean loss of one batch however the strategy computes it, so every script evaluates the same batches."""
-    out = {}
-    for split in ('train', 'val'):
-        losses = [loss_of(*get_batch(data[split], cfg.seed, EVAL_STREAM, k, cfg.batch_size, cfg.block_size,
-                                     device=cfg.device)) for k in range(cfg.eval_iters)]
-        out[split] = float(sum(float(l) for l in losses) / len(losses))
-    return out
+    mean loss of one batch however the strategy computes it, so every script evaluates the same batches.
+    The data-parallel ranks share the work (dp: their Comm): rank r takes batches r, r + dp, ... and one
+    all-reduce adds the sums up. Every rank runs the same number of forwards (a rank short of a batch repeats the
+    last one with weight 0), because a sharded model needs every rank in every forward."""
+    dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
+    n = cfg.eval_iters
+    sums = torch.zeros(2, device=cfg.device)
+    for i, split in enumerate(('train', 'val')):
+        for k in range(dp_rank, math.ceil(n / dp_size) * dp_size, dp_size):
+            x, y = get_batch(data[split], cfg.seed, EVAL_STREAM, min(k, n - 1), cfg.batch_size, cfg.block_size,
+                             device=cfg.device)
+            loss = loss_of(x, y).float()
+            if k < n:
+                sums[i] += loss
+    if dp is not None:
+        dp.all_reduce(sums)
+    return {'train': sums[0].item() / n, 'val': sums[1].item() / n}
 
 
 def autocast_context(device_type, dtype):
-    """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32."""
-    import contextlib
+    """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32. On CUDA, float32 matmuls
+    run on the TF32 tensor cores, as nanoGPT sets them (so MFU divides by the TF32 peak)."""
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if dtype == 'float32':
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
 
 
-# Dense peak FLOP/s of common accelerators by dtype, for MFU; match is by substring of the device name.
+# Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core peak
+# where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word, so 'L4'
+# is not found inside 'L40S'.
 PEAK_FLOPS = {
     'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
     'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
     'A100': {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12},
+    'L40S': {'bfloat16': 362e12, 'float16': 362e12, 'float32': 183e12},
     'A10G': {'bfloat16': 70e12, 'float16': 70e12, 'float32': 35e12},
     'L4': {'bfloat16': 121e12, 'float16': 121e12, 'float32': 60e12},
     'RTX 4090': {'bfloat16': 165e12, 'float16': 165e12, 'float32': 83e12},
     'RTX 3090': {'bfloat16': 71e12, 'float16': 71e12, 'float32': 36e12},
-    'V100': {'bfloat16': 125e12, 'float16': 125e12, 'float32': 15.7e12},
-    'T4': {'bfloat16': 65e12, 'float16': 65e12, 'float32': 8.1e12},
+    'V100': {'float16': 125e12, 'float32': 15.7e12},  # no bf16, no TF32
+    'T4': {'float16': 65e12, 'float32': 8.1e12},
 }
 
 
-def peak_flops_for(device, dtype, override=None):
-    """The peak FLOP/s that MFU divides by: the peak_flops config key if set, else the table, else None
-    (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
+def peak_flops_for(device, dtype, override=None, device_name=None):
+    """The peak FLOP/s of one device that MFU divides by: the peak_flops config key if set, else the table, else
+    None (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
     if override:
         return override
-    if device.startswith('cuda'):
-        name = torch.cuda.get_device_name(device)
+    if device.startswith('cuda') or device_name:
+        name = device_name or torch.cuda.get_device_name(device)
         for key, by_dtype in PEAK_FLOPS.items():
-            if key in name:
-                return by_dtype[dtype]
+            if re.search(rf'(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])', name):
+                return by_dtype.get(dtype)
     return None
+
+
+def mfu(flops_per_token, tokens_per_sec, n_devices, peak_flops):
+    """Model FLOPs utilisation per device: the whole model's training FLOPs per token times the tokens per second
+    of the whole run (every rank together), over n_devices devices' peak. None where the peak is unknown."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_sec / (n_devices * peak_flops)
 
 
 def peak_memory_bytes(device):
@@ -596,12 +623,227 @@ def save_checkpoint(obj, path):
             os.remove(tmp)
 
 
+def cpu_copy(obj):
+    """A copy of obj (dicts, lists, tuples of tensors and plain values) with every tensor copied to CPU memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to('cpu', copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Writes checkpoints in a background thread (as torch.distributed.checkpoint's async_save does), so that a
+    slow disk never keeps a rank out of the next collective while its peers wait there under the process group's
+    timeout: a 7B model's checkpoint takes minutes, the timeout is one. save() copies the state to CPU memory
+    (training goes on changing the tensors), waits for the previous write, starts this one and returns."""
+
+    def __init__(self):
+        self.thread, self.error = None, None
+
+    def save(self, obj, path):
+        snapshot = cpu_copy(obj)
+        self.wait()
+        self.thread = threading.Thread(target=self._write, args=(snapshot, path), daemon=False)
+        self.thread.start()
+
+    def _write(self, snapshot, path):
+        try:
+            save_checkpoint(snapshot, path)
+        except BaseException as e:  # raised again in the training thread, at the next save or at the end
+            self.error = e
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+# -----------------------------------------------------------------------------
+# Random streams: dropout masks per rank, saved and restored with every rank's checkpoint
+
+def rng_state():
+    """This process's random streams: the CPU generator, and the current GPU's when there is one."""
+    return {'cpu': torch.get_rng_state(),
+            'cuda': torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state['cpu'])
+    if state.get('cuda') is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state['cuda'])
+
+
+def seed_dropout(seed, dp_rank, pp_rank=0):
+    """Call once the model is built (every rank built the same weights from `seed`). Each data-parallel rank, and
+    each pipeline stage (as Megatron offsets its seed by the stage), then draws its own dropout masks. The rank
+    at (0, 0) keeps the stream train.py has at this point, so a run of one rank is train.py. The same call in
+    every data-parallel script: DDP, ZeRO and FSDP draw the same masks and give one another's loss curve."""
+    if (dp_rank, pp_rank) != (0, 0):
+        torch.manual_seed(seed + dp_rank + 100_003 * pp_rank)
+
+
+def gather_rng_states(comm):
+    """Every rank of comm's group: its rng_state(), in rank order (a collective; the result on every rank)."""
+    if comm.size == 1:
+        return [rng_state()]
+    states = [None] * comm.size
+    dist.all_gather_object(states, rng_state(), group=comm.group)
+    return states
+
+
+def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
+    """Resume the random streams: this rank's own saved state when the checkpoint has one per rank of a world of
+    this size ('rng_states'), else (another world size: masks cannot continue exactly) rank 0 takes train.py's
+    'rng_state' and the others start their own stream, as at the start of a run."""
+    states = checkpoint.get('rng_states')
+    if states is not None and len(states) == world_size:
+        set_rng_state(states[rank])
+        return
+    set_rng_state({'cpu': checkpoint['rng_state'], 'cuda': checkpoint.get('cuda_rng_state')})
+    seed_dropout(seed, dp_rank, pp_rank)
+
+
+# -----------------------------------------------------------------------------
+# Communication: counted at our calls, modelled by the ring formulas, measured on the wire
+
+# torch 2.13 named these all_gather_single / reduce_scatter_single and deprecated the old names; requirements.txt
+# allows torch 2.6, which has only the old ones (same arguments). One choice here, for every file.
+all_gather_single = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
+
+# What a ring algorithm sends per rank, as a multiple of the full tensor's bytes (n ranks in the group): an
+# all-reduce is a reduce-scatter then an all-gather. A send moves the tensor once.
+RING_FACTOR = {'all_reduce': lambda n: 2 * (n - 1) / n, 'reduce_scatter': lambda n: (n - 1) / n,
+               'all_gather': lambda n: (n - 1) / n, 'send': lambda n: 1.0}
+
+
+class Comm:
+    """One process group (name: 'dp', 'tp', 'pp', ...), the rank's place in it, and its collectives. Every
+    collective and send of a strategy goes through one, so the bytes are counted in one place:
+    collective_bytes[kind] counts the bytes of the tensors handed to each kind of call (the full tensor for a
+    reduce-scatter or all-gather), wire_bytes_formula[kind] what ring algorithms send for those calls (the papers'
+    number). What really crosses the wire depends on the backend: see WireMeter. A group of one moves nothing."""
+
+    def __init__(self, group=None, name='dp'):
+        self.group, self.name = group, name
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.collective_bytes, self.wire_bytes_formula = Counter(), Counter()
+
+    def count(self, kind, tensor, op=None):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.collective_bytes[kind] += nbytes
+        self.wire_bytes_formula[kind] += RING_FACTOR[op or kind](self.size) * nbytes
+
+    def clear(self):
+        self.collective_bytes.clear()
+        self.wire_bytes_formula.clear()
+
+    def all_reduce(self, x, op=dist.ReduceOp.SUM, async_op=False, kind='all_reduce'):
+        if self.size == 1:
+            return None
+        self.count(kind, x, 'all_reduce')
+        return dist.all_reduce(x, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, out, full, async_op=False):
+        """out (this rank's 1/size) = its chunk of the sum over ranks of full."""
+        if self.size == 1:
+            out.copy_(full)
+            return None
+        self.count('reduce_scatter', full)
+        return reduce_scatter_single(out, full, group=self.group, async_op=async_op)
+
+    def all_gather(self, full, shard, async_op=False):
+        """full = every rank's shard, in rank order."""
+        if self.size == 1:
+            full.copy_(shard)
+            return None
+        self.count('all_gather', full)
+        return all_gather_single(full, shard, group=self.group, async_op=async_op)
+
+    def send_recv(self, sends, recvs):
+        """Post sends [(tensor, global peer rank)] and receives [(buffer, peer)] together in one batch_isend_irecv
+        (as Megatron does: two neighbours sending to each other at once cannot deadlock, on NCCL too).
+        Returns (works of the sends, works of the receives); the caller waits for them."""
+        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+        for t, _ in sends:
+            self.count('send', t)
+        if not ops:
+            return [], []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # a backend that coalesces the batch into one work: it covers everything
+            return [], works
+        return works[:len(sends)], works[len(sends):]
+
+
+def comm_report(comms):
+    """{'collective_bytes': {'dp all_reduce': ...}, 'wire_bytes_formula': {...}} over several groups' Comms."""
+    out = {'collective_bytes': {}, 'wire_bytes_formula': {}}
+    for c in comms:
+        for key in out:
+            for kind, value in getattr(c, key).items():
+                out[key][f'{c.name} {kind}'] = out[key].get(f'{c.name} {kind}', 0) + value
+    return out
+
+
+def loopback_bytes_sent():
+    """Bytes this machine has sent through its loopback interface since boot, from the OS's counters
+    (Linux's /proc/net/dev); None elsewhere."""
+    try:
+        with open('/proc/net/dev') as f:
+            for line in f:
+                name, _, counters = line.partition(':')
+                if name.strip() == 'lo':
+                    return int(counters.split()[8])  # transmit bytes
+    except OSError:
+        return None
+    return None
+
+
+class WireMeter:
+    """Measured: the bytes one rank sent over a window of steps, from the operating system's network counters.
+    With gloo and every rank on this machine (torchrun --standalone, or several "nodes" on one host) all the
+    traffic goes through the loopback interface: its counter is read at the start and at the end of the window,
+    each after a barrier, and divided by the ranks on the machine, giving the mean bytes one rank sent (with TCP
+    headers, a fraction of a percent on large messages). NCCL (NVLink, InfiniBand) and peers on other machines
+    bypass it: then the meter reports None rather than a guess."""
+
+    def __init__(self):
+        local = int(os.environ.get('LOCAL_WORLD_SIZE', os.environ.get('WORLD_SIZE', '1')))
+        self.ranks_here = local
+        self.why_not = (None if dist.is_initialized() and dist.get_backend() == 'gloo' and
+                        local == dist.get_world_size() and loopback_bytes_sent() is not None else
+                        'not measured: ' + ('one process' if not dist.is_initialized() else
+                                            'NCCL bypasses the OS counters' if dist.get_backend() != 'gloo' else
+                                            'peers on other machines' if local != dist.get_world_size() else
+                                            'no /proc/net/dev'))
+        self.start_bytes = None
+
+    def start(self):
+        if self.why_not is None:
+            dist.barrier()
+            self.start_bytes = loopback_bytes_sent()
+
+    def stop(self):
+        """The mean bytes each rank sent since start(), or None."""
+        if self.why_not is not None or self.start_bytes is None:
+            return None
+        dist.barrier()
+        return (loopback_bytes_sent() - self.start_bytes) / self.ranks_here
+
+
 def init_distributed(timeout_s):
     """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run as
     one process without it. NCCL with one GPU per process when CUDA is there, gloo on CPU.
     Returns (rank, local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
     import datetime
-    import torch.distributed as dist
     if 'RANK' not in os.environ:
         return 0, 0, 1, ('cuda' if torch.cuda.is_available() else 'cpu')
     rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])

@@ -20,9 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
-                   get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
-                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, WireMeter, autocast_context, comm_report,
+                   config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_lr, init_distributed,
+                   load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes,
+                   restore_rng, run_main, save_checkpoint, seed_dropout, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -167,23 +168,52 @@ def keep_stage(model, stage, pp_size):
     return layers
 
 
+class Clock:
+    """The step's clock: the device's own on a GPU (CUDA events; kernels run after the host has moved on, so the
+    host clock would time their launches), the host's on a CPU. mark() stamps now; seconds() reads the gaps once
+    the step is over, after one synchronize."""
+
+    def __init__(self, device):
+        self.cuda = device.startswith('cuda')
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end):
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+    def synchronize(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
 class Stage:
     """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
-    boundary, and the record of what it executed (op, microbatch, start, end) and held."""
+    boundary, and the record of what it executed and held during the last schedule."""
 
-    def __init__(self, model, layers, stage, pp_size, grid_row, act_shape, device, ctx):
+    def __init__(self, model, layers, stage, pp_size, grid_row, act_shape, device, ctx, pp_comm):
         self.model, self.layers, self.stage, self.pp = model, layers, stage, pp_size
         self.is_first, self.is_last = stage == 0, stage == pp_size - 1
         self.prev_rank = None if self.is_first else int(grid_row[stage - 1])
         self.next_rank = None if self.is_last else int(grid_row[stage + 1])
-        self.act_shape, self.device, self.ctx = act_shape, device, ctx
-        self.held = {}           # microbatch -> (input, output): the activations whose graph is alive
-        self.peak_held = 0
-        self.records = []        # (op 'F'/'B', microbatch, t_start, t_end), seconds since the schedule started
-        self.pending_sends = []  # a gloo send completes only when the peer receives: wait for them at the end
-        self.t0 = 0.0
+        self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
+        self.clock = Clock(device)
+        self.held = {}            # microbatch -> (input, output): the activations whose graph is alive
+        self.held_bytes = {}      # microbatch -> bytes autograd saved for its backward, measured
+        self.pending_sends = []   # sends not yet complete: each holds its tensor until it is
         self.loss_sum = torch.zeros((), device=device)
-        self.bytes_sent = 0      # counted at the send calls
+        self.reset()
+
+    def reset(self):
+        """A new schedule: its records start empty."""
+        self.records = []         # (op, microbatch, start mark, end mark): F, B, or W (waiting in send/recv)
+        self.peak_held, self.peak_held_bytes, self.peak_pending_sends = 0, 0, 0
+        self.microbatch_bytes = 0  # the most one microbatch's saved activations took
+        self.t0 = self.clock.mark()
 
 
 # -----------------------------------------------------------------------------
@@ -191,33 +221,30 @@ class Stage:
 
 
 def communicate(st, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-    """Post this stage's sends and receives together (one batch_isend_irecv, as Megatron's _communicate: two
-    neighbours that send to each other at the same moment cannot deadlock, also on NCCL), wait for the receives.
-    The shape is known from the config, so there is no shape handshake. Returns (from_prev, from_next)."""
-    ops, from_prev, from_next = [], None, None
-    for t in (send_next, send_prev):
-        if t is not None:
-            st.bytes_sent += t.numel() * t.element_size()
-    if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), st.next_rank))
-    if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.detach().contiguous(), st.prev_rank))
-    if recv_prev:
-        from_prev = torch.empty(st.act_shape, device=st.device)
-        ops.append(dist.P2POp(dist.irecv, from_prev, st.prev_rank))
-    if recv_next:
-        from_next = torch.empty(st.act_shape, device=st.device)
-        ops.append(dist.P2POp(dist.irecv, from_next, st.next_rank))
-    if not ops:
-        return None, None
-    works = dist.batch_isend_irecv(ops)
-    if len(works) == len(ops):
-        n_sends = (send_next is not None) + (send_prev is not None)
-        st.pending_sends += works[:n_sends]
-        works = works[n_sends:]
-    for w in works:  # the receives (or, where the backend coalesces the batch into one work, everything)
+    """Post this stage's sends and receives together (Comm.send_recv: one batch_isend_irecv), and wait for the
+    receives. The sends are waited for at the next exchange (the compute in between overlaps them), so a sent
+    buffer is let go one exchange later, not kept until the schedule ends. The shape is known from the config,
+    so there is no shape handshake. Returns (from_prev, from_next); the time spent is recorded as W."""
+    start = st.clock.mark()
+    finish_sends(st)  # the previous exchange's: their peers have posted the matching receives by now
+    sends = [(t.detach().contiguous(), peer) for t, peer in ((send_next, st.next_rank), (send_prev, st.prev_rank))
+             if t is not None]
+    from_prev = torch.empty(st.act_shape, device=st.device) if recv_prev else None
+    from_next = torch.empty(st.act_shape, device=st.device) if recv_next else None
+    recvs = [(t, peer) for t, peer in ((from_prev, st.prev_rank), (from_next, st.next_rank)) if t is not None]
+    send_works, recv_works = st.comm.send_recv(sends, recvs)
+    for w in recv_works:
         w.wait()
+    st.pending_sends += [(w, t) for w, (t, _) in zip(send_works, sends)]
+    st.peak_pending_sends = max(st.peak_pending_sends, len(st.pending_sends))
+    st.records.append(('W', None, start, st.clock.mark()))
     return from_prev, from_next
+
+
+def finish_sends(st):
+    for w, _ in st.pending_sends:
+        w.wait()
+    st.pending_sends = []
 
 
 def recv_forward(st):
@@ -255,12 +282,27 @@ def send_backward_recv_forward(st, dx):
 # one microbatch's forward and backward on this stage
 
 
+def saved_bytes_counter(params):
+    """saved_tensors_hooks that add up the distinct storages autograd keeps for backward, parameters left out:
+    the activations held, measured. Returns (hooks, {storage: bytes})."""
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+
+
 def forward_step(st, i, x, idx, targets, loss_scale):
     """F of microbatch i: embed (first stage) or take the received activation, run this stage's blocks, and on the
     last stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
-    t = time.perf_counter()
+    start = st.clock.mark()
     model = st.model
-    with st.ctx:
+    hooks, saved = saved_bytes_counter({p.untyped_storage().data_ptr() for p in model.parameters()})
+    with st.ctx, hooks:
         if st.is_first:
             x = None
             h = model.embed(idx[i])
@@ -276,28 +318,30 @@ def forward_step(st, i, x, idx, targets, loss_scale):
     # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
     # buffers of the next stage fit it
     st.held[i] = (x, h)
+    st.held_bytes[i] = sum(saved.values())
+    st.microbatch_bytes = max(st.microbatch_bytes, st.held_bytes[i])
     st.peak_held = max(st.peak_held, len(st.held))
-    st.records.append(('F', i, t - st.t0, time.perf_counter() - st.t0))
+    st.peak_held_bytes = max(st.peak_held_bytes, sum(st.held_bytes.values()))
+    st.records.append(('F', i, start, st.clock.mark()))
     return None if st.is_last else h
 
 
 def backward_step(st, i, grad_output):
     """B of microbatch i: backpropagate from its loss (last stage) or from the received gradient of its output,
     free its activations, return the gradient of its input (to send to the previous stage)."""
-    t = time.perf_counter()
+    start = st.clock.mark()
     x, out = st.held.pop(i)
+    st.held_bytes.pop(i)
     if st.is_last:
         out.backward()
     else:
         torch.autograd.backward(out, grad_output)
-    st.records.append(('B', i, t - st.t0, time.perf_counter() - st.t0))
+    st.records.append(('B', i, start, st.clock.mark()))
     return None if st.is_first else x.grad
 
 
 # -----------------------------------------------------------------------------
 # the two schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
-
-
 def gpipe(st, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
     activations before the first backward; the bubble is (p-1) forward slots at the start plus (p-1) backward
@@ -343,23 +387,20 @@ def one_f_one_b(st, m, idx, targets, loss_scale):
 SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b}
 
 
-def run_schedule(st, name, m, x, y, loss_scale, pp_group):
-    """Split the micro-step's batch into m microbatches and run the schedule; all stages start together (a barrier)
-    so each stage's clock starts at the same moment. Returns the step's duration on this stage."""
+def run_schedule(st, name, m, x, y, loss_scale):
+    """Split the micro-step's batch into m microbatches and run the schedule; all stages start together (a
+    barrier), so that their clocks start at the same moment. The records are this schedule's."""
     idx, targets = list(x.chunk(m)), list(y.chunk(m))
-    st.records, st.peak_held = [], 0
-    if pp_group is not None:
-        dist.barrier(group=pp_group)
-    st.t0 = time.perf_counter()
+    if st.comm.size > 1:
+        dist.barrier(group=st.comm.group)
+    st.reset()
     SCHEDULES[name](st, m, idx, targets, loss_scale)
-    for w in st.pending_sends:
-        w.wait()
-    st.pending_sends = []
-    return time.perf_counter() - st.t0
+    finish_sends(st)
+    st.t_end = st.clock.mark()
 
 
 @torch.no_grad()
-def forward_loss(st, x, y, pp_group, last_rank):
+def forward_loss(st, x, y):
     """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every rank."""
     st.act_shape = (x.size(0), x.size(1), st.model.config.n_embd)
     model, h = st.model, recv_forward(st)
@@ -370,11 +411,8 @@ def forward_loss(st, x, y, pp_group, last_rank):
             h = model.run_block(model.transformer.h[layer], h)
         loss = model.head(h, y)[1].float() if st.is_last else torch.zeros((), device=st.device)
     send_forward(st, h)
-    for w in st.pending_sends:
-        w.wait()
-    st.pending_sends = []
-    if pp_group is not None:
-        dist.broadcast(loss, src=last_rank, group=pp_group)
+    finish_sends(st)
+    st.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
     return loss
 
 
@@ -382,62 +420,93 @@ def forward_loss(st, x, y, pp_group, last_rank):
 # what was executed: a timeline per stage from the clock, the measured bubble and held activations
 
 
-def bubble_fraction(records, total):
-    """Idle time over the step's time on this stage (the step's time = the slowest stage's, all started together)."""
-    busy = sum(t1 - t0 for _, _, t0, t1 in records)
-    return 1.0 - busy / total
+def schedule_record(st):
+    """The last schedule in seconds since its start: [(op, microbatch, start, end)], after one synchronize."""
+    st.clock.synchronize()
+    return [(op, i, st.clock.seconds(st.t0, a), st.clock.seconds(st.t0, b)) for op, i, a, b in st.records]
+
+
+def time_split(records, total):
+    """The stage's share of the step in compute (F and B), in send/recv (W: the transfer, and on a CPU the wait
+    for a neighbour that is still computing) and elsewhere; the bubble is everything that is not compute."""
+    compute = sum(t1 - t0 for op, _, t0, t1 in records if op in 'FB')
+    comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'W')
+    return {'compute': compute / total, 'send_recv': comm / total, 'other': 1 - (compute + comm) / total,
+            'bubble_fraction': 1 - compute / total}
 
 
 def timeline(records, total, n_slots, width):
     """One line of the stage's step: n_slots equal slices of the clock, each showing the op running at its middle
-    (F3 = forward of microbatch 3, B3 its backward) or '.' when the stage was idle (waiting for a neighbour)."""
+    (F3 = forward of microbatch 3, B3 its backward) or '.' when the stage was not computing."""
     cells = []
     for s in range(n_slots):
         t = (s + 0.5) * total / n_slots
-        label = next((f"{op}{i}" for op, i, t0, t1 in records if t0 <= t < t1), '.')
+        label = next((f"{op}{i}" for op, i, t0, t1 in records if op in 'FB' and t0 <= t < t1), '.')
         cells.append(label.ljust(width))
     return ' '.join(cells)
 
 
-def report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num, micro_steps):
+def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_bytes, wire_why_not):
     """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
     per stage (dp replica 0's pipeline)."""
-    total = torch.tensor([step_time], device=st.device)  # on the GPU for NCCL
-    if pp_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+    records = schedule_record(st)
+    total = torch.tensor([st.clock.seconds(st.t0, st.t_end)], device=st.device)  # on the GPU for NCCL
+    st.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')  # the step is the slowest stage's
     total = float(total)
-    mine = {'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': st.records, 'bytes': st.bytes_sent,
-            'bubble_fraction': bubble_fraction(st.records, total), 'peak_microbatches_held': st.peak_held}
-    everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    sent = comm_report(comms)
+    m, p = cfg.n_microbatches, cfg.pp
+    mine = dict({'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': records,
+                 'p2p_bytes': st.comm.collective_bytes['send'],
+                 'peak_microbatches_held': st.peak_held, 'peak_activation_bytes': st.peak_held_bytes,
+                 'activation_bytes_per_microbatch': st.microbatch_bytes,
+                 'peak_pending_sends': st.peak_pending_sends,
+                 'collective_bytes': sum(sent['collective_bytes'].values()),
+                 'collective_bytes_by_kind': sent['collective_bytes'],
+                 'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
+                 'wire_bytes': wire_bytes, 'wire_bytes_note': wire_why_not}, **time_split(records, total))
+    everyone = [mine]
     if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     if rank != 0:
         return
-    p, m = cfg.pp, cfg.n_microbatches
     stages = sorted((r for r in everyone if r['dp_rank'] == 0), key=lambda r: r['stage'])
     n_slots = 3 * (m + p - 1)  # about one forward per slot when a backward costs two forwards
     width = len(str(m - 1)) + 1
+    clock = 'CUDA events' if st.clock.cuda else 'host clock'
     print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, iter {iter_num}, step {1000 * total:.1f} ms "
-          f"(one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = forward/backward of microbatch 3, . = idle)")
+          f"({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = forward/backward of microbatch 3, "
+          f". = not computing)")
     for r in stages:
         print(f"stage {r['stage']} | {timeline(r['records'], total, n_slots, width)}")
     for r in stages:
-        order = ' '.join(f"{op}{i}" for op, i, _, _ in r['records'])
+        order = ' '.join(f"{op}{i}" for op, i, _, _ in r['records'] if op in 'FB')
         print(f"stage {r['stage']} executed: {order}")
     formula = bubble_fraction_formula(p, m)
+    b, h = cfg.batch_size // m, st.model.config.n_embd
     for r in stages:
         held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'])
-        b, h = cfg.batch_size // m, st.model.config.n_embd
         bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'])
-        print(f"stage {r['stage']}: bubble fraction measured {r['bubble_fraction']:.3f} (formula (p-1)/(m+p-1) = "
-              f"{formula:.3f}), peak microbatches held {r['peak_microbatches_held']} (formula "
-              f"{'m' if cfg.schedule == 'gpipe' else 'p-r'} = {held_formula}), p2p bytes sent this iteration "
-              f"{r['bytes']:,} (formula {bytes_formula:,})")
-        log_row(cfg.out_dir, {'iter': iter_num, 'rank': r['rank'], 'stage': r['stage'], 'schedule': cfg.schedule,
-                              'bubble_fraction': r['bubble_fraction'], 'bubble_fraction_formula': formula,
-                              'peak_microbatches_held': r['peak_microbatches_held'],
-                              'peak_microbatches_held_formula': held_formula,
-                              'p2p_bytes_per_step': r['bytes'], 'p2p_bytes_per_step_formula': bytes_formula})
+        wire = r['wire_bytes_note'] if r['wire_bytes'] is None else f"{r['wire_bytes']:,.0f}"
+        print(f"stage {r['stage']}: compute {r['compute']:.1%}, in send/recv {r['send_recv']:.1%}, other "
+              f"{r['other']:.1%}: bubble (not computing) {r['bubble_fraction']:.3f}, formula (p-1)/(m+p-1) = "
+              f"{formula:.3f}; activations held at peak {r['peak_activation_bytes']:,} B = "
+              f"{r['peak_microbatches_held']} microbatches (formula {'m' if cfg.schedule == 'gpipe' else 'p-r'} = "
+              f"{held_formula} x {r['activation_bytes_per_microbatch']:,} B); p2p bytes sent {r['p2p_bytes']:,} "
+              f"(formula {bytes_formula:,}); all sent: collective bytes {r['collective_bytes']:,}, wire "
+              f"{r['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback, mean per rank)")
+        log_row(cfg.out_dir, {
+            'iter': iter_num, 'rank': r['rank'], 'stage': r['stage'], 'schedule': cfg.schedule,
+            'compute_fraction': r['compute'], 'send_recv_fraction': r['send_recv'], 'other_fraction': r['other'],
+            'bubble_fraction': r['bubble_fraction'], 'bubble_fraction_formula': formula,
+            'peak_microbatches_held': r['peak_microbatches_held'], 'peak_microbatches_held_formula': held_formula,
+            'peak_activation_bytes': r['peak_activation_bytes'],
+            'peak_activation_bytes_formula': held_formula * r['activation_bytes_per_microbatch'],
+            'peak_pending_sends': r['peak_pending_sends'],
+            'p2p_bytes_per_step': r['p2p_bytes'], 'p2p_bytes_per_step_formula': bytes_formula,
+            'collective_bytes': r['collective_bytes'], 'collective_bytes_by_kind': r['collective_bytes_by_kind'],
+            'wire_bytes_formula': r['wire_bytes_formula'], 'wire_bytes': r['wire_bytes'],
+            'wire_bytes_note': r['wire_bytes_note']})
 
 
 # -----------------------------------------------------------------------------
@@ -520,6 +589,9 @@ def main(argv):
     dp_group = pp_group = embed_group = None
     if dist.is_initialized():
         dp_group, pp_group, embed_group = make_groups(grid, rank, cfg.tie_embeddings)
+    # every collective and send goes through one of these, and is counted there
+    dp, pp = Comm(dp_group, 'dp'), Comm(pp_group, 'pp')
+    embed = Comm(embed_group, 'embed') if embed_group is not None else None
 
     # data
     data, vocab_size = load_dataset(cfg.dataset)
@@ -554,23 +626,23 @@ def main(argv):
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
         scaler.load_state_dict(checkpoint['scaler'])
-        torch.set_rng_state(checkpoint['rng_state'])
-        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
-            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank, stage)  # this rank's own dropout stream
+    else:
+        seed_dropout(cfg.seed, dp_rank, stage)  # each replica, and each stage (as Megatron), its own masks
     checkpoint = None  # free it
     raw_model = model
     micro_rows = cfg.batch_size // cfg.n_microbatches
     st = Stage(model, layers, stage, cfg.pp, grid[dp_rank], (micro_rows, cfg.block_size, model.config.n_embd),
-               cfg.device, ctx)
-    last_rank = int(grid[dp_rank, -1])
+               cfg.device, ctx, pp)
     # a tied weight counts once in the gradient norm: on the last stage lm_head.weight is the first stage's wte
     tied_copy = raw_model.lm_head.weight if cfg.tie_embeddings and cfg.pp > 1 and st.is_last else None
 
     def loss_of(x, y):
-        return forward_loss(st, x, y, pp_group, last_rank)
+        return forward_loss(st, x, y)
 
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    writer, wire = CheckpointWriter(), WireMeter()  # every stage writes its file in the background
     t_last, iters_since_log = time.time(), 0
     while True:
         lr = get_lr(iter_num, cfg)
@@ -580,7 +652,7 @@ def main(argv):
         # evaluate, and checkpoint the state from which iteration iter_num starts
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
             model.eval()
-            losses = estimate_loss(loss_of, data, cfg)
+            losses = estimate_loss(loss_of, data, cfg, dp)  # each pipeline its share of the batches
             model.train()
             if master:
                 log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
@@ -589,14 +661,16 @@ def main(argv):
                 raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
             if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses['val'])
+                rng_states = gather_rng_states(dp)  # every replica's dropout stream for this stage
                 if dp_rank == 0:  # the dp replicas of a stage are equal: one file per stage
-                    save_checkpoint({
+                    writer.save({
                         'model': raw_model.state_dict(),
                         'optimizer': optimizer.state_dict(),
                         'param_names': optimizer_param_names(raw_model, optimizer),
                         'scaler': scaler.state_dict(),
-                        'rng_state': torch.get_rng_state(),
-                        'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                        'rng_state': rng_states[0]['cpu'],
+                        'cuda_rng_state': rng_states[0]['cuda'],
+                        'rng_states': rng_states,
                         'model_args': vars(raw_model.config),
                         'iter_num': iter_num,
                         'best_val_loss': best_val_loss,
@@ -610,27 +684,29 @@ def main(argv):
         # one iteration: the pipeline schedule over the microbatches of every micro-step, then one optimizer step
         micro_steps = cfg.gradient_accumulation_steps // dp_size
         global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        st.loss_sum, st.bytes_sent = torch.zeros((), device=cfg.device), 0
+        measuring = iter_num == cfg.max_iters - 1  # the last iteration: its schedule, as executed, and its bytes
+        if measuring:
+            for comm in (dp, pp, embed):
+                if comm is not None:
+                    comm.clear()
+            wire.start()
+        st.loss_sum = torch.zeros((), device=cfg.device)
         st.act_shape = (micro_rows, cfg.block_size, raw_model.config.n_embd)
         for micro_step in range(micro_steps):
             rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
             x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
                              cfg.device)
-            step_time = run_schedule(st, cfg.schedule, cfg.n_microbatches, x, y,
-                                     1.0 / (cfg.n_microbatches * micro_steps), pp_group)
+            run_schedule(st, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * micro_steps))
         grads = [p.grad for p in raw_model.parameters() if p.grad is not None]
-        if dp_size > 1:  # data parallel: average each stage's gradients over its column of the grid
-            for g in grads:
-                dist.all_reduce(g, group=dp_group)
-                g.div_(dp_size)
-        if embed_group is not None:  # the tied weight's two copies: sum the embedding's and the head's gradient
-            g = raw_model.transformer.wte.weight.grad if st.is_first else raw_model.lm_head.weight.grad
-            dist.all_reduce(g, group=embed_group)
+        for g in grads:  # data parallel: average each stage's gradients over its column of the grid
+            dp.all_reduce(g)
+            g.div_(dp_size)
+        if embed is not None:  # the tied weight's two copies: sum the embedding's and the head's gradient
+            embed.all_reduce(raw_model.transformer.wte.weight.grad if st.is_first else raw_model.lm_head.weight.grad)
         if cfg.grad_clip != 0.0:  # clip_grad_norm_ over the whole model: the squared norms of every stage
             sq = sum(p.grad.pow(2).sum() for p in raw_model.parameters() if p.grad is not None and p is not tied_copy)
             sq = torch.as_tensor(sq, dtype=torch.float32, device=cfg.device)
-            if pp_group is not None:
-                dist.all_reduce(sq, group=pp_group)
+            pp.all_reduce(sq, kind='scalars')
             clip_coef = torch.clamp(cfg.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(clip_coef)
@@ -638,10 +714,11 @@ def main(argv):
         optimizer.zero_grad(set_to_none=True)
 
         # log
-        loss_sum = st.loss_sum.clone()  # nonzero on the last stages only: the sum over all ranks, over dp
-        if dist.is_initialized():
-            dist.all_reduce(loss_sum)
+        loss_sum = st.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp
+        pp.all_reduce(loss_sum, kind='scalars')
+        dp.all_reduce(loss_sum, kind='scalars')
         loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
+        wire_bytes = wire.stop() if measuring else None
         if not math.isfinite(loss_value):
             raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
         iters_since_log += 1
@@ -651,11 +728,13 @@ def main(argv):
             tokens_per_sec = tokens_per_iter / dt
             log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
                                   'tokens_per_sec': tokens_per_sec,
-                                  'mfu': flops_per_token * tokens_per_sec / (peak * world_size) if peak else None,
+                                  'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         if iter_num == cfg.max_iters - 1:  # the last iteration's schedule, as executed
-            report_schedule(st, cfg, step_time, pp_group, rank, dp_rank, iter_num, micro_steps)
+            report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, [c for c in (dp, pp, embed) if c],
+                            wire_bytes, wire.why_not)
         iter_num += 1
+    writer.wait()
 
     if dist.is_initialized():
         dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort

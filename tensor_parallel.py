@@ -18,11 +18,12 @@ beside the formula: parameter bytes, activation bytes saved for backward by one 
 the norms stay fp32, so the measured bytes are higher there.)
 """
 
+import contextlib
+import functools
 import json
 import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
-                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
-                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, WireMeter, autocast_context, comm_report,
+                   config_defaults, configure, estimate_loss, get_batch, get_lr, init_distributed, load_dataset,
+                   log_row, mfu, micro_batch_rows, model_config, param_groups, peak_flops_for, peak_memory_bytes,
+                   rng_state, run_main, save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -77,7 +79,7 @@ peak_flops = None               # the device's peak FLOP/s for MFU; None: looked
 dist_timeout = 60               # seconds a rank waits for the others before failing
 tp = 1                          # tensor-parallel degree; world size = dp * tp
 sequence_parallel = False       # shard norms and dropout along the sequence (all-gather + reduce-scatter)
-consolidate = ''                # a directory: at every checkpoint also write one train.py-format ckpt.pt there
+consolidate = ''                # a directory: merge its rank checkpoints into one train.py-format ckpt.pt, then exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -126,42 +128,25 @@ def param_bytes_formula(config, t, bytes_per_elem=4):
 # -----------------------------------------------------------------------------
 # Collectives, each counting at the call the bytes this rank sends (ring algorithms).
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments); older torch has only those
-_all_gather_single = getattr(dist, 'all_gather_single', dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, 'reduce_scatter_single', dist.reduce_scatter_tensor)
-COMM_BYTES = Counter()  # 'tp all_reduce', 'tp all_gather', 'tp reduce_scatter', 'grad all_reduce', 'dp all_reduce'
-
-
-@dataclass
-class Group:
-    """A process group and this rank's place in it; size 1 means no communication at all."""
-    group: object
-    rank: int
-    size: int
-
-
-def all_reduce(x, g, purpose, op=dist.ReduceOp.SUM):
-    if g.size > 1:
-        COMM_BYTES[f'{purpose} all_reduce'] += 2 * (g.size - 1) / g.size * x.numel() * x.element_size()
-        dist.all_reduce(x, op=op, group=g.group)
+def all_reduce(x, comm, kind='all_reduce', op=dist.ReduceOp.SUM):
+    """x summed (or op) over comm's group, in place, counted by comm under kind; returns x."""
+    comm.all_reduce(x, op=op, kind=kind)
     return x
 
 
-def all_gather_seq(x, g):
+def all_gather_seq(x, comm):
     """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
     chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
-    out = chunk.new_empty((g.size * chunk.size(0),) + chunk.shape[1:])
-    COMM_BYTES['tp all_gather'] += (g.size - 1) / g.size * out.numel() * out.element_size()
-    _all_gather_single(out, chunk, group=g.group)
+    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
+    comm.all_gather(out, chunk)
     return out.transpose(0, 1).contiguous()
 
 
-def reduce_scatter_seq(x, g):
+def reduce_scatter_seq(x, comm):
     """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
     full = x.transpose(0, 1).contiguous()
-    out = full.new_empty((full.size(0) // g.size,) + full.shape[1:])
-    COMM_BYTES['tp reduce_scatter'] += (g.size - 1) / g.size * full.numel() * full.element_size()
-    _reduce_scatter_single(out, full, group=g.group)
+    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
+    comm.reduce_scatter(out, full)
     return out.transpose(0, 1).contiguous()
 
 
@@ -180,7 +165,7 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.g, 'tp'), None
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.g), None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -190,7 +175,7 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, g):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), g, 'tp')
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), g)
 
     @staticmethod
     def backward(ctx, grad):
@@ -227,8 +212,8 @@ class ScatterToSequence(torch.autograd.Function):
 
 @dataclass
 class TensorParallel:
-    """This rank's tensor-parallel group and mode."""
-    g: Group
+    """This rank's tensor-parallel group (a Comm) and mode."""
+    g: Comm
     sequence_parallel: bool = False
 
 
@@ -242,6 +227,53 @@ def leave_tp_region(x, par):
     if par.g.size == 1:
         return x
     return ScatterToSequence.apply(x, par.g) if par.sequence_parallel else ReduceFromTP.apply(x, par.g)
+
+
+# -----------------------------------------------------------------------------
+# Dropout the Megatron way. Where the activations are replicated on the tp ranks (the residual stream without
+# sequence parallelism) every rank must draw the same mask, or the replicas drift apart: they share the process's
+# stream, seeded alike on the ranks of one data-parallel replica. Where each rank holds different activations
+# (its attention heads; with sequence parallelism, its chunk of the sequence) each must draw its own.
+
+
+@contextlib.contextmanager
+def tp_rank_rng(tp_rank):
+    """Draw inside under this tp rank's own stream (Megatron's model-parallel RNG tracker, without a tracker):
+    its seed is drawn from the shared stream, so it is replayed exactly when activation checkpointing recomputes
+    the block, and it differs per rank. The shared stream moves on by that one draw on every rank alike."""
+    seed = int(torch.randint(0, 2 ** 62, ()).item())
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + tp_rank)
+        yield
+
+
+class TPRankDropout(nn.Module):
+    """A dropout on activations that differ per tp rank (with sequence parallelism: this rank's tokens)."""
+
+    def __init__(self, dropout, tp_rank):
+        super().__init__()
+        self.dropout, self.tp_rank = dropout, tp_rank
+
+    def forward(self, x):
+        if not self.training or self.dropout.p == 0:
+            return x
+        with tp_rank_rng(self.tp_rank):
+            return self.dropout(x)
+
+
+def give_tp_ranks_their_dropout(model, par):
+    """Each rank's heads get their own attention-dropout stream; with sequence parallelism, also the dropouts on
+    the sequence chunks (embedding, and after each block's two row-parallel layers)."""
+    if par.g.size == 1 or model.config.dropout == 0:
+        return
+    for block in model.transformer.h:
+        block.attn.dropout_rng = functools.partial(tp_rank_rng, par.g.rank)
+        if par.sequence_parallel:
+            block.attn.resid_dropout = TPRankDropout(block.attn.resid_dropout, par.g.rank)
+            block.mlp.dropout = TPRankDropout(block.mlp.dropout, par.g.rank)
+    if par.sequence_parallel:
+        model.transformer.drop = TPRankDropout(model.transformer.drop, par.g.rank)
 
 
 # -----------------------------------------------------------------------------
@@ -333,7 +365,7 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start, par):
     3 all-reduces of one number per token (the max, the sum of exponentials, the target's logit).
     Targets -1 are ignored, as F.cross_entropy(ignore_index=-1)."""
     logits, targets = logits.float().flatten(0, 1), targets.flatten()
-    top = all_reduce(logits.max(dim=-1).values.detach(), par.g, 'tp', op=dist.ReduceOp.MAX)  # for stability only
+    top = all_reduce(logits.max(dim=-1).values.detach(), par.g, op=dist.ReduceOp.MAX)  # for stability only
     shifted = logits - top[:, None]
     sum_exp = shifted.exp().sum(dim=-1)
     local = targets - vocab_start
@@ -423,7 +455,7 @@ def sync_tp_grads(specs, par):
     every tp rank computed the same gradient from the same whole sequence.)"""
     grads = [p.grad for p, kind in specs.values() if kind == 'replicated' and p.grad is not None]
     if par.sequence_parallel and par.g.size > 1 and grads:
-        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), par.g, 'grad')
+        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), par.g, 'grad_all_reduce')
         for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
             gr.copy_(new.view_as(gr))
 
@@ -432,7 +464,7 @@ def sync_dp_grads(params, dp):
     """Data parallelism: average every gradient over the dp ranks (one flat all-reduce)."""
     grads = [p.grad for p in params if p.grad is not None]
     if dp.size > 1 and grads:
-        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), dp, 'dp') / dp.size
+        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), dp) / dp.size
         for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
             gr.copy_(new.view_as(gr))
 
@@ -443,7 +475,7 @@ def clip_grad_norm(specs, par, max_norm):
     split = [p.grad for p, kind in specs.values() if kind != 'replicated' and p.grad is not None]
     replicated = [p.grad for p, kind in specs.values() if kind == 'replicated' and p.grad is not None]
     split_sq = torch.stack([gr.float().pow(2).sum() for gr in split]).sum() if split else torch.zeros(())
-    total_sq = all_reduce(split_sq, par.g, 'grad')
+    total_sq = all_reduce(split_sq, par.g, 'scalars')
     if replicated:
         total_sq = total_sq + torch.stack([gr.float().pow(2).sum() for gr in replicated]).sum()
     coef = torch.clamp(max_norm / (total_sq.sqrt() + 1e-6), max=1.0)
@@ -480,10 +512,10 @@ def make_grid(world_size, tp_size, rank):
     grid = torch.arange(world_size).view(world_size // tp_size, tp_size)
     dp_rank, tp_rank = divmod(rank, tp_size)
     if world_size == 1:
-        return grid, Group(None, 0, 1), Group(None, 0, 1)
+        return grid, Comm(None, 'tp'), Comm(None, 'dp')
     tp_groups = [dist.new_group(row.tolist()) for row in grid]  # every rank creates every group, in one order
     dp_groups = [dist.new_group(col.tolist()) for col in grid.t()]
-    return grid, Group(tp_groups[dp_rank], tp_rank, tp_size), Group(dp_groups[tp_rank], dp_rank, grid.size(0))
+    return grid, Comm(tp_groups[dp_rank], 'tp'), Comm(dp_groups[tp_rank], 'dp')
 
 
 def check_config(cfg, world_size):
@@ -515,39 +547,60 @@ def rank_ckpt_path(out_dir, rank):
     return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
 
 
-def consolidated_checkpoint(specs, optimizer, dense_config, tpg, state):
-    """One train.py-format checkpoint (full model, torch AdamW state in configure_optimizers' order) from every tp
-    rank's slices; a collective over the tp group, the result is used on global rank 0."""
-    local = {name: (p.detach().cpu(), {k: v.cpu() for k, v in optimizer.state.get(p, {}).items()})
-             for name, (p, kind) in specs.items()}
-    gathered = [local]
-    if tpg.size > 1:
-        gathered = [None] * tpg.size
-        dist.all_gather_object(gathered, local, group=tpg.group)
-    hd = dense_config.n_embd // dense_config.n_head
-    qkv_sizes = [dense_config.n_head * hd, dense_config.n_kv_head * hd, dense_config.n_kv_head * hd]
-    with torch.random.fork_rng(devices=[]):  # building the dense GPT draws its init: leave the run's RNG alone
-        dense = GPT(dense_config)
-    dense_params = dict(dense.named_parameters())
-    optim = dense.configure_optimizers(optimizer.param_groups[0]['weight_decay'], optimizer.defaults['lr'],
-                                       optimizer.defaults['betas'], 'cpu')
-    for dense_group, group in zip(optim.param_groups, optimizer.param_groups):
-        dense_group['lr'] = group['lr']
-    with torch.no_grad():
-        for name, (_, kind) in specs.items():
-            p = dense_params[name]
-            p.copy_(join_slices([parts[name][0] for parts in gathered], kind, qkv_sizes))
-            states = [parts[name][1] for parts in gathered]
-            if states[0]:
-                optim.state[p] = {k: (v.clone() if k == 'step' else join_slices([s[k] for s in states], kind,
-                                                                                   qkv_sizes))
+def rank_layout(model, specs, optimizer):
+    """What consolidation needs to find each dense parameter in a rank's checkpoint: {dense name: (local name,
+    kind)}, and the local names in the optimizer's order (the order its state_dict numbers them)."""
+    local_name = {id(p): n for n, p in model.named_parameters()}
+    layout = {dense: (local_name[id(p)], kind) for dense, (p, kind) in specs.items()}
+    order = [local_name[id(p)] for group in optimizer.param_groups for p in group['params']]
+    return layout, order
+
+
+def consolidate_ranks(out_dir):
+    """The tp ranks' checkpoints of out_dir (data-parallel replica 0, ranks 0..tp-1) -> out_dir/ckpt.pt in
+    train.py's format: the full model and torch AdamW's state in configure_optimizers' order. Runs offline, one
+    parameter at a time from memory-mapped files, so no rank ever gathers the whole model to save."""
+    if not os.path.exists(rank_ckpt_path(out_dir, 0)):
+        raise SystemExit(f"error: consolidate: no tensor-parallel checkpoint {rank_ckpt_path(out_dir, 0)}")
+    load = lambda r: torch.load(rank_ckpt_path(out_dir, r), map_location='cpu', weights_only=False, mmap=True)
+    first = load(0)
+    ranks = [first] + [load(r) for r in range(1, first['tp'])]
+    config = GPTConfig(**first['model_args'])
+    hd = config.n_embd // config.n_head
+    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    model_sd, optim_state = {}, {}
+    for dense, (local, kind) in first['layout'].items():
+        model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv_sizes).clone()
+        states = [r['optimizer']['state'].get(r['param_order'].index(local)) for r in ranks]
+        if states[0] is not None:
+            optim_state[dense] = {k: v.clone() if k == 'step' else join_slices([s[k] for s in states], kind, qkv_sizes)
                                   for k, v in states[0].items()}
-    return dict(state, model=dense.state_dict(), optimizer=optim.state_dict(), scaler={},
-                model_args=vars(dense_config))
+    if config.tie_embeddings:
+        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
+    with torch.device('meta'):  # the dense model's names and optimizer order, without its memory
+        dense_model = GPT(config)
+    name_of = {id(p): n for n, p in dense_model.named_parameters()}
+    groups, state, index = [], {}, 0
+    for saved, group in zip(first['optimizer']['param_groups'], param_groups(dense_model, 0.0)):
+        names = [name_of[id(p)] for p in group['params']]
+        groups.append(dict(saved, params=list(range(index, index + len(names)))))
+        state.update({index + i: optim_state[n] for i, n in enumerate(names) if n in optim_state})
+        index += len(names)
+    path = os.path.join(out_dir, 'ckpt.pt')
+    save_checkpoint({'model': model_sd, 'optimizer': {'state': state, 'param_groups': groups}, 'scaler': {},
+                     'rng_state': first['rng']['cpu'], 'cuda_rng_state': first['rng']['cuda'],
+                     'model_args': first['model_args'], 'iter_num': first['iter_num'],
+                     'best_val_loss': first['best_val_loss'],
+                     'config': dict(first['config'], init_from='resume', consolidate='')}, path)
+    print(f"wrote {path} (train.py's format) from {first['tp']} tensor-parallel ranks at iter {first['iter_num']}")
+    return path
 
 
 def main(argv):
     cfg = configure(config, argv)
+    if cfg.consolidate:
+        consolidate_ranks(cfg.consolidate)
+        return
     world_size = world_size_from_env()
     check_config(cfg, world_size)
     dp_size = world_size // cfg.tp
@@ -593,12 +646,14 @@ def main(argv):
         raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
-    dense_params = model.get_num_params()
+    dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
     specs = shard_gpt(model, par)
+    give_tp_ranks_their_dropout(model, par)
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
-    if cfg.dropout > 0:  # same masks on the tp ranks where activations are replicated, different along the sequence
-        torch.manual_seed(cfg.seed + (rank if cfg.sequence_parallel else dp_rank))
+        set_rng_state(checkpoint['rng'])  # this rank's own streams
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # the tp ranks of a replica share the stream; each replica its own
     model.to(cfg.device)
     if master:
         print(f"model: {dense_params / 1e6:.2f}M parameters, split over tp={cfg.tp}"
@@ -606,9 +661,6 @@ def main(argv):
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
-        torch.set_rng_state(checkpoint['rng_state'])
-        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
-            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
     checkpoint = None  # free it
     raw_model = model
     params = [p for p, _ in specs.values()]
@@ -621,13 +673,15 @@ def main(argv):
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     x0, _ = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, cfg.batch_size, cfg.block_size, None,
                       cfg.device)
-    with ctx:
+    devices = [torch.device(cfg.device).index or 0] if device_type == 'cuda' else []
+    with ctx, torch.random.fork_rng(devices=devices):  # its dropout draws must not move the run's streams
         activation_bytes = measure_activation_bytes(model, x0, par)
     act_elem = 2 if cfg.dtype == 'bfloat16' else 4
 
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
-    t_last, iters_since_log, reported = time.time(), 0, False
+    writer, wire = CheckpointWriter(), WireMeter()  # every rank writes its own checkpoint in the background
+    t_last, iters_since_log, first_iter = time.time(), 0, iter_num
     while True:
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
@@ -636,7 +690,7 @@ def main(argv):
         # evaluate, and checkpoint the state from which iteration iter_num starts
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
             model.eval()
-            losses = estimate_loss(loss_of, data, cfg)
+            losses = estimate_loss(loss_of, data, cfg, dp)  # each replica its share of the batches
             model.train()
             if master:
                 log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
@@ -645,22 +699,20 @@ def main(argv):
                 raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
             if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses['val'])
-                state = {'rng_state': torch.get_rng_state(),
-                         'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
-                         'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}
-                save_checkpoint(dict(state, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                                     model_args=vars(raw_model.config), tp=cfg.tp, world_size=world_size),
-                                rank_ckpt_path(cfg.out_dir, rank))
-                if cfg.consolidate:
-                    full = consolidated_checkpoint(specs, optimizer, raw_model.config, tpg, state)
-                    if master:
-                        save_checkpoint(full, os.path.join(cfg.consolidate, 'ckpt.pt'))
+                layout, param_order = rank_layout(raw_model, specs, optimizer)
+                writer.save({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'rng': rng_state(),
+                             'layout': layout, 'param_order': param_order, 'model_args': vars(raw_model.config),
+                             'tp': cfg.tp, 'world_size': world_size, 'iter_num': iter_num,
+                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, rank_ckpt_path(cfg.out_dir, rank))
             t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
 
         # one iteration: forward and backward over every micro-batch, then one optimizer step
-        COMM_BYTES.clear()
+        measuring = iter_num == first_iter  # the first iteration: the bytes sent, counted and measured
+        if measuring:
+            tpg.clear(), dp.clear()
+            wire.start()
         micro_steps = cfg.gradient_accumulation_steps // dp_size
         global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=cfg.device)
@@ -679,16 +731,15 @@ def main(argv):
             clip_grad_norm(specs, par, cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step_comm = dict(COMM_BYTES)
+        loss_value = all_reduce(loss_sum, dp, 'scalars').item() / dp.size  # the mean loss over the global batch
+        wire_bytes = wire.stop() if measuring else None
 
         # log
-        loss_value = all_reduce(loss_sum, dp, 'loss').item() / dp.size  # the mean loss over the global batch
         if not math.isfinite(loss_value):
             raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        if not reported:  # once: what each rank measured, beside the formulas
-            reported = True
-            report_measurements(cfg, raw_model.config, iter_num, rank, tpg, dp, micro_steps, param_bytes, activation_bytes,
-                                act_elem, step_comm)
+        if measuring:  # once: what each rank measured, beside the formulas
+            report_measurements(cfg, raw_model.config, iter_num, rank, tpg, dp, micro_steps, param_bytes,
+                                activation_bytes, act_elem, wire_bytes, wire.why_not)
         iters_since_log += 1
         if iter_num % cfg.log_interval == 0 and master:
             dt = (time.time() - t_last) / iters_since_log
@@ -696,52 +747,62 @@ def main(argv):
             tokens_per_sec = tokens_per_iter / dt
             log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
                                   'tokens_per_sec': tokens_per_sec,
-                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         iter_num += 1
+    writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only and master:
-        print("(sampling needs the whole model: consolidate, then python sample.py --out_dir=<that directory>)")
+        print(f"sample with: python tensor_parallel.py --consolidate={cfg.out_dir} && "
+              f"python sample.py --out_dir={cfg.out_dir}")
     if world_size > 1:
         dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
         dist.destroy_process_group()
 
 
-def report_measurements(cfg, dense_config, iter_num, rank, tpg, dp, micro_steps, param_bytes, activation_bytes, act_elem,
-                        step_comm):
-    """One row per rank in log.jsonl (gathered to rank 0) and one printed line each: measured beside formula."""
+def report_measurements(cfg, dense_config, iter_num, rank, tpg, dp, micro_steps, param_bytes, activation_bytes,
+                        act_elem, wire_bytes, wire_why_not):
+    """One row per rank in log.jsonl (gathered to rank 0) and one printed line each: measured beside formula.
+    Bytes sent: counted at the calls (collective_bytes), the ring formula for those calls (wire_bytes_formula)
+    beside Megatron's count for a layer (tp_comm_bytes_formula), and measured on the wire (wire_bytes)."""
     s, b, h, t, L = cfg.block_size, cfg.batch_size, dense_config.n_embd, tpg.size, dense_config.n_layer
-    tp_comm = sum(v for k, v in step_comm.items() if k.startswith('tp '))
-    grad_sync = sum(v for k, v in step_comm.items() if k.startswith('dp '))
+    sent = comm_report([tpg, dp])
+    activations = {k: v for k, v in tpg.wire_bytes_formula.items() if k in ('all_reduce', 'all_gather', 'reduce_scatter')}
     row = {'rank': rank, 'iter': iter_num, 'tp_rank': tpg.rank, 'dp_rank': dp.rank, 'tp': t, 'dp': dp.size,
            'sequence_parallel': cfg.sequence_parallel,
            'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(dense_config, t),
            'activation_bytes': activation_bytes,
            'activation_bytes_formula': activation_bytes_formula(s, b, h, dense_config.n_head, t,
                                                                 cfg.sequence_parallel, bytes_per_elem=act_elem),
-           'comm_bytes_per_step': tp_comm,
-           'comm_bytes_per_step_formula': micro_steps * (
+           'collective_bytes': sum(sent['collective_bytes'].values()),
+           'collective_bytes_by_kind': sent['collective_bytes'],
+           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
+           'wire_bytes_formula_by_kind': sent['wire_bytes_formula'],
+           'wire_bytes': wire_bytes, 'wire_bytes_note': wire_why_not,
+           'tp_activation_wire_bytes_formula': sum(activations.values()),
+           'tp_comm_bytes_formula': micro_steps * (
                L * tp_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)
                + tp_edge_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)),
-           'comm_bytes_by_collective': step_comm,
-           'dp_grad_bytes_per_step': grad_sync,
-           'dp_grad_bytes_per_step_formula': 2 * (dp.size - 1) / dp.size * param_bytes}
+           'dp_grad_wire_bytes_formula': dp.wire_bytes_formula['all_reduce'],
+           'dp_grad_bytes_formula': 2 * (dp.size - 1) / dp.size * param_bytes}
+    wire = wire_why_not if wire_bytes is None else f"{wire_bytes:,.0f}"
     print(f"[rank {rank}] tp {tpg.rank}/{t} dp {dp.rank}/{dp.size}: "
           f"param bytes {row['param_bytes']:,} (formula {row['param_bytes_formula']:,.0f}); "
           f"activation bytes/layer {activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}, "
-          f"{'with' if cfg.sequence_parallel else 'no'} SP); "
-          f"tp comm bytes/step {tp_comm:,.0f} (formula {row['comm_bytes_per_step_formula']:,.0f}) = "
-          + ', '.join(f"{k} {v:,.0f}" for k, v in sorted(step_comm.items()) if k.startswith('tp '))
-          + f"; dp grad all-reduce {grad_sync:,.0f} (formula {row['dp_grad_bytes_per_step_formula']:,.0f})",
-          flush=True)
+          f"{'with' if cfg.sequence_parallel else 'no'} SP); sent per step: collective bytes "
+          f"{row['collective_bytes']:,} (counted: " + ', '.join(f"{k} {v:,}" for k, v in sent['collective_bytes'].items())
+          + f"), wire bytes {row['wire_bytes_formula']:,.0f} (ring formula; Megatron's count for the activations "
+          f"{row['tp_comm_bytes_formula']:,.0f}), {wire} (measured, loopback)", flush=True)
     rows = [row]
     if dist.is_initialized():
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
     if rank == 0:
-        for r in rows:
-            with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
-                f.write(json.dumps(r) + '\n')
+        with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
+            f.writelines(json.dumps(r) + '\n' for r in rows)
+        if rows[0]['wire_bytes'] and rows[0]['wire_bytes'] > 1.2 * rows[0]['wire_bytes_formula']:
+            print("(more on the wire than the ring formula: with sequence parallelism half the collectives are "
+                  "reduce-scatters, and gloo's reduce-scatter is an all-reduce underneath)")
 
 
 if __name__ == '__main__':

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
-                   get_codec, get_lr, load_dataset, log_row, micro_batch_rows, model_config, peak_flops_for,
-                   peak_memory_bytes, run_main, save_checkpoint, trim_log)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, GPTConfig, autocast_context, config_defaults, configure,
+                   estimate_loss, get_batch, get_codec, get_lr, load_dataset, log_row, mfu, micro_batch_rows,
+                   model_config, peak_flops_for, peak_memory_bytes, restore_rng, rng_state, run_main, trim_log)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -100,15 +100,14 @@ def main(argv):
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     model.to(cfg.device)
+    flops_per_token = model.flops_per_token()
     print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
         scaler.load_state_dict(checkpoint['scaler'])
-        torch.set_rng_state(checkpoint['rng_state'])
-        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
-            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)
     checkpoint = None  # free it
     raw_model = model
     if cfg.compile:
@@ -120,6 +119,7 @@ def main(argv):
 
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
     t_last, iters_since_log = time.time(), 0
     while True:
         lr = get_lr(iter_num, cfg)
@@ -136,12 +136,14 @@ def main(argv):
                 raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
             if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses['val'])
-                save_checkpoint({
+                rng_states = [rng_state()]  # every data-parallel rank's random streams (here one)
+                writer.save({
                     'model': raw_model.state_dict(),
                     'optimizer': optimizer.state_dict(),
                     'scaler': scaler.state_dict(),
-                    'rng_state': torch.get_rng_state(),
-                    'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                    'rng_state': rng_states[0]['cpu'],
+                    'cuda_rng_state': rng_states[0]['cuda'],
+                    'rng_states': rng_states,
                     'model_args': vars(raw_model.config),
                     'iter_num': iter_num,
                     'best_val_loss': best_val_loss,
@@ -182,9 +184,10 @@ def main(argv):
             tokens_per_sec = tokens_per_iter / dt
             log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
                                   'tokens_per_sec': tokens_per_sec,
-                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         iter_num += 1
+    writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only:
         encode, decode = get_codec(cfg.dataset)

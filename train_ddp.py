@@ -8,7 +8,8 @@ the same optimizer step that one process would take on the whole batch.
     torchrun --standalone --nproc_per_node=2 train_ddp.py --init_from=resume   # from its or train.py's ckpt.pt
 
 The global batch is batch_size * gradient_accumulation_steps sequences whatever the world size: N ranks each run
-gradient_accumulation_steps // N micro-steps. Rank 0 evaluates, logs and writes train.py's checkpoint format.
+gradient_accumulation_steps // N micro-steps. The ranks share the evaluation; rank 0 logs and writes train.py's
+checkpoint format, with every rank's random state in it.
 """
 
 import contextlib
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
-                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
-                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, autocast_context, config_defaults, configure,
+                   estimate_loss, gather_rng_states, get_batch, get_codec, get_lr, init_distributed, load_dataset,
+                   log_row, mfu, micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes, restore_rng,
+                   run_main, seed_dropout, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -76,14 +78,6 @@ def sync_context(model, micro_step, micro_steps):
     return contextlib.nullcontext()
 
 
-def mean_over_ranks(value):
-    """The mean over all ranks of a scalar tensor that each rank computed over its own (equal-sized) rows."""
-    if dist.is_initialized():
-        dist.all_reduce(value)  # a sum, then divided: the same on every backend
-        value /= dist.get_world_size()
-    return value
-
-
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
@@ -96,7 +90,8 @@ def main(argv):
     ddp = dist.is_initialized()
     if ddp:
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
-    master_process = dp_rank == 0  # evaluates, logs, checkpoints, samples
+    master_process = dp_rank == 0  # logs, writes the checkpoint, samples
+    dp = Comm(None, 'dp')  # the whole world is one data-parallel group
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if master_process:
         print(f"tokens per iteration: {tokens_per_iter:,} over {dp_size} data-parallel rank(s)")
@@ -125,14 +120,14 @@ def main(argv):
         if master_process:
             trim_log(cfg.out_dir, iter_num)
     elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from)
-        model.config.dropout = cfg.dropout
-        model.config.activation_checkpointing = cfg.activation_checkpointing
+        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
+                                    activation_checkpointing=cfg.activation_checkpointing)
     else:
         raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     model.to(cfg.device)
+    flops_per_token = model.flops_per_token()
     if master_process:
         print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
@@ -140,11 +135,9 @@ def main(argv):
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
         scaler.load_state_dict(checkpoint['scaler'])
-        torch.set_rng_state(checkpoint['rng_state'])
-        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
-            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
-    if cfg.dropout > 0 and dp_rank > 0:
-        torch.manual_seed(cfg.seed + dp_rank)  # its own dropout masks; rank 0 keeps train.py's (checkpointed) stream
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
     checkpoint = None  # free it
     raw_model = model
     if cfg.compile:
@@ -155,10 +148,11 @@ def main(argv):
 
     def loss_of(x, y):
         with ctx:
-            return raw_model(x, y)[1]  # rank 0 evaluates alone: the unwrapped model never talks to the others
+            return raw_model(x, y)[1]  # each rank its share of the eval batches: no DDP hooks needed
 
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
     t_last, iters_since_log = time.time(), 0
     while True:
         lr = get_lr(iter_num, cfg)
@@ -166,26 +160,31 @@ def main(argv):
             group['lr'] = lr
 
         # evaluate, and checkpoint the state from which iteration iter_num starts
-        if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters) and master_process:
+        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
             model.eval()
-            losses = estimate_loss(loss_of, data, cfg)
+            losses = estimate_loss(loss_of, data, cfg, dp)
             model.train()
-            log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'], 'lr': lr})
+            if master_process:
+                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
+                                      'lr': lr})
             if not math.isfinite(losses['val']):
                 raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
             if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses['val'])
-                save_checkpoint({
-                    'model': raw_model.state_dict(),
-                    'optimizer': optimizer.state_dict(),
-                    'scaler': scaler.state_dict(),
-                    'rng_state': torch.get_rng_state(),
-                    'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
-                    'model_args': vars(raw_model.config),
-                    'iter_num': iter_num,
-                    'best_val_loss': best_val_loss,
-                    'config': vars(cfg),
-                }, os.path.join(cfg.out_dir, 'ckpt.pt'))
+                rng_states = gather_rng_states(dp)  # every rank's dropout stream, so that resume is exact
+                if master_process:
+                    writer.save({
+                        'model': raw_model.state_dict(),
+                        'optimizer': optimizer.state_dict(),
+                        'scaler': scaler.state_dict(),
+                        'rng_state': rng_states[0]['cpu'],
+                        'cuda_rng_state': rng_states[0]['cuda'],
+                        'rng_states': rng_states,
+                        'model_args': vars(raw_model.config),
+                        'iter_num': iter_num,
+                        'best_val_loss': best_val_loss,
+                        'config': vars(cfg),
+                    }, os.path.join(cfg.out_dir, 'ckpt.pt'))
             t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
@@ -212,7 +211,8 @@ def main(argv):
         optimizer.zero_grad(set_to_none=True)
 
         # log
-        loss_value = mean_over_ranks(loss_sum).item()  # the mean loss over the global batch
+        dp.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
         if not math.isfinite(loss_value):
             raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
         iters_since_log += 1
@@ -222,11 +222,15 @@ def main(argv):
             tokens_per_sec = tokens_per_iter / dt
             log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
                                   'tokens_per_sec': tokens_per_sec,
-                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         iter_num += 1
+    writer.wait()
+    if ddp:
+        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
+        dist.destroy_process_group()
 
-    if cfg.sample_at_end and not cfg.eval_only and master_process:
+    if cfg.sample_at_end and not cfg.eval_only and master_process:  # after the group is gone: no timeout to trip
         encode, decode = get_codec(cfg.dataset)
         raw_model.eval()
         start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
@@ -234,9 +238,6 @@ def main(argv):
             text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
         print(f"---------- a sample ----------\n{text}\n------------------------------")
         print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
-    if ddp:
-        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
-        dist.destroy_process_group()
 
 
 if __name__ == '__main__':

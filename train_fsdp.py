@@ -29,9 +29,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
-                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
-                   peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, autocast_context, config_defaults, configure,
+                   estimate_loss, gather_rng_states, get_batch, get_codec, get_lr, init_distributed, load_dataset,
+                   log_row, mfu, micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes, restore_rng,
+                   run_main, seed_dropout, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -88,46 +89,66 @@ def shard_model(model, mesh, mp_policy):
     return model
 
 
-def mean_over_ranks(value):
-    """The mean over all ranks of a scalar tensor that each rank computed over its own (equal-sized) rows."""
-    dist.all_reduce(value)  # a sum, then divided: the same on every backend
-    return value / dist.get_world_size()
+def nbytes(tensors):
+    """Bytes of this rank's part of the tensors (a DTensor's local shard)."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def held_bytes(model, optimizer):
     """Measured: the bytes this rank holds between steps in its local shards of the parameters, the gradients
     and AdamW's two moments (not counting the step counters, one scalar per tensor)."""
-    def nbytes(tensors):
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        return sum(t.numel() * t.element_size() for t in local)
     params = list(model.parameters())
     moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
-    return {'param_bytes': nbytes(params), 'grad_bytes': nbytes(p.grad for p in params if p.grad is not None),
+    return {'param_bytes': nbytes(params), 'grad_bytes': nbytes(p.grad for p in params),
             'optim_bytes': nbytes(moments)}
 
 
-def held_bytes_formula(numel, world_size):
+def grad_bytes_now(model):
+    """Measured: every gradient byte this rank holds right now: the sharded gradients, and the full-size
+    (unsharded) gradients that FSDP2 keeps while set_requires_gradient_sync(False) accumulates micro-steps
+    locally. Those live in FSDP's own parameter records (a private attribute, read only here); None where this
+    torch version keeps them elsewhere."""
+    total = nbytes(p.grad for p in model.parameters())
+    for module in model.modules():
+        state = getattr(module, '_get_fsdp_state', lambda: None)()
+        group = getattr(state, '_fsdp_param_group', None)
+        for fsdp_param in getattr(group, 'fsdp_params', []):
+            try:
+                unsharded = fsdp_param._unsharded_param.grad if hasattr(fsdp_param, '_unsharded_param') else None
+                total += nbytes([unsharded, fsdp_param.unsharded_accumulated_grad])
+            except AttributeError:
+                return None
+    return total
+
+
+def held_bytes_formula(numel, world_size, micro_steps):
     """ZeRO-3 for Ψ = numel parameters over N ranks, as FSDP2 keeps them: fp32 parameter shards 4Ψ/N (they are
     the master weights; bf16 copies exist only while a group is gathered), fp32 gradient shards 4Ψ/N (the
-    reduce dtype), AdamW's m and v 8Ψ/N. The measured numbers differ from these only by the dim-0 rounding."""
+    reduce dtype), AdamW's m and v 8Ψ/N. The measured numbers differ from these only by the dim-0 rounding.
+    Gradients at their peak: with more than one micro-step per rank, the accumulation without sync holds the
+    full-size fp32 gradients, 4Ψ (ZeRO-2/3 pay a reduce-scatter per micro-step instead)."""
     return {'param_bytes': 4 * numel / world_size, 'grad_bytes': 4 * numel / world_size,
-            'optim_bytes': 8 * numel / world_size}
+            'optim_bytes': 8 * numel / world_size,
+            'peak_grad_bytes': 4 * numel if micro_steps > 1 else 4 * numel / world_size}
 
 
-def log_held_bytes(out_dir, iter_num, model, optimizer, master_process):
+def log_held_bytes(out_dir, iter_num, model, optimizer, peak_grad_bytes, micro_steps, master_process):
     """Every rank's measured bytes, gathered to rank 0: one log row per rank with the formula beside each."""
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, held_bytes(model, optimizer))
+    dist.all_gather_object(rows, dict(held_bytes(model, optimizer), peak_grad_bytes=peak_grad_bytes))
     numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
-    formula = held_bytes_formula(numel, len(rows))
+    formula = held_bytes_formula(numel, len(rows), micro_steps)
     for rank, measured in enumerate(rows if master_process else []):
-        row = {'iter': iter_num, 'rank': rank}
+        row = {'iter': iter_num, 'rank': rank, 'numel': numel, 'micro_steps': micro_steps}
         for key, value in measured.items():
             row[key], row[key + '_formula'] = value, formula[key]
         with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
             f.write(json.dumps(row) + '\n')
+        peak = 'n/a' if measured['peak_grad_bytes'] is None else f"{measured['peak_grad_bytes']:,}"
         print(f"rank {rank} holds (measured, its shards): parameters {measured['param_bytes']:,} B, gradients "
-              f"{measured['grad_bytes']:,} B, AdamW moments {measured['optim_bytes']:,} B | formula 4Ψ/N, 4Ψ/N, 8Ψ/N "
+              f"{measured['grad_bytes']:,} B (peak {peak} B over {micro_steps} micro-step(s)), AdamW moments "
+              f"{measured['optim_bytes']:,} B | formula 4Ψ/N, 4Ψ/N (peak {formula['peak_grad_bytes']:,.0f}), 8Ψ/N "
               f"(Ψ={numel:,}, N={len(rows)}): {formula['param_bytes']:,.0f}, {formula['grad_bytes']:,.0f}, "
               f"{formula['optim_bytes']:,.0f}")
 
@@ -192,6 +213,7 @@ def main(argv):
         dist.init_process_group('nccl' if cfg.device.startswith('cuda') else 'gloo', store=dist.HashStore(),
                                 rank=0, world_size=1)
     master_process = dp_rank == 0  # logs, writes the full checkpoint, prints the sample
+    dp = Comm(None, 'dp')
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if master_process:
         print(f"tokens per iteration: {tokens_per_iter:,} over {dp_size} data-parallel rank(s)")
@@ -227,14 +249,14 @@ def main(argv):
         if master_process:
             trim_log(cfg.out_dir, iter_num)
     elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from)
-        model.config.dropout = cfg.dropout
-        model.config.activation_checkpointing = cfg.activation_checkpointing
+        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
+                                    activation_checkpointing=cfg.activation_checkpointing)
     else:
         raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     model.to(cfg.device)
+    flops_per_token = model.flops_per_token()
     if master_process:
         print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
     model = shard_model(model, mesh, mp_policy)  # every rank built the same full model; now each keeps 1/N
@@ -251,11 +273,9 @@ def main(argv):
             optimizer.load_state_dict(checkpoint['optimizer'])
             shard_optimizer_state(optimizer)
         scaler.load_state_dict(checkpoint['scaler'])
-        torch.set_rng_state(checkpoint['rng_state'])
-        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
-            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
-    if cfg.dropout > 0 and dp_rank > 0:
-        torch.manual_seed(cfg.seed + dp_rank)  # its own dropout masks; rank 0 keeps train.py's (checkpointed) stream
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
     checkpoint = None  # free it
     raw_model = model
     if cfg.compile:
@@ -267,8 +287,9 @@ def main(argv):
 
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    writer = CheckpointWriter()  # for the exported ckpt.pt, which rank 0 writes in the background
     t_last, iters_since_log = time.time(), 0
-    start_iter = iter_num
+    start_iter = iter_num  # the first iteration measures what each rank holds
     while True:
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
@@ -277,9 +298,9 @@ def main(argv):
         # evaluate, and checkpoint the state from which iteration iter_num starts
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
             model.eval()
-            losses = estimate_loss(loss_of, data, cfg)
+            losses = estimate_loss(loss_of, data, cfg, dp)  # each rank its share of the batches
             model.train()
-            if master_process:  # every rank evaluated (the forward gathers), with the same result
+            if master_process:
                 log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
                                       'lr': lr})
             if not math.isfinite(losses['val']):
@@ -287,10 +308,12 @@ def main(argv):
             if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses['val'])
                 model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # this rank's shards, keyed by name
+                rng_states = gather_rng_states(dp)  # every rank's dropout stream, so that resume is exact
                 save_sharded({'model': model_sd, 'optimizer': optim_sd}, {
                     'scaler': scaler.state_dict(),
-                    'rng_state': torch.get_rng_state(),
-                    'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                    'rng_state': rng_states[0]['cpu'],
+                    'cuda_rng_state': rng_states[0]['cuda'],
+                    'rng_states': rng_states,
                     'model_args': vars(raw_model.config),
                     'iter_num': iter_num,
                     'best_val_loss': best_val_loss,
@@ -304,6 +327,7 @@ def main(argv):
         micro_steps = cfg.gradient_accumulation_steps // dp_size
         global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=cfg.device)
+        peak_grad_bytes = 0
         for micro_step in range(micro_steps):
             # reduce-scatter the gradients in the last micro-step's backward only; before it they add up locally
             # (full size, per block: less communication for more memory)
@@ -316,17 +340,21 @@ def main(argv):
                 loss = loss / micro_steps  # the gradient is the mean over the whole batch (FSDP averages ranks)
             loss_sum += loss.detach()
             scaler.scale(loss).backward()
+            if iter_num == start_iter and peak_grad_bytes is not None:  # after each micro-step, once
+                now = grad_bytes_now(raw_model)
+                peak_grad_bytes = None if now is None else max(peak_grad_bytes, now)
         if cfg.grad_clip != 0.0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the norm of all ranks' shards
         scaler.step(optimizer)
         scaler.update()
         if iter_num == start_iter:  # once, when the gradients and the AdamW state exist
-            log_held_bytes(cfg.out_dir, iter_num, model, optimizer, master_process)
+            log_held_bytes(cfg.out_dir, iter_num, model, optimizer, peak_grad_bytes, micro_steps, master_process)
         optimizer.zero_grad(set_to_none=True)
 
         # log
-        loss_value = mean_over_ranks(loss_sum).item()  # the mean loss over the global batch
+        dp.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
         if not math.isfinite(loss_value):
             raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
         iters_since_log += 1
@@ -336,19 +364,21 @@ def main(argv):
             tokens_per_sec = tokens_per_iter / dt
             log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
                                   'tokens_per_sec': tokens_per_sec,
-                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         iter_num += 1
 
     if cfg.export:  # one train.py-format checkpoint of the state from which iteration iter_num starts
         model_sd, optim_sd = full_checkpoint_state(raw_model, optimizer)
+        rng_states = gather_rng_states(dp)
         if master_process:
-            save_checkpoint({
+            writer.save({
                 'model': model_sd,
                 'optimizer': optim_sd,
                 'scaler': scaler.state_dict(),
-                'rng_state': torch.get_rng_state(),
-                'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                'rng_state': rng_states[0]['cpu'],
+                'cuda_rng_state': rng_states[0]['cuda'],
+                'rng_states': rng_states,
                 'model_args': vars(raw_model.config),
                 'iter_num': iter_num,
                 'best_val_loss': best_val_loss,
@@ -364,7 +394,8 @@ def main(argv):
         if master_process:
             print(f"---------- a sample ----------\n{text}\n------------------------------")
             print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
-    dist.barrier()  # wait for rank 0's last checkpoint and sample: tearing gloo down under a busy peer can abort
+    writer.wait()
+    dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
     dist.destroy_process_group()
 
 

@@ -30,10 +30,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from model import (GPT, TRAIN_STREAM, GPTConfig, autocast_context, config_defaults, configure, estimate_loss, get_batch,
-                   get_codec, get_lr, init_distributed, load_dataset, log_row, micro_batch_rows, model_config,
-                   param_groups, peak_flops_for, peak_memory_bytes, run_main, save_checkpoint, trim_log,
-                   world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, WireMeter, autocast_context, config_defaults,
+                   configure, estimate_loss, get_batch, get_codec, get_lr, init_distributed, load_dataset, log_row,
+                   mfu, micro_batch_rows, model_config, param_groups, peak_flops_for, peak_memory_bytes, restore_rng,
+                   rng_state, run_main, save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -96,42 +96,12 @@ def model_state_bytes_formula(numel, world_size, stage, mixed_precision):
 
 
 def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):
-    """Bytes one rank sends per step, ring algorithms. Stages 0-2: one all-reduce's worth, 2(N-1)/N·Ψ (stage 1/2
-    as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters gathered for forward and again
-    for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so they reduce at every one."""
+    """Bytes one rank sends per step, ring algorithms (the paper's count). Stages 0-2: one all-reduce's worth,
+    2(N-1)/N·Ψ (stage 1/2 as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters gathered
+    for forward and again for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so they reduce
+    at every one. On gloo a reduce-scatter is an all-reduce underneath: the wire carries more (see WireMeter)."""
     one = (world_size - 1) / world_size * numel * bytes_per_elem
     return {0: 2 * one, 1: 2 * one, 2: (micro_steps + 1) * one, 3: 3 * micro_steps * one}[stage]
-
-
-class Comm:
-    """The three collectives, each counting the bytes this rank sends under ring algorithms: all-reduce
-    2(N-1)/N of the tensor, reduce-scatter and all-gather (N-1)/N of the full-size tensor. With one process
-    they are copies. `kind` lets the loss and gradient-norm scalars be counted apart from the model states."""
-
-    def __init__(self, world_size):
-        self.world_size = world_size
-        self.sent = defaultdict(float)
-
-    def _count(self, kind, tensor, factor):
-        self.sent[kind] += factor * (self.world_size - 1) / self.world_size * tensor.numel() * tensor.element_size()
-
-    def all_reduce(self, tensor, kind='all_reduce', async_op=False):
-        self._count(kind, tensor, 2)
-        return dist.all_reduce(tensor, async_op=async_op) if self.world_size > 1 else None
-
-    def reduce_scatter(self, out, full, async_op=False):
-        self._count('reduce_scatter', full, 1)
-        if self.world_size == 1:
-            out.copy_(full)
-            return None
-        return dist.reduce_scatter_single(out, full, async_op=async_op)
-
-    def all_gather(self, full, shard, async_op=False):
-        self._count('all_gather', full, 1)
-        if self.world_size == 1:
-            full.copy_(shard)
-            return None
-        return dist.all_gather_single(full, shard, async_op=async_op)
 
 
 def wait(work):
@@ -153,9 +123,8 @@ class Bucket:
         self.shard_numel = self.padded // world_size if sharded else self.numel
         self.lo = rank * self.shard_numel if sharded else 0
         flat32 = self.flatten([p.detach().float() for p in params], device)
-        # a flat shard spans both AdamW groups (and padding), so weight decay is chosen element by element
-        mask = self.flatten([torch.full(p.shape, id(p) in decay, dtype=torch.bool) for p in params], device)
-        self.decay_mask = mask[self.lo:self.lo + self.shard_numel].clone()
+        # a flat shard spans both AdamW groups (and padding): the decayed parameters are ranges of this rank's chunk
+        self.decay_ranges = self.owned_ranges([id(p) in decay for p in params])
         self.flat = flat32.to(dtype)  # the full parameters, in the working dtype (flat32 itself in fp32)
         for p, view in zip(params, self.views(self.flat)):
             p.data = view
@@ -178,13 +147,22 @@ class Bucket:
     def owned(self, flat):
         return flat[self.lo:self.lo + self.shard_numel]
 
+    def owned_ranges(self, flags):
+        """(start, end) within this rank's chunk of the part of each flagged parameter that falls in it."""
+        ranges = []
+        for flag, off, shape in zip(flags, self.offsets, self.shapes):
+            start, end = max(off, self.lo) - self.lo, min(off + math.prod(shape), self.lo + self.shard_numel) - self.lo
+            if flag and start < end:
+                ranges.append((start, end))
+        return ranges
+
 
 class ShardedAdamW:
     """torch.optim.AdamW's update (decoupled weight decay, bias correction, eps added after the square root),
     written once for any flat fp32 tensors: here, this rank's chunks. Element for element what torch computes."""
 
-    def __init__(self, masters, decay_masks, weight_decay, betas, eps):
-        self.masters, self.decay_masks = masters, decay_masks
+    def __init__(self, masters, decay_ranges, weight_decay, betas, eps):
+        self.masters, self.decay_ranges = masters, decay_ranges
         self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
         self.exp_avg = [torch.zeros_like(m) for m in masters]
         self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
@@ -196,9 +174,10 @@ class ShardedAdamW:
         self.step_count += 1
         bias_correction1 = 1 - beta1 ** self.step_count
         bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
-        for p, g, m, v, decay in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.decay_masks):
+        for p, g, m, v, ranges in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
             g = g.float()
-            p.mul_(torch.where(decay, 1 - lr * self.weight_decay, 1.0))  # torch rounds 1 - lr·wd the same way
+            for start, end in ranges:
+                p[start:end].mul_(1 - lr * self.weight_decay)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
@@ -258,7 +237,7 @@ class Zero:
                 self.free(b)
             else:
                 b.shard = b.owned(b.flat)
-        self.optimizer = ShardedAdamW([b.master for b in self.buckets], [b.decay_mask for b in self.buckets],
+        self.optimizer = ShardedAdamW([b.master for b in self.buckets], [b.decay_ranges for b in self.buckets],
                                       weight_decay, betas, eps)
         if stage == 3:
             self.install_stage3_hooks(model)
@@ -359,7 +338,7 @@ class Zero:
         all-reduce of that scalar gives the global norm (padding is zero and adds nothing)."""
         sq = sum(g.float().pow(2).sum() for g in self.grads())
         if self.stage >= 1:
-            self.comm.all_reduce(sq, kind='all_reduce_scalars')
+            self.comm.all_reduce(sq, kind='scalars')
         norm = sq.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in self.grads():
@@ -535,8 +514,9 @@ def consolidate_shards(out_dir):
         'model': model.state_dict(),
         'optimizer': optimizer.state_dict(),
         'scaler': torch.amp.GradScaler('cpu', enabled=False).state_dict(),
-        'rng_state': ck0['rng_state'],
-        'cuda_rng_state': None,
+        'rng_state': ck0['rng']['cpu'],
+        'cuda_rng_state': ck0['rng']['cuda'],
+        'rng_states': [s['rng'] for s in shards],  # every rank's dropout stream: the same world resumes exactly
         'model_args': ck0['model_args'],
         'iter_num': ck0['iter_num'],
         'best_val_loss': ck0['best_val_loss'],
@@ -595,19 +575,21 @@ def apply_deepspeed_config(cfg, path, world_size):
     return cfg
 
 
-def report_rows(zero, at_rest, cfg, iter_num, micro_steps):
-    """This rank's measured bytes beside the formulas, as a log row."""
+def report_rows(zero, at_rest, cfg, iter_num, micro_steps, wire_bytes, wire_why_not):
+    """This rank's bytes as a log row: held (measured) beside the ZeRO formulas, and sent: counted at the calls,
+    the ring formula for those calls, and measured on the wire."""
     mixed = cfg.dtype == 'bfloat16'
     formula = model_state_bytes_formula(zero.numel, zero.world_size, zero.stage, mixed)
-    sent = {k: v for k, v in zero.comm.sent.items() if k != 'all_reduce_scalars'}
     row = {'iter': iter_num, 'rank': zero.rank, 'stage': zero.stage, 'world_size': zero.world_size,
-           'numel': zero.numel, 'buckets': len(zero.buckets)}
+           'numel': zero.numel, 'buckets': len(zero.buckets), 'micro_steps': micro_steps}
     for k in ('param_bytes', 'grad_bytes', 'optim_bytes'):
         row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': zero.peak[k]})
-    row['comm_bytes_per_step'] = sum(sent.values())
-    row['comm_bytes_per_step_formula'] = comm_bytes_formula(zero.numel, zero.world_size, zero.stage,
-                                                            2 if mixed else 4, micro_steps)
-    row['comm_bytes_by_kind'] = dict(zero.comm.sent)
+    row['collective_bytes'] = sum(zero.comm.collective_bytes.values())
+    row['collective_bytes_by_kind'] = dict(zero.comm.collective_bytes)
+    row['wire_bytes_formula'] = sum(zero.comm.wire_bytes_formula.values())
+    row['wire_bytes_formula_by_kind'] = dict(zero.comm.wire_bytes_formula)
+    row['wire_bytes'] = wire_bytes
+    row['wire_bytes_note'] = wire_why_not
     return row
 
 
@@ -618,9 +600,14 @@ def print_report(rows):
     for r in rows:
         cells = [f"{k[:-6]} {r[k]:,} / {r['peak_' + k]:,} ({r[k + '_formula']:,})"
                  for k in ('param_bytes', 'grad_bytes', 'optim_bytes')]
-        kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r['comm_bytes_by_kind'].items())
-        print(f"  rank {r['rank']}: " + ' | '.join(cells) +
-              f" | sent/step {r['comm_bytes_per_step']:,.0f} ({r['comm_bytes_per_step_formula']:,.0f}) [{kinds}]")
+        print(f"  rank {r['rank']}: " + ' | '.join(cells))
+    kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r0['collective_bytes_by_kind'].items())
+    wire = r0['wire_bytes_note'] if r0['wire_bytes'] is None else f"{r0['wire_bytes']:,.0f}"
+    print(f"  sent per step by each rank: collective bytes {r0['collective_bytes']:,} [{kinds}] (counted at the "
+          f"calls); wire bytes {r0['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback)")
+    if r0['wire_bytes'] and r0['wire_bytes'] > 1.2 * r0['wire_bytes_formula']:
+        print("  (more on the wire than the ring formula: gloo's reduce-scatter is an all-reduce underneath, so "
+              "each reduce-scatter sends 2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter)")
 
 
 def main(argv):
@@ -692,9 +679,10 @@ def main(argv):
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     model.to(cfg.device)
+    flops_per_token = model.flops_per_token()
     if master_process:
         print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
-    comm = Comm(world_size)
+    comm = Comm(None, 'dp')  # every collective goes through it, and is counted there
     param_dtype = torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, param_dtype, comm)
@@ -702,10 +690,12 @@ def main(argv):
         zero.load_torch_optimizer(torch_checkpoint['optimizer'])
     elif checkpoint is not None:
         zero.load_state_dict(checkpoint['zero'])
-    if checkpoint is not None:
-        torch.set_rng_state(checkpoint['rng_state'])
-        if device_type == 'cuda' and checkpoint.get('cuda_rng_state') is not None:
-            torch.cuda.set_rng_state(checkpoint['cuda_rng_state'])
+    if torch_checkpoint is not None:
+        restore_rng(torch_checkpoint, rank, world_size, cfg.seed, dp_rank)
+    elif checkpoint is not None:
+        set_rng_state(checkpoint['rng'])  # this rank's own dropout stream, from its own shard
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py draw
     checkpoint = torch_checkpoint = None  # free it
     raw_model = model
     if cfg.compile:
@@ -717,6 +707,7 @@ def main(argv):
 
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+    writer, wire = CheckpointWriter(), WireMeter()  # every rank writes its shard in the background
     t_last, iters_since_log, first_iter = time.time(), 0, iter_num
     while True:
         lr = get_lr(iter_num, cfg)
@@ -724,7 +715,7 @@ def main(argv):
         # evaluate (every rank: in stage 3 each one takes part in the gathers), checkpoint every rank's shard
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
             model.eval()
-            losses = estimate_loss(loss_of, data, cfg)
+            losses = estimate_loss(loss_of, data, cfg, comm)  # each rank its share of the batches
             model.train()
             if master_process:
                 log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
@@ -733,10 +724,9 @@ def main(argv):
                 raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
             if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses['val'])
-                save_checkpoint({
+                writer.save({
                     'zero': zero.state_dict(),
-                    'rng_state': torch.get_rng_state(),
-                    'cuda_rng_state': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+                    'rng': rng_state(),
                     'model_args': vars(raw_model.config),
                     'iter_num': iter_num,
                     'best_val_loss': best_val_loss,
@@ -747,8 +737,10 @@ def main(argv):
             break
 
         # one iteration: forward and backward over this rank's micro-batches, reducing as backward goes
-        measuring = iter_num == first_iter
-        zero.comm.sent.clear()
+        measuring = iter_num == first_iter  # the first iteration: held bytes at their peaks, sent bytes
+        if measuring:
+            comm.clear()
+            wire.start()
         zero.measuring = measuring
         micro_steps = cfg.gradient_accumulation_steps // dp_size
         global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
@@ -769,14 +761,15 @@ def main(argv):
             zero.clip_grad_norm(cfg.grad_clip)
         zero.step(lr)
         zero.measuring = False
-        comm.all_reduce(loss_sum, kind='all_reduce_scalars')
+        comm.all_reduce(loss_sum, kind='scalars')
+        wire_bytes = wire.stop() if measuring else None
 
         # log
         loss_value = loss_sum.item() / world_size  # the mean loss over the global batch
         if not math.isfinite(loss_value):
             raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
         if measuring:  # one row per rank: what it holds and sends, beside the formulas
-            row = report_rows(zero, zero.held_bytes(), cfg, iter_num, micro_steps)
+            row = report_rows(zero, zero.held_bytes(), cfg, iter_num, micro_steps, wire_bytes, wire.why_not)
             rows = [None] * world_size
             if world_size > 1:
                 dist.all_gather_object(rows, row)
@@ -793,9 +786,10 @@ def main(argv):
             tokens_per_sec = tokens_per_iter / dt
             log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
                                   'tokens_per_sec': tokens_per_sec,
-                                  'mfu': raw_model.estimate_mfu(tokens_per_sec, peak),
+                                  'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
         iter_num += 1
+    writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only:
         encode, decode = get_codec(cfg.dataset)

@@ -18,14 +18,20 @@ TINY = ['--n_layer=2', '--n_head=4', '--n_embd=16', '--block_size=16', '--batch_
 
 def run_script(script, args, nproc=None, timeout=240, env=None):
     """Run `python script args` (nproc None) or `torchrun --nproc_per_node=nproc script args` from the repo root.
-    Returns the CompletedProcess; never raises on a non-zero exit."""
+    Returns the CompletedProcess; never raises on a non-zero exit. A run past timeout seconds (a hang) fails the
+    test, with the output so far."""
     if nproc is None:
         cmd = [sys.executable, script] + list(args)
     else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
                script] + list(args)
     full_env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', **(env or {}))
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    try:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b'')[-3000:], (e.stderr or b'')[-3000:]
+        raise AssertionError(f"{' '.join(cmd[1:])} did not finish within {timeout} s (a hang?)\n"
+                             f"stdout:\n{out[0]!r}\nstderr:\n{out[1]!r}") from None
 
 
 def check(proc):
@@ -51,40 +57,62 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, timeout, dump_dir):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS='1')
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS='1')
+    import datetime
+    import faulthandler
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    # a rank stuck in a collective writes every thread's stack to its dump file before the parent gives up
+    dump = open(os.path.join(dump_dir, f'rank{rank}.txt'), 'w')
+    faulthandler.dump_traceback_later(max(1, timeout - 10), exit=False, file=dump)
     try:
-        dist.init_process_group('gloo', rank=rank, world_size=world_size)
+        dist.init_process_group('gloo', rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
         queue.put((rank, 'ok', result))
     except BaseException:
         queue.put((rank, 'error', traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def spawn(fn, world_size, *args, timeout=180):
     """Run fn(rank, world_size, *args) in world_size processes joined in a gloo process group and return the
     list of what each returned (rank order). fn must be a module-level function of an importable module.
-    A rank's exception fails the call with that rank's traceback."""
+    A rank's exception fails the call with that rank's traceback; a hang (a deadlocked collective) fails it
+    after timeout seconds with every rank's stacks, and the ranks are killed."""
+    import queue as queue_module
+    import tempfile
     for attempt in range(3):  # the free port can be taken between picking it and binding it
         port = free_port()
         ctx = mp.get_context('spawn')
-        queue = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+        results_queue = ctx.Queue()
+        dump_dir = tempfile.mkdtemp(prefix='spawn_dumps_')
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results_queue, timeout, dump_dir))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         results, errors = {}, {}
-        for _ in range(world_size):
-            rank, status, payload = queue.get()
-            (results if status == 'ok' else errors)[rank] = payload
-        for p in procs:
-            p.join(timeout)
-            if p.is_alive():
+        try:
+            for _ in range(world_size):
+                rank, status, payload = results_queue.get(timeout=timeout)
+                (results if status == 'ok' else errors)[rank] = payload
+        except queue_module.Empty:
+            for p in procs:
                 p.kill()
+            stacks = ''.join(f"\n--- rank {r} ---\n" + open(os.path.join(dump_dir, f'rank{r}.txt')).read()[-3000:]
+                             for r in range(world_size) if r not in results and r not in errors)
+            raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not "
+                                 f"finish within {timeout} s (a hang?); their stacks:{stacks}")
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
         if errors and attempt < 2 and any('address already in use' in e.lower() for e in errors.values()):
             continue
         if errors:

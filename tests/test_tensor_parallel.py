@@ -2,8 +2,10 @@
 tensor parallelism (DTensor ColwiseParallel/RowwiseParallel), against train.py's loss curve (dp x tp, tp=4 with
 sequence parallelism, consolidate-and-continue, resume) and against its own formulas."""
 import copy
+import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,11 +40,11 @@ def _against_dense(rank, world_size):
     sends and saves for backward, measured."""
     import torch.distributed as dist
     import tensor_parallel as tpm
-    from model import GPT, GPTConfig
+    from model import GPT, Comm, GPTConfig
     groups = {}
     for t in (1, 2, 4):  # every rank creates every group, in the same order
         made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, t)]
-        groups[t] = tpm.Group(made[rank // t], rank % t, t)
+        groups[t] = Comm(made[rank // t], 'tp')
     results = {}
     for name, layout in LAYOUTS.items():
         config = GPTConfig(**layout)
@@ -63,10 +65,10 @@ def _against_dense(rank, world_size):
                 model = copy.deepcopy(dense)
                 model.zero_grad(set_to_none=True)
                 specs = tpm.shard_gpt(model, par)
-                tpm.COMM_BYTES.clear()
+                par.g.clear()
                 logits, loss = tpm.tp_forward(model, idx, targets, par)
                 loss.backward()
-                comm = sum(v for k, v in tpm.COMM_BYTES.items() if k.startswith('tp '))
+                comm = sum(par.g.wire_bytes_formula.values())  # counted at the calls, ring bytes
                 tpm.sync_tp_grads(specs, par)
                 full_logits = torch.cat(_gather(logits.detach(), par.g), dim=-1)
                 grad_err = max(_rel_err(tpm.join_slices(_gather(p.grad, par.g), kind, qkv_sizes),
@@ -97,8 +99,9 @@ def _against_dtensor(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     import tensor_parallel as tpm
+    from model import Comm
     mesh = init_device_mesh('cpu', (world_size,))
-    g = tpm.Group(dist.group.WORLD, rank, world_size)
+    g = Comm(None, 'tp')
     errors = {}
     for sp in (False, True):
         torch.manual_seed(0)
@@ -133,8 +136,36 @@ def _against_dtensor(rank, world_size):
     return errors
 
 
+def _dropout_checks(rank, world_size):
+    """tp=2, dropout 0.5, the heads of rank 1 made identical to those of rank 0: each rank's attention output
+    (before c_proj) and the block's output, which is replicated on the tp ranks, and the shared stream after."""
+    import torch.distributed as dist
+    import tensor_parallel as tpm
+    from model import GPT, Comm, GPTConfig
+    made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, 2)]
+    par = tpm.TensorParallel(Comm(made[rank // 2], 'tp'), False)
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=16, vocab_size=32, dropout=0.5, bias=False)
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():  # heads 2, 3 (rank 1's) = heads 0, 1 (rank 0's), in q, k and v and in c_proj
+        w = model.transformer.h[0].attn.c_attn.weight.view(3, 4, 4, 16)
+        w[:, 2:] = w[:, :2]
+        model.transformer.h[0].attn.c_proj.weight.view(16, 4, 4)[:, 2:] = \
+            model.transformer.h[0].attn.c_proj.weight.view(16, 4, 4)[:, :2]
+    tpm.shard_gpt(model, par)
+    tpm.give_tp_ranks_their_dropout(model, par)
+    seen = {}
+    block = model.transformer.h[0]
+    block.attn.c_proj.register_forward_pre_hook(lambda m, args: seen.setdefault('attn', args[0].detach()))
+    block.register_forward_hook(lambda m, args, out: seen.setdefault('block', out.detach()))
+    torch.manual_seed(7)  # the tp ranks of a replica share the stream
+    idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(3))
+    tpm.tp_forward(model.train(), idx, idx, par)
+    return seen['attn'].numpy(), seen['block'].numpy(), torch.rand(4).numpy()  # (tensors die with the process)
+
+
 def _all_checks(rank, world_size):
-    return _against_dense(rank, world_size), _against_dtensor(rank, world_size)
+    return _against_dense(rank, world_size), _against_dtensor(rank, world_size), _dropout_checks(rank, world_size)
 
 
 @pytest.fixture(scope='module')
@@ -147,20 +178,20 @@ def spawned():
 @pytest.mark.parametrize('t', [1, 2, 4])
 @pytest.mark.parametrize('sp', [False, True])
 def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t, sp):
-    for rank, (dense, _) in enumerate(spawned):
+    for rank, (dense, _, _) in enumerate(spawned):
         r = dense[(layout, t, sp)]
         assert r['covered'], "the shard specs must cover every dense parameter"
         assert r['logits_err'] < TOL and r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)
 
 
 def test_a_tp_layer_equals_dtensor_colwise_rowwise(spawned):
-    for rank, (_, errors) in enumerate(spawned):
+    for rank, (_, errors, _) in enumerate(spawned):
         assert errors[False] < TOL, f"plain TP vs DTensor, rank {rank}: {errors[False]}"
         assert errors[True] < TOL, f"sequence parallel vs DTensor (Shard(1)), rank {rank}: {errors[True]}"
 
 
 def test_measured_bytes_against_the_formulas(spawned):
-    for rank, (dense, _) in enumerate(spawned):
+    for rank, (dense, _, _) in enumerate(spawned):
         for (layout, t, sp), r in dense.items():
             # bytes sent, counted at the calls: exactly 2 all-reduces per block forward and 2 backward (or their
             # all-gather + reduce-scatter), plus the embedding, head and cross-entropy
@@ -190,26 +221,49 @@ def _assert_same_curve(got, want, iters):
         assert got[it] == pytest.approx(want[it], rel=TOL), (it, got, want)
 
 
+def test_dropout_masks_differ_per_rank_in_the_tp_region_and_agree_outside_it(spawned):
+    """Megatron's RNG: the tp ranks hold identical heads here, yet their attention outputs differ (each rank's
+    heads draw their own masks); the block's output, replicated on the tp ranks, is the same on both, and so is
+    the shared stream afterwards."""
+    for pair in ((0, 1), (2, 3)):
+        (attn0, block0, rand0), (attn1, block1, rand1) = (spawned[r][2] for r in pair)
+        assert not np.allclose(attn0, attn1), "the tp ranks drew the same attention-dropout masks"
+        assert np.array_equal(block0, block1) and np.array_equal(rand0, rand1)
+
+
 def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path):
     ref, tp_dir, full = tmp_path / 'train', tmp_path / 'tp', tmp_path / 'full'
     check(run_script('train.py', FLAGS + [f'--out_dir={ref}']))
     want = train_losses(ref)
-    # dp=2 x tp=2: the first 2 iterations, checkpoint per rank + one consolidated train.py checkpoint at iter 2
-    check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}',
-                                                    f'--consolidate={full}'], nproc=4))
+    # dp=2 x tp=2: the first 2 iterations, one checkpoint per rank; consolidated offline into a train.py ckpt.pt
+    check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
+    check(run_script('tensor_parallel.py', [f'--consolidate={tp_dir}']))
+    full.mkdir()
+    shutil.move(str(tp_dir / 'ckpt.pt'), str(full / 'ckpt.pt'))
+    shutil.copy(tp_dir / 'log.jsonl', full / 'log.jsonl')
     # resume the tp run to iter 4, and continue the consolidated checkpoint in train.py
     check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--init_from=resume', f'--out_dir={tp_dir}'], nproc=4))
     check(run_script('train.py', FLAGS + ['--init_from=resume', f'--out_dir={full}']))
     _assert_same_curve(train_losses(tp_dir), want, range(4))
-    _assert_same_curve(train_losses(full), want, [2, 3])
+    _assert_same_curve(train_losses(full), want, range(4))  # 0-1 from the tp run, 2-3 from train.py
     rows = [r for r in read_log(tp_dir) if 'rank' in r]
     assert sorted(r['rank'] for r in rows if r['iter'] == 0) == [0, 1, 2, 3]
     for r in rows:
         assert (r['tp'], r['dp']) == (2, 2)
-        assert r['comm_bytes_per_step'] == pytest.approx(r['comm_bytes_per_step_formula'])
+        assert r['tp_activation_wire_bytes_formula'] == pytest.approx(r['tp_comm_bytes_formula'])
         assert r['param_bytes'] == pytest.approx(r['param_bytes_formula'])
-        assert r['dp_grad_bytes_per_step'] == pytest.approx(r['dp_grad_bytes_per_step_formula'])
+        assert r['dp_grad_wire_bytes_formula'] == pytest.approx(r['dp_grad_bytes_formula'])
         assert r['activation_bytes'] > 0 and r['activation_bytes_formula'] > 0
+
+
+def test_resume_with_dropout_is_exact(tmp_path):
+    """tp=2 with dropout: 2 iterations, resumed to 4, equal the uninterrupted 4 (every rank's streams restored)."""
+    flags = FLAGS + ['--tp=2', '--dropout=0.3', '--eval_interval=2']
+    whole, split = tmp_path / 'whole', tmp_path / 'split'
+    check(run_script('tensor_parallel.py', flags + [f'--out_dir={whole}'], nproc=2))
+    check(run_script('tensor_parallel.py', flags + ['--max_iters=2', f'--out_dir={split}'], nproc=2))
+    check(run_script('tensor_parallel.py', flags + ['--init_from=resume', f'--out_dir={split}'], nproc=2))
+    assert train_losses(split) == train_losses(whole)
 
 
 def test_llama_gqa_tp4_sequence_parallel_matches_train_py(tmp_path):
@@ -220,7 +274,13 @@ def test_llama_gqa_tp4_sequence_parallel_matches_train_py(tmp_path):
     _assert_same_curve(train_losses(tp_dir), train_losses(ref), range(4))
     rows = [r for r in read_log(tp_dir) if 'rank' in r]
     assert sorted(r['rank'] for r in rows) == [0, 1, 2, 3] and all(r['sequence_parallel'] for r in rows)
-    assert all(r['comm_bytes_per_step'] == pytest.approx(r['comm_bytes_per_step_formula']) for r in rows)
+    assert all(r['tp_activation_wire_bytes_formula'] == pytest.approx(r['tp_comm_bytes_formula']) for r in rows)
+    # on the wire: gloo's reduce-scatter is an all-reduce, so sequence parallelism's all-gather + reduce-scatter
+    # pair sends 3(t-1)/t of the tensor where the ring formula says 2(t-1)/t
+    for r in rows:
+        kinds, n = r['collective_bytes_by_kind'], 4
+        gloo = sum(v * (2 * (n - 1) / n if 'all_gather' not in k else (n - 1) / n) for k, v in kinds.items())
+        assert 0.99 * gloo <= r['wire_bytes'] <= 1.1 * gloo + 8192, (r['wire_bytes'], gloo)
 
 
 def _cfg(**over):
