@@ -188,10 +188,12 @@ def estimate_markdown(rows, header):
             lines.append(f"| {r['strategy']} | {grid} | n/a: {r['error']} |" + ' |' * 8)
             continue
         extra = f" (bubble {100 * r['bubble_fraction']:.0f}%)" if 'bubble_fraction' in r else ''
-        lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | {fmt_bytes(r['grad_bytes'])} | "
-                     f"{fmt_bytes(r['optim_bytes'])} | {fmt_bytes(r['activation_bytes'])} | "
+        lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | "
+                     f"{fmt_bytes(r['grad_bytes'])} | {fmt_bytes(r['optim_bytes'])} | "
+                     f"{fmt_bytes(r['activation_bytes'])} | "
                      f"{fmt_bytes(r['activation_bytes_ckpt'])} | {fmt_bytes(r['total_bytes'])} | "
-                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])}{r.get('comm_note', '')} | {r['fits']} |")
+                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])}"
+                     f"{r.get('comm_note', '')} | {r['fits']} |")
     notes = sorted({n for r in rows for n in r.get('notes', [])}) + [
         "activations: the transformer layers' (Korthikanti et al.), for the micro-batches a rank holds at once; "
         "the logits (s x b x V), the embedding output and temporary buffers come on top",
@@ -512,7 +514,8 @@ def parse_args(argv):
     p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")
     p.add_argument('--tp', type=int, default=None, help='tensor-parallel degree (default: the largest <= 8 that fits)')
     p.add_argument('--pp', type=int, default=None, help='pipeline stages (default: the largest <= 4 that fits)')
-    p.add_argument('--n_microbatches', type=int, default=None, help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
+    p.add_argument('--n_microbatches', type=int, default=None,
+                   help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
     p.add_argument('--vocab_size', type=int, default=None, help='default: a "# vocab_size: N" line, else 50304')
     p.add_argument('--rows', default='all', help='comma-separated rows of the bench (default all)')

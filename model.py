@@ -65,7 +65,8 @@ class GPTConfig:
             (self.mlp in ('gelu', 'swiglu'), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}"),
             (self.pos in ('learned', 'rope'), f"pos must be 'learned' or 'rope', got {self.pos!r}"),
             (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
-            (self.n_head % self.n_kv_head == 0, f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"),
+            (self.n_head % self.n_kv_head == 0,
+             f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"),
             (self.pos != 'rope' or (self.n_embd // self.n_head) % 2 == 0, "rope needs an even head size"),
         ]
         for ok, message in checks:
@@ -389,7 +390,8 @@ def configure(defaults, argv):
 
     def set_key(key, value, source):
         if key not in defaults:
-            raise SystemExit(f"error: unknown config key '{key}' (from {source}); valid keys: {', '.join(sorted(defaults))}")
+            raise SystemExit(f"error: unknown config key '{key}' (from {source}); "
+                             f"valid keys: {', '.join(sorted(defaults))}")
         cfg[key] = _checked(key, value, defaults[key])
 
     for arg in argv:
@@ -435,7 +437,8 @@ def load_dataset(dataset):
             import runpy
             runpy.run_path(prepare, run_name='__main__')
         else:
-            hint = f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else "see data/ for the prepare scripts"
+            hint = (f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else
+                    "see data/ for the prepare scripts")
             raise SystemExit(f"error: data set '{dataset}' not found in {data_dir}; make it with: {hint}")
     data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
             for split in ('train', 'val')}

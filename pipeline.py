@@ -76,7 +76,8 @@ config = config_defaults(globals())
 
 def bubble_fraction_formula(p, m, v=1):
     """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
-    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the ideal)."""
+    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the
+    ideal)."""
     return (p - 1) / (v * m + p - 1)
 
 

@@ -767,7 +767,8 @@ def report_measurements(cfg, dense_config, iter_num, rank, tpg, dp, micro_steps,
     beside Megatron's count for a layer (tp_comm_bytes_formula), and measured on the wire (wire_bytes)."""
     s, b, h, t, L = cfg.block_size, cfg.batch_size, dense_config.n_embd, tpg.size, dense_config.n_layer
     sent = comm_report([tpg, dp])
-    activations = {k: v for k, v in tpg.wire_bytes_formula.items() if k in ('all_reduce', 'all_gather', 'reduce_scatter')}
+    activations = {k: v for k, v in tpg.wire_bytes_formula.items()
+                   if k in ('all_reduce', 'all_gather', 'reduce_scatter')}  # not the gradient or norm sync
     row = {'rank': rank, 'iter': iter_num, 'tp_rank': tpg.rank, 'dp_rank': dp.rank, 'tp': t, 'dp': dp.size,
            'sequence_parallel': cfg.sequence_parallel,
            'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(dense_config, t),
@@ -790,7 +791,8 @@ def report_measurements(cfg, dense_config, iter_num, rank, tpg, dp, micro_steps,
           f"param bytes {row['param_bytes']:,} (formula {row['param_bytes_formula']:,.0f}); "
           f"activation bytes/layer {activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}, "
           f"{'with' if cfg.sequence_parallel else 'no'} SP); sent per step: collective bytes "
-          f"{row['collective_bytes']:,} (counted: " + ', '.join(f"{k} {v:,}" for k, v in sent['collective_bytes'].items())
+          f"{row['collective_bytes']:,} (counted: "
+          + ', '.join(f"{k} {v:,}" for k, v in sent['collective_bytes'].items())
           + f"), wire bytes {row['wire_bytes_formula']:,.0f} (ring formula; Megatron's count for the activations "
           f"{row['tp_comm_bytes_formula']:,.0f}), {wire} (measured, loopback)", flush=True)
     rows = [row]

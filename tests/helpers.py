@@ -36,7 +36,8 @@ def run_script(script, args, nproc=None, timeout=240, env=None):
 
 def check(proc):
     """Assert a CompletedProcess succeeded, showing its output if not."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return proc
 
 

@@ -1,7 +1,6 @@
 """bench.py: the estimate reproduces the ZeRO paper's worked example and, at the tiny scale, what zero.py measures
 from the tensors it holds; a bench run produces one table whose rows all reach the same loss, and the JSON."""
 import json
-import os
 
 from helpers import TINY, check, run_script
 

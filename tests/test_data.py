@@ -31,7 +31,8 @@ def small_bpe():
     for merge in (b'ee', b'pe', b'ak', b'spe', b'peak', b' s', b' speak', b'in', b'en'):
         ranks[merge] = len(ranks)
     pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken.Encoding('small_bpe', pat_str=pat, mergeable_ranks=ranks, special_tokens={'<|endoftext|>': len(ranks)})
+    return tiktoken.Encoding('small_bpe', pat_str=pat, mergeable_ranks=ranks,
+                             special_tokens={'<|endoftext|>': len(ranks)})
 
 
 def read_split(out_dir, split):

@@ -16,8 +16,8 @@ from helpers import REPO, TINY, check, free_port, read_log, run_script, spawn, t
 
 # gradient accumulation (6 micro-batches: 3 per rank on 2 ranks, 2 on 3), clipping that always bites (0.1), and a
 # learning rate large enough that the parameters move well away from their initial values in 8 steps
-ARGS = TINY + ['--gradient_accumulation_steps=6', '--eval_interval=4', '--eval_iters=3', '--log_interval=1', '--warmup_iters=2',
-               '--learning_rate=1e-2', '--lr_decay_iters=8', '--min_lr=1e-3', '--grad_clip=0.1']
+ARGS = TINY + ['--gradient_accumulation_steps=6', '--eval_interval=4', '--eval_iters=3', '--log_interval=1',
+               '--warmup_iters=2', '--learning_rate=1e-2', '--lr_decay_iters=8', '--min_lr=1e-3', '--grad_clip=0.1']
 
 
 def eval_losses(out_dir):

@@ -8,7 +8,8 @@ import sys
 import torch
 
 from helpers import REPO, TINY, check, read_log, run_script, spawn, train_losses
-from test_ddp import ARGS, assert_same_checkpoint, assert_same_losses, assert_survivors_fail_when_a_rank_dies, eval_losses
+from test_ddp import (ARGS, assert_same_checkpoint, assert_same_losses, assert_survivors_fail_when_a_rank_dies,
+                      eval_losses)
 
 import pytest
 

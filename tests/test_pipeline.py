@@ -234,7 +234,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch'])
+@pytest.mark.parametrize('world,args,message', BAD,
+                         ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     """Every check runs before the process group exists, from the world size torchrun sets."""
     import pipeline

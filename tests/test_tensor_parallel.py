@@ -92,7 +92,6 @@ def _against_dense(rank, world_size):
 def _against_dtensor(rank, world_size):
     """Column then row parallel Linear (plain and sequence parallel) vs DTensor's parallelize_module with
     ColwiseParallel/RowwiseParallel on a gloo CPU mesh, same weights: outputs and every gradient."""
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -203,7 +202,8 @@ def test_measured_bytes_against_the_formulas(spawned):
         for layout in LAYOUTS:
             dense_act = dense[(layout, 1, False)]['activation_bytes']
             for t in (2, 4):
-                tp_act, sp_act = dense[(layout, t, False)]['activation_bytes'], dense[(layout, t, True)]['activation_bytes']
+                tp_act = dense[(layout, t, False)]['activation_bytes']
+                sp_act = dense[(layout, t, True)]['activation_bytes']
                 assert sp_act < tp_act < dense_act, (layout, t, dense_act, tp_act, sp_act)
             assert dense[(layout, 4, True)]['activation_bytes'] < dense[(layout, 2, True)]['activation_bytes']
 

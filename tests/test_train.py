@@ -1,6 +1,5 @@
 """train.py: it learns, the logged loss is the global-batch mean, a killed run resumes bit-for-bit, checkpoints are
 atomic, and bad input is one line on stderr and a non-zero exit before any work."""
-import json
 import os
 import signal
 import subprocess

@@ -2,7 +2,6 @@
 rank the same way by DDP, ZeRO 0-3 and FSDP2 (so they give one another's loss curve with dropout on), the peak
 FLOP/s table, checkpoint writes that never hold a rank inside the training loop, and a test harness that fails
 on a hang instead of waiting forever."""
-import os
 import time
 
 import numpy as np
@@ -57,9 +56,9 @@ def test_each_data_parallel_rank_draws_its_own_masks():
 
 
 @pytest.mark.parametrize('name, dtype, peak', [
-    ('NVIDIA L4', 'bfloat16', 121e12), ('NVIDIA L40S', 'bfloat16', 362e12), ('NVIDIA H100 80GB HBM3', 'float32', 495e12),
-    ('NVIDIA A100-SXM4-80GB', 'bfloat16', 312e12), ('Tesla T4', 'bfloat16', None), ('NVIDIA GeForce RTX 4090', 'float16',
-                                                                                      165e12),
+    ('NVIDIA L4', 'bfloat16', 121e12), ('NVIDIA L40S', 'bfloat16', 362e12),
+    ('NVIDIA H100 80GB HBM3', 'float32', 495e12), ('NVIDIA A100-SXM4-80GB', 'bfloat16', 312e12),
+    ('Tesla T4', 'bfloat16', None), ('NVIDIA GeForce RTX 4090', 'float16', 165e12),
     ('Some Future GPU', 'bfloat16', None)])
 def test_peak_flops_table_matches_whole_names(name, dtype, peak):
     assert M.peak_flops_for('cuda:0', dtype, device_name=name) == peak

@@ -193,8 +193,8 @@ def test_stages_match_pytorch_ddp_zero_redundancy_fsdp2():
 
 @pytest.fixture(scope='module')
 def split_runs(tmp_path_factory):
-    """On 2 ranks: stages 1 and 3 (dropout on) for 2 iterations, then resumed from their shards to 3; stage 2 for 2 iterations
-    (consolidated and continued elsewhere); every stage for 1 iteration in bfloat16."""
+    """On 2 ranks: stages 1 and 3 (dropout on) for 2 iterations, then resumed from their shards to 3; stage 2 for 2
+    iterations (consolidated and continued elsewhere); every stage for 1 iteration in bfloat16."""
     tmp = tmp_path_factory.mktemp('zero_split')
     argvs = []
     for stage in (1, 3):  # with dropout: every rank's own masks must resume exactly too
