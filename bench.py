@@ -524,7 +524,7 @@ def parse_args(argv):
     p.add_argument('--warmup', type=int, default=2, help='iterations left out of the timing')
     p.add_argument('--n_layer', type=int, default=4)
     p.add_argument('--n_head', type=int, default=4)
-    p.add_argument('--n_embd', type=int, default=384,
+    p.add_argument('--n_embd', type=int, default=512,
                    help='wide enough that compute dominates, so the pipeline rows measure a bubble near the formula')
     p.add_argument('--block_size', type=int, default=128)
     p.add_argument('--batch_size', type=int, default=8, help='sequences per dp rank; global batch x world_size')

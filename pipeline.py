@@ -15,6 +15,7 @@ bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose a
 
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -206,6 +207,7 @@ class Stage:
         self.held = {}            # microbatch -> (input, output): the activations whose graph is alive
         self.held_bytes = {}      # microbatch -> bytes autograd saved for its backward, measured
         self.pending_sends = []   # sends not yet complete: each holds its tensor until it is
+        self.splits = []          # every schedule's time split (compute, send/recv, other, bubble)
         self.loss_sum = torch.zeros((), device=device)
         self.reset()
 
@@ -398,6 +400,11 @@ def run_schedule(st, name, m, x, y, loss_scale):
     SCHEDULES[name](st, m, idx, targets, loss_scale)
     finish_sends(st)
     st.t_end = st.clock.mark()
+    st.records_s = schedule_record(st)  # one synchronize per schedule on a GPU
+    total = torch.tensor([st.clock.seconds(st.t0, st.t_end)], device=st.device)  # on the GPU for NCCL
+    st.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')  # the step is the slowest stage's
+    st.total = float(total)
+    st.splits.append(time_split(st.records_s, st.total))
 
 
 @torch.no_grad()
@@ -450,10 +457,10 @@ def timeline(records, total, n_slots, width):
 def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_bytes, wire_why_not):
     """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
     per stage (dp replica 0's pipeline)."""
-    records = schedule_record(st)
-    total = torch.tensor([st.clock.seconds(st.t0, st.t_end)], device=st.device)  # on the GPU for NCCL
-    st.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')  # the step is the slowest stage's
-    total = float(total)
+    records, total = st.records_s, st.total
+    # the split: the median over the run's schedules (the first one, a warm-up, left out when there are more)
+    splits = st.splits[1:] or st.splits
+    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     sent = comm_report(comms)
     m, p = cfg.n_microbatches, cfg.pp
     mine = dict({'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': records,
@@ -464,7 +471,7 @@ def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_b
                  'collective_bytes': sum(sent['collective_bytes'].values()),
                  'collective_bytes_by_kind': sent['collective_bytes'],
                  'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
-                 'wire_bytes': wire_bytes, 'wire_bytes_note': wire_why_not}, **time_split(records, total))
+                 'wire_bytes': wire_bytes, 'wire_bytes_note': wire_why_not, 'n_schedules': len(splits)}, **split)
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
@@ -489,7 +496,8 @@ def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_b
         held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'])
         bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'])
         wire = r['wire_bytes_note'] if r['wire_bytes'] is None else f"{r['wire_bytes']:,.0f}"
-        print(f"stage {r['stage']}: compute {r['compute']:.1%}, in send/recv {r['send_recv']:.1%}, other "
+        print(f"stage {r['stage']} (median of {r['n_schedules']} schedules): compute {r['compute']:.1%}, in send/recv "
+              f"{r['send_recv']:.1%}, other "
               f"{r['other']:.1%}: bubble (not computing) {r['bubble_fraction']:.3f}, formula (p-1)/(m+p-1) = "
               f"{formula:.3f}; activations held at peak {r['peak_activation_bytes']:,} B = "
               f"{r['peak_microbatches_held']} microbatches (formula {'m' if cfg.schedule == 'gpipe' else 'p-r'} = "

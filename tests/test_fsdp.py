@@ -73,6 +73,8 @@ def test_held_bytes_are_the_shards_and_match_psi_over_n(runs, run, world_size):
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     padded_share = sum(-(-p.shape[0] // world_size) * p[0].numel() for p in params)
+    for r in rows:  # accumulating 3 (2 ranks) or 2 (3 ranks) micro-steps without sync holds full-size gradients
+        assert r['micro_steps'] > 1 and r['peak_grad_bytes'] == r['peak_grad_bytes_formula'] == 4 * numel
     for key, per_param in (('param_bytes', 4), ('grad_bytes', 4), ('optim_bytes', 8)):
         assert sum(r[key] for r in rows) == per_param * numel
         for r in rows:

@@ -178,3 +178,13 @@ def test_from_hf_logits_match(kind):
     # GPT-2's tanh GELU vs our exact GELU: a small, bounded difference; LLaMA matches to float error
     tol = 2e-3 if kind == 'gpt2' else 1e-4
     torch.testing.assert_close(ours(idx)[0], expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_from_hf_overrides_build_the_dropout_modules():
+    """Fine-tuning with dropout: the override must reach the Dropout modules, not only the config."""
+    transformers = pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=1,
+                                                              n_head=2, bos_token_id=0, eos_token_id=0))
+    ours = GPT.from_hf(hf, dropout=0.1)
+    ps = [m.p for m in ours.modules() if isinstance(m, torch.nn.Dropout)]
+    assert ps and all(p == 0.1 for p in ps) and ours.transformer.h[0].attn.dropout == 0.1
