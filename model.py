@@ -45,6 +45,7 @@ class GPTConfig:
     bias: bool = True           # biases in Linear and LayerNorm, as GPT-2; False is a bit faster
     norm: str = 'layernorm'     # 'layernorm' (GPT-2) or 'rmsnorm' (LLaMA)
     mlp: str = 'gelu'           # 'gelu' (GPT-2) or 'swiglu' (LLaMA)
+    gelu: str = 'exact'         # 'exact' (erf) or 'tanh': GPT-2's own approximation ('gelu_new'), set by from_hf
     pos: str = 'learned'        # 'learned' (GPT-2) or 'rope' (LLaMA)
     tie_embeddings: bool = True  # share wte and lm_head (GPT-2); LLaMA unties them
     norm_eps: float = 1e-5
@@ -63,6 +64,7 @@ class GPTConfig:
         checks = [
             (self.norm in ('layernorm', 'rmsnorm'), f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}"),
             (self.mlp in ('gelu', 'swiglu'), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}"),
+            (self.gelu in ('exact', 'tanh'), f"gelu must be 'exact' or 'tanh', got {self.gelu!r}"),
             (self.pos in ('learned', 'rope'), f"pos must be 'learned' or 'rope', got {self.pos!r}"),
             (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
             (self.n_head % self.n_kv_head == 0,
@@ -168,6 +170,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.swiglu = config.mlp == 'swiglu'
+        self.gelu_approximate = 'tanh' if config.gelu == 'tanh' else 'none'
         self.c_fc = nn.Linear(config.n_embd, config.n_hidden, bias=config.bias)
         if self.swiglu:
             self.c_gate = nn.Linear(config.n_embd, config.n_hidden, bias=config.bias)
@@ -175,7 +178,10 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        h = F.silu(self.c_gate(x)) * self.c_fc(x) if self.swiglu else F.gelu(self.c_fc(x))
+        if self.swiglu:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        else:
+            h = F.gelu(self.c_fc(x), approximate=self.gelu_approximate)
         return self.dropout(self.c_proj(h))
 
 
@@ -289,52 +295,61 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model, **overrides):
-        """A GPT whose logits match a Hugging Face GPT2LMHeadModel or LlamaForCausalLM. overrides sets GPTConfig
-        fields that do not change the weights (dropout, activation_checkpointing).
-        GPT-2 computes GELU with the tanh approximation ('gelu_new'), this model the exact erf form: the logits
-        differ by about 1e-6 relative at random init, and a little more with trained weights."""
+        """A GPT whose logits match a Hugging Face GPT2LMHeadModel or LlamaForCausalLM to float precision.
+        overrides sets GPTConfig fields that do not change the weights (dropout, activation_checkpointing).
+        GPT-2's GELU is its tanh approximation ('gelu_new'): gelu='tanh' here."""
         hf_cfg, sd_hf = hf_model.config, hf_model.state_dict()
         if hf_cfg.model_type == 'gpt2':
             config = GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
                                n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
+                               n_hidden=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
+                               gelu='exact' if hf_cfg.activation_function == 'gelu' else 'tanh',
+                               tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', True)),
                                **{'dropout': 0.0, 'bias': True, **overrides})
             model = cls(config)
             sd = model.state_dict()
             # GPT-2 stores its Linear layers as Conv1D, weight (in, out): these four are transposed
             transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
             for k, v in sd_hf.items():
-                if k.endswith('attn.masked_bias') or k.endswith('attn.bias'):
-                    continue  # causal-mask buffers, not weights
+                if k.endswith(('.attn.masked_bias', '.attn.bias')):
+                    continue  # causal-mask buffers, not weights (c_attn.bias is a weight: hence the dot)
                 with torch.no_grad():
                     sd[k].copy_(v.t() if k.endswith(transposed) else v)
             return model
         if hf_cfg.model_type == 'llama':
             n_kv = getattr(hf_cfg, 'num_key_value_heads', None) or hf_cfg.num_attention_heads
+            bias = bool(getattr(hf_cfg, 'attention_bias', False) or getattr(hf_cfg, 'mlp_bias', False))
             config = GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
                                n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
                                n_embd=hf_cfg.hidden_size, n_kv_head=n_kv, n_hidden=hf_cfg.intermediate_size,
-                               bias=False, norm='rmsnorm', mlp='swiglu', pos='rope',
+                               bias=bias, norm='rmsnorm', mlp='swiglu', pos='rope',
                                tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', False)),
-                               norm_eps=hf_cfg.rms_norm_eps, rope_theta=getattr(hf_cfg, 'rope_theta', 10000.0),
+                               norm_eps=hf_cfg.rms_norm_eps, rope_theta=hf_rope_theta(hf_cfg),
                                **{'dropout': 0.0, **overrides})
             model = cls(config)
             sd = model.state_dict()
+            sd_hf = dict(sd_hf)
+            sd_hf.setdefault('lm_head.weight', sd_hf['model.embed_tokens.weight'])  # tied: stored once
             with torch.no_grad():
-                sd['transformer.wte.weight'].copy_(sd_hf['model.embed_tokens.weight'])
-                sd['transformer.ln_f.weight'].copy_(sd_hf['model.norm.weight'])
-                sd['lm_head.weight'].copy_(sd_hf.get('lm_head.weight', sd_hf['model.embed_tokens.weight']))
+                for theirs, mine in llama_names(config).items():
+                    if mine in sd and theirs in sd_hf:
+                        sd[mine].copy_(sd_hf[theirs])
+                    elif mine in sd:  # a bias Hugging Face's model lacks (attention_bias xor mlp_bias): zero
+                        sd[mine].zero_()
                 for i in range(config.n_layer):
-                    hf, ours = f'model.layers.{i}.', f'transformer.h.{i}.'
-                    qkv = [sd_hf[hf + f'self_attn.{p}_proj.weight'] for p in 'qkv']
-                    sd[ours + 'attn.c_attn.weight'].copy_(torch.cat(qkv, dim=0))
-                    sd[ours + 'attn.c_proj.weight'].copy_(sd_hf[hf + 'self_attn.o_proj.weight'])
-                    sd[ours + 'mlp.c_gate.weight'].copy_(sd_hf[hf + 'mlp.gate_proj.weight'])
-                    sd[ours + 'mlp.c_fc.weight'].copy_(sd_hf[hf + 'mlp.up_proj.weight'])
-                    sd[ours + 'mlp.c_proj.weight'].copy_(sd_hf[hf + 'mlp.down_proj.weight'])
-                    sd[ours + 'ln_1.weight'].copy_(sd_hf[hf + 'input_layernorm.weight'])
-                    sd[ours + 'ln_2.weight'].copy_(sd_hf[hf + 'post_attention_layernorm.weight'])
+                    for suffix in ('weight', 'bias'):
+                        qkv = [sd_hf.get(f'model.layers.{i}.self_attn.{p}_proj.{suffix}') for p in 'qkv']
+                        target = sd.get(f'transformer.h.{i}.attn.c_attn.{suffix}')
+                        if target is not None and qkv[0] is not None:
+                            target.copy_(torch.cat(qkv))
+                        elif target is not None:
+                            target.zero_()
             return model
         raise ValueError(f"from_hf supports gpt2 and llama models, not {hf_cfg.model_type!r}")
+
+    def to_hf(self):
+        """This GPT as a Hugging Face transformers model with the same logits (see model.to_hf)."""
+        return to_hf(self)
 
     @classmethod
     def from_pretrained(cls, name, **overrides):
@@ -344,6 +359,77 @@ class GPT(nn.Module):
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
         return cls.from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
+
+
+def hf_rope_theta(hf_cfg):
+    """The rotary base of a Hugging Face Llama config (transformers 5 keeps it in rope_parameters)."""
+    theta = getattr(hf_cfg, 'rope_theta', None)
+    return float(theta if theta is not None else (getattr(hf_cfg, 'rope_parameters', None) or {}).get('rope_theta',
+                                                                                                      10000.0))
+
+
+def llama_names(config):
+    """{Hugging Face Llama tensor name: ours}, for every tensor but q/k/v, which our c_attn holds end to end."""
+    names = {'model.embed_tokens.weight': 'transformer.wte.weight', 'model.norm.weight': 'transformer.ln_f.weight',
+             'lm_head.weight': 'lm_head.weight'}
+    for i in range(config.n_layer):
+        for theirs, mine in (('self_attn.o_proj', 'attn.c_proj'), ('mlp.gate_proj', 'mlp.c_gate'),
+                             ('mlp.up_proj', 'mlp.c_fc'), ('mlp.down_proj', 'mlp.c_proj'),
+                             ('input_layernorm', 'ln_1'), ('post_attention_layernorm', 'ln_2')):
+            for suffix in ('weight', 'bias'):
+                names[f'model.layers.{i}.{theirs}.{suffix}'] = f'transformer.h.{i}.{mine}.{suffix}'
+    return names
+
+
+def to_hf(model):
+    """The Hugging Face model with this GPT's weights and the same logits: GPT2LMHeadModel for the GPT-2 layout
+    (learned positions, LayerNorm, GELU MLP; biases the model lacks are zeros there), LlamaForCausalLM for the
+    LLaMA layout (RoPE, RMSNorm, SwiGLU, grouped-query attention). Then save_pretrained(DIR) makes a directory
+    that AutoModelForCausalLM.from_pretrained(DIR) loads. Needs transformers."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("error: exporting to Hugging Face needs transformers: pip install transformers")
+    c, sd = model.config, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    layout = (c.pos, c.norm, c.mlp)
+    if layout == ('learned', 'layernorm', 'gelu'):
+        if c.n_kv_head != c.n_head:
+            raise ValueError("GPT-2 has no grouped-query attention: n_kv_head must equal n_head to export")
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+            n_inner=c.n_hidden, activation_function='gelu' if c.gelu == 'exact' else 'gelu_new',
+            layer_norm_epsilon=c.norm_eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
+            tie_word_embeddings=c.tie_embeddings, bos_token_id=0, eos_token_id=0))
+        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        target = hf.state_dict()
+        with torch.no_grad():
+            for k, v in target.items():
+                if k in sd:
+                    v.copy_(sd[k].t() if k.endswith(transposed) else sd[k])
+                elif not k.endswith(('.attn.bias', '.attn.masked_bias')):
+                    v.zero_()  # a bias this model does not have (bias=False): zero is the same function
+        return hf
+    if layout == ('rope', 'rmsnorm', 'swiglu'):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_hidden,
+            num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+            max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+            attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout,
+            tie_word_embeddings=c.tie_embeddings, bos_token_id=0, eos_token_id=0))
+        hd = c.n_embd // c.n_head
+        target, names = hf.state_dict(), llama_names(c)
+        for i in range(c.n_layer):
+            for suffix in ('weight', 'bias'):
+                if f'transformer.h.{i}.attn.c_attn.{suffix}' in sd:
+                    parts = sd[f'transformer.h.{i}.attn.c_attn.{suffix}'].split([c.n_head * hd, c.n_kv_head * hd,
+                                                                                  c.n_kv_head * hd])
+                    sd.update({f'model.layers.{i}.self_attn.{p}_proj.{suffix}': t for p, t in zip('qkv', parts)})
+        with torch.no_grad():
+            for k, v in target.items():
+                v.copy_(sd[names.get(k, k)])
+        return hf
+    raise ValueError(f"to_hf exports the GPT-2 layout (learned, layernorm, gelu) or the LLaMA layout (rope, rmsnorm, "
+                     f"swiglu), not pos={c.pos}, norm={c.norm}, mlp={c.mlp}")
 
 
 def param_groups(model, weight_decay):

@@ -6,6 +6,11 @@ model flags are needed) or real GPT-2 weights through Hugging Face transformers.
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=2
     python sample.py --start=FILE:prompt.txt --max_new_tokens=200 --temperature=0.9 --top_k=50
     python sample.py --init_from=gpt2 --start="Hello, I'm a language model,"   # needs transformers
+    python sample.py --export_hf=out_hf     # out/ckpt.pt as a Hugging Face model directory, then exit
+
+An exported directory loads with transformers.AutoModelForCausalLM.from_pretrained('out_hf') and gives this
+model's logits (the GPT-2 layout as GPT2LMHeadModel, the LLaMA layout as LlamaForCausalLM). The tokenizer is not
+exported: a character-level data set's vocabulary is in data/<dataset>/meta.pkl, a BPE one is GPT-2's.
 """
 
 import os
@@ -27,6 +32,7 @@ seed = 1337
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
 compile = False
+export_hf = ''                  # a directory: save the model there in Hugging Face's format, then exit
 # sampling has no model keys: the model is what the checkpoint (or GPT-2) says it is
 config = {k: v for k, v in config_defaults(globals()).items() if k not in GPTConfig.__dataclass_fields__}
 # -----------------------------------------------------------------------------
@@ -65,6 +71,11 @@ def main(argv):
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
     ctx = autocast_context(device_type, cfg.dtype)
     model, dataset = load_model(cfg)
+    if cfg.export_hf:
+        model.to_hf().save_pretrained(cfg.export_hf)
+        print(f"saved the model to {cfg.export_hf} in Hugging Face's format; load it with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({cfg.export_hf!r})")
+        return
     model.eval()
     model.to(cfg.device)
     if cfg.compile:

@@ -54,3 +54,21 @@ def test_sample_errors(tmp_path):
         with pytest.raises(SystemExit) as e:
             sample.main(args)
         assert words in e.value.code, e.value.code
+
+
+def test_export_hf_loads_in_auto_model_with_the_same_logits(tmp_path):
+    """python sample.py --export_hf=DIR on a train.py checkpoint: AutoModelForCausalLM.from_pretrained(DIR)
+    computes the checkpoint's logits."""
+    transformers = pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    out, hf_dir = str(tmp_path / 'run'), str(tmp_path / 'hf')
+    check(run_script('train.py', TINY + [f'--out_dir={out}', '--max_iters=5', '--eval_interval=5']))
+    proc = check(run_script('sample.py', [f'--out_dir={out}', f'--export_hf={hf_dir}', '--device=cpu']))
+    assert 'AutoModelForCausalLM.from_pretrained' in proc.stdout
+    ckpt = torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)
+    ours = M.GPT(M.GPTConfig(**ckpt['model_args']))
+    ours.load_state_dict(ckpt['model'])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    idx = torch.randint(0, ours.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours.eval()(idx)[0]
+        torch.testing.assert_close(theirs(idx).logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
