@@ -5,6 +5,7 @@ written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer insi
 
     torchrun --standalone --nproc_per_node=2 zero.py --stage=2
     torchrun --standalone --nproc_per_node=2 zero.py --deepspeed_config=config/ds_zero3.json
+    WORLD_SIZE=8 python zero.py --stage=3 --dtype=bfloat16 --print_ds_config=True   # the same run's ds_config.json
     python zero.py --consolidate=out      # the per-rank shards in out/ -> out/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
@@ -79,6 +80,7 @@ stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + grad
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
+print_ds_config = False         # print the DeepSpeed JSON config of this run (to take it to DeepSpeed), then exit
 consolidate = ''                # a directory: write its rank shards as one train.py checkpoint, then exit
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 config = config_defaults(globals())
@@ -531,6 +533,19 @@ DS_KEYS = {'zero_optimization': {'stage'}, 'train_micro_batch_size_per_gpu': Non
 DS_OPTIMIZER_PARAMS = {'lr', 'betas', 'eps', 'weight_decay'}
 
 
+def deepspeed_config_of(cfg, world_size):
+    """The DeepSpeed JSON config that runs what this run does: the inverse of apply_deepspeed_config (DeepSpeed's
+    gradient_accumulation_steps is per rank, ours summed over ranks)."""
+    return {'train_batch_size': cfg.batch_size * cfg.gradient_accumulation_steps,
+            'train_micro_batch_size_per_gpu': cfg.batch_size,
+            'gradient_accumulation_steps': cfg.gradient_accumulation_steps // world_size,
+            'gradient_clipping': cfg.grad_clip,
+            'bf16': {'enabled': cfg.dtype == 'bfloat16'},
+            'zero_optimization': {'stage': cfg.stage},
+            'optimizer': {'type': 'AdamW', 'params': {'lr': cfg.learning_rate, 'betas': [cfg.beta1, cfg.beta2],
+                                                      'eps': cfg.adam_eps, 'weight_decay': cfg.weight_decay}}}
+
+
 def apply_deepspeed_config(cfg, path, world_size):
     """The common subset of a DeepSpeed JSON config, onto cfg. DeepSpeed's gradient_accumulation_steps is per
     rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. Anything else is an error."""
@@ -620,6 +635,9 @@ def main(argv):
         cfg = apply_deepspeed_config(cfg, cfg.deepspeed_config, world)
     if cfg.stage not in (0, 1, 2, 3):
         raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
+    if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
+        print(json.dumps(deepspeed_config_of(cfg, world), indent=2))
+        return
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}")
     if cfg.gradient_accumulation_steps % world != 0:

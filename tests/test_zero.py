@@ -331,3 +331,22 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
             assert 0.99 * expected <= r['wire_bytes'] <= 1.05 * expected + 4096, (stage, r['wire_bytes'], expected)
             ratio = r['wire_bytes'] / r['wire_bytes_formula']
             assert ratio == pytest.approx({0: 1.0, 1: 1.5, 2: 1.5, 3: 4 / 3}[stage], rel=0.05), (stage, ratio)
+
+
+def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
+    """--print_ds_config prints the DeepSpeed JSON of the run; reading it back gives the same run."""
+    import json
+    from model import configure
+    monkeypatch.setenv('WORLD_SIZE', '4')
+    argv = ['--stage=3', '--dtype=bfloat16', '--batch_size=4', '--gradient_accumulation_steps=8', '--grad_clip=0.5',
+            '--learning_rate=3e-4', '--beta2=0.95', '--weight_decay=0.05', '--adam_eps=1e-6']
+    zero.main(argv + ['--print_ds_config=True'])
+    ds = json.loads(capsys.readouterr().out)
+    assert ds['gradient_accumulation_steps'] == 2 and ds['train_batch_size'] == 32  # per rank; 4 x 8 sequences
+    path = tmp_path / 'ds.json'
+    path.write_text(json.dumps(ds))
+    back = zero.apply_deepspeed_config(configure(zero.config, []), str(path), 4)
+    want = configure(zero.config, argv)
+    for key in ('stage', 'dtype', 'batch_size', 'gradient_accumulation_steps', 'grad_clip', 'learning_rate', 'beta1',
+                'beta2', 'weight_decay', 'adam_eps'):
+        assert getattr(back, key) == getattr(want, key), key
