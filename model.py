@@ -753,6 +753,34 @@ class CheckpointWriter:
             raise error
 
 
+class StepProfiler:
+    """--profile=N: N training steps (after one warm-up step) under torch.profiler, written per rank as a
+    Chrome/Perfetto trace, out_dir/trace_rank{r}.json: kernels, collectives and waits on one time axis (open it at
+    ui.perfetto.dev or chrome://tracing). step() after every iteration; stop() after the loop."""
+
+    def __init__(self, n_steps, out_dir, rank, device):
+        self.path, self.prof = os.path.join(out_dir, f'trace_rank{rank}.json'), None
+        if n_steps > 0:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.startswith('cuda'):
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(
+                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=n_steps, repeat=1),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(self.path))
+            self.prof.start()
+
+    def step(self):
+        if self.prof is not None:
+            self.prof.step()
+
+    def stop(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+            if os.path.exists(self.path):
+                print(f"wrote {self.path} (open it at ui.perfetto.dev)", flush=True)
+
+
 # -----------------------------------------------------------------------------
 # Random streams: dropout masks per rank, saved and restored with every rank's checkpoint
 

@@ -13,6 +13,7 @@ At the end it prints the schedule each stage actually executed, as a timeline fr
 bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose activations the stage held.
 """
 
+import json
 import math
 import os
 import statistics
@@ -21,10 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, WireMeter, autocast_context, comm_report,
-                   config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_lr, init_distributed,
-                   load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes,
-                   restore_rng, run_main, save_checkpoint, seed_dropout, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
+                   comm_report, config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_lr,
+                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for,
+                   peak_memory_bytes, restore_rng, run_main, save_checkpoint, seed_dropout, trim_log,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -65,6 +67,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False
 seed = 1337
 peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 # pipeline
 pp = 2                          # pipeline stages; world size = dp * pp
@@ -454,6 +457,26 @@ def timeline(records, total, n_slots, width):
     return ' '.join(cells)
 
 
+def write_schedule_trace(stages, total, path):
+    """The executed schedule as a Chrome/Perfetto trace (open it at ui.perfetto.dev): one track per stage, a slice
+    for each forward, backward and send/recv, and 'idle' for the gaps in between, so the bubble is a picture."""
+    events = []
+    for r in stages:
+        track = {'pid': 0, 'tid': r['stage']}
+        events.append(dict(track, ph='M', name='thread_name', args={'name': f"stage {r['stage']}"}))
+        busy = sorted((t0, t1, f"{op}{i}" if op in 'FB' else 'send/recv') for op, i, t0, t1 in r['records'])
+        edges = [(0.0, 0.0, None)] + busy + [(total, total, None)]
+        for (_, prev_end, _), (start, _, _) in zip(edges, edges[1:]):
+            if start > prev_end:
+                events.append(dict(track, ph='X', name='idle', cat='idle', ts=1e6 * prev_end,
+                                   dur=1e6 * (start - prev_end)))
+        for t0, t1, name in busy:
+            events.append(dict(track, ph='X', name=name, cat='compute' if name[0] in 'FB' else 'communication',
+                               ts=1e6 * t0, dur=1e6 * (t1 - t0)))
+    with open(path, 'w') as f:
+        json.dump({'traceEvents': events, 'displayTimeUnit': 'ms'}, f)
+
+
 def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_bytes, wire_why_not):
     """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
     per stage (dp replica 0's pipeline)."""
@@ -490,6 +513,9 @@ def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_b
     for r in stages:
         order = ' '.join(f"{op}{i}" for op, i, _, _ in r['records'] if op in 'FB')
         print(f"stage {r['stage']} executed: {order}")
+    trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
+    write_schedule_trace(stages, total, trace)
+    print(f"the same schedule as a trace, one track per stage: {trace} (open it at ui.perfetto.dev)")
     formula = bubble_fraction_formula(p, m)
     b, h = cfg.batch_size // m, st.model.config.n_embd
     for r in stages:
@@ -652,6 +678,7 @@ def main(argv):
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer, wire = CheckpointWriter(), WireMeter()  # every stage writes its file in the background
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
     t_last, iters_since_log = time.time(), 0
     while True:
         lr = get_lr(iter_num, cfg)
@@ -742,7 +769,9 @@ def main(argv):
         if iter_num == cfg.max_iters - 1:  # the last iteration's schedule, as executed
             report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, [c for c in (dp, pp, embed) if c],
                             wire_bytes, wire.why_not)
+        profiler.step()
         iter_num += 1
+    profiler.stop()
     writer.wait()
 
     if dist.is_initialized():

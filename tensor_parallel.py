@@ -31,10 +31,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, WireMeter, autocast_context, comm_report,
-                   config_defaults, configure, estimate_loss, get_batch, get_lr, init_distributed, load_dataset,
-                   log_row, mfu, micro_batch_rows, model_config, param_groups, peak_flops_for, peak_memory_bytes,
-                   rng_state, run_main, save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
+                   comm_report, config_defaults, configure, estimate_loss, get_batch, get_lr, init_distributed,
+                   load_dataset, log_row, mfu, micro_batch_rows, model_config, param_groups, peak_flops_for,
+                   peak_memory_bytes, rng_state, run_main, save_checkpoint, seed_dropout, set_rng_state, trim_log,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -75,6 +76,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False
 seed = 1337
 peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 # tensor parallelism
 dist_timeout = 60               # seconds a rank waits for the others before failing
 tp = 1                          # tensor-parallel degree; world size = dp * tp
@@ -681,6 +683,7 @@ def main(argv):
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer, wire = CheckpointWriter(), WireMeter()  # every rank writes its own checkpoint in the background
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
     t_last, iters_since_log, first_iter = time.time(), 0, iter_num
     while True:
         lr = get_lr(iter_num, cfg)
@@ -749,7 +752,9 @@ def main(argv):
                                   'tokens_per_sec': tokens_per_sec,
                                   'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        profiler.step()
         iter_num += 1
+    profiler.stop()
     writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only and master:

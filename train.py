@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, GPTConfig, autocast_context, config_defaults, configure,
-                   estimate_loss, get_batch, get_codec, get_lr, load_dataset, log_row, mfu, micro_batch_rows,
-                   model_config, peak_flops_for, peak_memory_bytes, restore_rng, rng_state, run_main, trim_log)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, GPTConfig, StepProfiler, autocast_context, config_defaults,
+                   configure, estimate_loss, get_batch, get_codec, get_lr, load_dataset, log_row, mfu,
+                   micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes, restore_rng, rng_state, run_main,
+                   trim_log)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -58,6 +59,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False
 seed = 1337
 peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -120,6 +122,7 @@ def main(argv):
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, 0, cfg.device)  # --profile=N: a trace per rank
     t_last, iters_since_log = time.time(), 0
     while True:
         lr = get_lr(iter_num, cfg)
@@ -186,7 +189,9 @@ def main(argv):
                                   'tokens_per_sec': tokens_per_sec,
                                   'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        profiler.step()
         iter_num += 1
+    profiler.stop()
     writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only:

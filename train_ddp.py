@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, autocast_context, config_defaults, configure,
-                   estimate_loss, gather_rng_states, get_batch, get_codec, get_lr, init_distributed, load_dataset,
-                   log_row, mfu, micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes, restore_rng,
-                   run_main, seed_dropout, trim_log, world_size_from_env)
+from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, autocast_context,
+                   config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_codec, get_lr,
+                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for,
+                   peak_memory_bytes, restore_rng, run_main, seed_dropout, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -65,6 +65,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False
 seed = 1337
 peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
@@ -153,6 +154,7 @@ def main(argv):
     # training loop
     peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
     t_last, iters_since_log = time.time(), 0
     while True:
         lr = get_lr(iter_num, cfg)
@@ -224,7 +226,9 @@ def main(argv):
                                   'tokens_per_sec': tokens_per_sec,
                                   'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
                                   'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        profiler.step()
         iter_num += 1
+    profiler.stop()
     writer.wait()
     if ddp:
         dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
