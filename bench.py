@@ -4,6 +4,7 @@ memory planner for models too large to run here.
 
     python bench.py                                   # CPU: every row on 2 gloo processes, a few minutes
     python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
+    python bench.py --plot                            # and draw it: loss curves, memory, communication (matplotlib)
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
     python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's worked example (model states only)
 
@@ -441,6 +442,62 @@ def machine_description(args):
 GPT2_ROW = 'gpt2_124m_bf16_compile'  # a different model: left out of the same-loss comparison
 
 
+def plot(results, out_dir):
+    """Three pictures of a bench run (matplotlib, an optional install): every row's loss curve on one axis (they
+    coincide: that is the point), per-rank memory by component measured beside formula, and the bytes sent per step
+    counted, by the ring formula and measured on the wire. Returns the paths written."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: --plot needs matplotlib, an optional install: pip install matplotlib")
+    ok = {n: r for n, r in results.items() if r.get('status') == 'ok' and n != GPT2_ROW}
+    paths = [os.path.join(out_dir, f'bench_{name}.png') for name in ('loss', 'memory', 'comm')]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, r) in enumerate(ok.items()):
+        iters = sorted(int(k) for k in r['losses'])
+        ax.plot(iters, [r['losses'][k] if k in r['losses'] else r['losses'][str(k)] for k in iters], label=name,
+                linewidth=2.5 - 1.8 * i / max(1, len(ok) - 1), marker='o' if i == 0 else None)
+    ax.set(xlabel='iteration', ylabel='training loss (global batch)', title='Every strategy, one loss curve')
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+
+    components = [('param_bytes', 'parameters'), ('grad_bytes', 'gradients'), ('optim_bytes', 'optimizer state'),
+                  ('activation_bytes', 'activations (one layer)'), ('peak_activation_bytes', 'activations (peak)')]
+    names = [n for n, r in ok.items() if any(r.get(k) is not None for k, _ in components)]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for side, suffix, hatch in ((-0.2, '', None), (0.2, '_formula', '//')):
+        bottom = [0.0] * len(names)
+        for c, (key, label) in enumerate(components):
+            values = [(ok[n].get(key + suffix) or 0) / 1e6 for n in names]
+            ax.bar([i + side for i in range(len(names))], values, 0.38, bottom=bottom, color=f'C{c}', hatch=hatch,
+                   label=label if not suffix else None, edgecolor='white')
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
+    ax.set(ylabel='MB per rank (largest rank)', title='Memory per rank: measured (left) beside formula (hatched)')
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+
+    names = [n for n, r in ok.items() if r.get('collective_bytes') is not None]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for j, (key, label) in enumerate((('collective_bytes', 'collective bytes (counted at the calls)'),
+                                      ('wire_bytes_formula', 'wire bytes, ring formula'),
+                                      ('wire_bytes', 'wire bytes, measured (loopback)'))):
+        ax.bar([i + 0.27 * (j - 1) for i in range(len(names))], [(ok[n].get(key) or 0) / 1e6 for n in names], 0.26,
+               label=label, color=f'C{j}')
+    ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
+    ax.set(ylabel='MB per rank per step', title='Bytes sent per step: counted, modelled, measured')
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=110)
+    plt.close('all')
+    return paths
+
+
 def run_bench(args):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n_gpus == 1:  # one GPU: the single-process rows only
@@ -498,6 +555,8 @@ def run_bench(args):
         json.dump({'command': cmd_line.strip(), 'machine': machine, 'all_losses_equal': all_same,
                    'loss_rtol': rtol, 'rows': results}, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'bench.md')} and bench.json ({time.time() - t_start:.0f} s)")
+    if args.plot:
+        print(f"drew {', '.join(plot(results, args.out))}")
     failed = [n for n, r in results.items() if r['status'].startswith('failed')]
     if failed or all_same is False:
         sys.exit(1)
@@ -536,6 +595,8 @@ def parse_args(argv):
                    help='threads per process in every row (default: cores / world_size, at least 1)')
     p.add_argument('--row_timeout', type=int, default=600)
     p.add_argument('--out', default='out_bench')
+    p.add_argument('--plot', action='store_true',
+                   help='also draw the loss curves, memory and communication as PNGs in --out (needs matplotlib)')
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith('--') or args.estimate is None]
     if bad:

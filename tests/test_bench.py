@@ -1,6 +1,7 @@
 """bench.py: the estimate reproduces the ZeRO paper's worked example and, at the tiny scale, what zero.py measures
 from the tensors it holds; a bench run produces one table whose rows all reach the same loss, and the JSON."""
 import json
+import os
 
 from helpers import TINY, check, run_script
 
@@ -76,3 +77,34 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
         assert row['collective_bytes'] > 0 and row['wire_bytes'] > 0 and row['wire_bytes_formula'] > 0
     md = (tmp_path / 'bench.md').read_text()
     assert 'collective bytes' in md and 'wire bytes' in md
+
+
+def _results():
+    row = {'status': 'ok', 'losses': {'0': 4.0, '1': 3.5}, 'param_bytes': 4e6, 'param_bytes_formula': 4e6,
+           'grad_bytes': 2e6, 'grad_bytes_formula': 2e6, 'collective_bytes': 8e6, 'wire_bytes_formula': 4e6,
+           'wire_bytes': 6e6}
+    return {'train': {'status': 'ok', 'losses': {'0': 4.0, '1': 3.5}}, 'zero2': row}
+
+
+def test_plot_draws_three_pictures(tmp_path):
+    import pytest
+    pytest.importorskip('matplotlib', reason='matplotlib is an optional install')
+    paths = bench.plot(_results(), str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ['bench_loss.png', 'bench_memory.png', 'bench_comm.png']
+    for p in paths:
+        assert open(p, 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_plot_without_matplotlib_names_the_install(tmp_path, monkeypatch):
+    import builtins
+    import pytest
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith('matplotlib'):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, '__import__', no_matplotlib)
+    with pytest.raises(SystemExit, match='pip install matplotlib'):
+        bench.plot(_results(), str(tmp_path))
