@@ -658,6 +658,30 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def progress(done, total, what):
+    """For a long step (consolidating, preparing data): 'what: done/total (pct)' each time it crosses a tenth."""
+    if total and (done == total or int(10 * done / total) != int(10 * (done - 1) / total)):
+        print(f"{what}: {done}/{total} ({100 * done / total:.0f}%)", flush=True)
+
+
+def run_shape(shape, cfg, n_params):
+    """The line every training script prints when it starts: the run's shape, in one place."""
+    rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    return (f"run: {shape}; global batch {rows} sequences x {cfg.block_size} tokens = {rows * cfg.block_size:,} "
+            f"tokens per step; {n_params / 1e6:.2f}M parameters; {cfg.dtype} on {cfg.device}; outputs in "
+            f"{cfg.out_dir}/")
+
+
+def profiled(cfg):
+    """The trace files of --profile, for outputs_line."""
+    return ['trace_rank*.json (--profile: open at ui.perfetto.dev)'] if cfg.profile else []
+
+
+def outputs_line(out_dir, *files):
+    """The line every training script prints when it ends: where its outputs are."""
+    return f"done; outputs in {out_dir}/: log.jsonl (every logged row as JSON), " + ', '.join(files)
+
+
 def log_row(out_dir, row):
     """Append one row to out_dir/log.jsonl and print it as one human line."""
     with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
                    comm_report, config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_lr,
-                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for,
-                   peak_memory_bytes, restore_rng, run_main, save_checkpoint, seed_dropout, trim_log,
-                   world_size_from_env)
+                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
+                   peak_flops_for, peak_memory_bytes, profiled, progress, restore_rng, run_main, run_shape,
+                   save_checkpoint, seed_dropout, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -568,7 +568,8 @@ def consolidate_checkpoints(out_dir, dest_dir):
     stages = [first] + [torch.load(stage_ckpt_path(out_dir, s), map_location='cpu', weights_only=False)
                         for s in range(1, first['config']['pp'])]
     state_by_name, model_sd = {}, {}
-    for ck in stages:
+    for s, ck in enumerate(stages):
+        progress(s + 1, len(stages), 'consolidating the stages')
         model_sd.update(ck['model'])
         for idx, n in enumerate(ck['param_names']):
             if n not in state_by_name and idx in ck['optimizer']['state']:
@@ -613,7 +614,6 @@ def main(argv):
     master = rank == 0
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if master:
-        print(f"tokens per iteration: {tokens_per_iter:,}")
         print(f"process grid (dp={dp_size} x pp={cfg.pp}): pipelines are rows, stages are columns\n{grid}")
 
     # setup
@@ -654,8 +654,9 @@ def main(argv):
             trim_log(cfg.out_dir, iter_num)
     model.to(cfg.device)
     if master:
-        print(f"model: {n_params / 1e6:.2f}M parameters, {model.config.n_layer // cfg.pp} blocks per stage, "
-              f"schedule {cfg.schedule}, {cfg.n_microbatches} microbatches of {cfg.batch_size // cfg.n_microbatches}")
+        print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
+                        f"per stage, {cfg.schedule} over {cfg.n_microbatches} microbatches of "
+                        f"{cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
     scaler = torch.amp.GradScaler(device_type, enabled=False)  # float16 is rejected above; kept for the format
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
@@ -774,8 +775,12 @@ def main(argv):
     profiler.stop()
     writer.wait()
 
+    if master:
+        print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python pipeline.py "
+                                        f"--out_dir={cfg.out_dir} --consolidate=DIR makes one ckpt.pt)",
+                           "schedule_trace.json (the last schedule: open at ui.perfetto.dev)", *profiled(cfg)))
     if dist.is_initialized():
-        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
+        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
         dist.destroy_process_group()
 
 

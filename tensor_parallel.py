@@ -33,9 +33,9 @@ from torch.nn import functional as F
 
 from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
                    comm_report, config_defaults, configure, estimate_loss, get_batch, get_lr, init_distributed,
-                   load_dataset, log_row, mfu, micro_batch_rows, model_config, param_groups, peak_flops_for,
-                   peak_memory_bytes, rng_state, run_main, save_checkpoint, seed_dropout, set_rng_state, trim_log,
-                   world_size_from_env)
+                   load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line, param_groups,
+                   peak_flops_for, peak_memory_bytes, profiled, progress, rng_state, run_main, run_shape,
+                   save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -571,7 +571,8 @@ def consolidate_ranks(out_dir):
     hd = config.n_embd // config.n_head
     qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
     model_sd, optim_state = {}, {}
-    for dense, (local, kind) in first['layout'].items():
+    for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
+        progress(i + 1, len(first['layout']), f"consolidating {len(ranks)} tensor-parallel ranks (parameters)")
         model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv_sizes).clone()
         states = [r['optimizer']['state'].get(r['param_order'].index(local)) for r in ranks]
         if states[0] is not None:
@@ -616,7 +617,6 @@ def main(argv):
     par = TensorParallel(tpg, cfg.sequence_parallel)
     master = rank == 0
     if master:
-        print(f"tokens per iteration: {tokens_per_iter:,}")
         print(f"process grid (dp x tp) = torch.arange({world_size}).view({dp_size}, {cfg.tp}):\n{grid}")
     print(f"[rank {rank}] tp group {grid[dp_rank].tolist()} (tp rank {tpg.rank}), "
           f"dp group {grid[:, tpg.rank].tolist()} (dp rank {dp_rank})", flush=True)
@@ -658,8 +658,8 @@ def main(argv):
         seed_dropout(cfg.seed, dp_rank)  # the tp ranks of a replica share the stream; each replica its own
     model.to(cfg.device)
     if master:
-        print(f"model: {dense_params / 1e6:.2f}M parameters, split over tp={cfg.tp}"
-              f"{' with sequence parallelism' if cfg.sequence_parallel else ''}")
+        print(run_shape(f"world {world_size} = dp {dp_size} x tp {cfg.tp}"
+                        f"{' with sequence parallelism' if cfg.sequence_parallel else ''}", cfg, dense_params))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
@@ -760,8 +760,11 @@ def main(argv):
     if cfg.sample_at_end and not cfg.eval_only and master:
         print(f"sample with: python tensor_parallel.py --consolidate={cfg.out_dir} && "
               f"python sample.py --out_dir={cfg.out_dir}")
+    if master:
+        print(outputs_line(cfg.out_dir, "ckpt_rank*.pt (each rank's slices: resume; python tensor_parallel.py "
+                                        f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     if world_size > 1:
-        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
+        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
         dist.destroy_process_group()
 
 

@@ -17,8 +17,8 @@ import torch
 
 from model import (GPT, TRAIN_STREAM, CheckpointWriter, GPTConfig, StepProfiler, autocast_context, config_defaults,
                    configure, estimate_loss, get_batch, get_codec, get_lr, load_dataset, log_row, mfu,
-                   micro_batch_rows, model_config, peak_flops_for, peak_memory_bytes, restore_rng, rng_state, run_main,
-                   trim_log)
+                   micro_batch_rows, model_config, outputs_line, peak_flops_for, peak_memory_bytes, profiled,
+                   restore_rng, rng_state, run_main, run_shape, trim_log)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -70,7 +70,6 @@ def main(argv):
         raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
     dp_rank, dp_size = 0, 1  # one process: it holds the whole global batch
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    print(f"tokens per iteration: {tokens_per_iter:,}")
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -103,7 +102,7 @@ def main(argv):
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     model.to(cfg.device)
     flops_per_token = model.flops_per_token()
-    print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
+    print(run_shape('one process', cfg, model.get_num_params()))
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
@@ -202,6 +201,7 @@ def main(argv):
             text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
         print(f"---------- a sample ----------\n{text}\n------------------------------")
         print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+    print(outputs_line(cfg.out_dir, "ckpt.pt (the checkpoint: resume, sample.py)", *profiled(cfg)))
 
 
 if __name__ == '__main__':

@@ -23,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, autocast_context,
                    config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_codec, get_lr,
-                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for,
-                   peak_memory_bytes, restore_rng, run_main, seed_dropout, trim_log, world_size_from_env)
+                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
+                   peak_flops_for, peak_memory_bytes, profiled, restore_rng, run_main, run_shape, seed_dropout,
+                   trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -94,8 +95,6 @@ def main(argv):
     master_process = dp_rank == 0  # logs, writes the checkpoint, samples
     dp = Comm(None, 'dp')  # the whole world is one data-parallel group
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    if master_process:
-        print(f"tokens per iteration: {tokens_per_iter:,} over {dp_size} data-parallel rank(s)")
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -130,7 +129,7 @@ def main(argv):
     model.to(cfg.device)
     flops_per_token = model.flops_per_token()
     if master_process:
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
+        print(run_shape(f'world {dp_size} = dp {dp_size} (DDP)', cfg, model.get_num_params()))
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
@@ -242,6 +241,8 @@ def main(argv):
             text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
         print(f"---------- a sample ----------\n{text}\n------------------------------")
         print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+    if master_process:
+        print(outputs_line(cfg.out_dir, "ckpt.pt (train.py's format: resume, sample.py)", *profiled(cfg)))
 
 
 if __name__ == '__main__':

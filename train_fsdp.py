@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, autocast_context,
                    config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_codec, get_lr,
-                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, peak_flops_for,
-                   peak_memory_bytes, restore_rng, run_main, seed_dropout, trim_log, world_size_from_env)
+                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
+                   peak_flops_for, peak_memory_bytes, profiled, restore_rng, run_main, run_shape, seed_dropout,
+                   trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -216,8 +217,6 @@ def main(argv):
     master_process = dp_rank == 0  # logs, writes the full checkpoint, prints the sample
     dp = Comm(None, 'dp')
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    if master_process:
-        print(f"tokens per iteration: {tokens_per_iter:,} over {dp_size} data-parallel rank(s)")
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -259,7 +258,7 @@ def main(argv):
     model.to(cfg.device)
     flops_per_token = model.flops_per_token()
     if master_process:
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
+        print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
     model = shard_model(model, mesh, mp_policy)  # every rank built the same full model; now each keeps 1/N
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
     # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
@@ -399,6 +398,10 @@ def main(argv):
             print(f"---------- a sample ----------\n{text}\n------------------------------")
             print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
     writer.wait()
+    if master_process:
+        print(outputs_line(cfg.out_dir, "ckpt_dcp/ (every rank's shards: resume)",
+                           *(["ckpt.pt (train.py's format, exported at the end)"] if cfg.export else []),
+                           *profiled(cfg)))
     dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
     dist.destroy_process_group()
 

@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
                    config_defaults, configure, estimate_loss, get_batch, get_codec, get_lr, init_distributed,
-                   load_dataset, log_row, mfu, micro_batch_rows, model_config, param_groups, peak_flops_for,
-                   peak_memory_bytes, restore_rng, rng_state, run_main, save_checkpoint, seed_dropout, set_rng_state,
-                   trim_log, world_size_from_env)
+                   load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line, param_groups,
+                   peak_flops_for, peak_memory_bytes, profiled, progress, restore_rng, rng_state, run_main, run_shape,
+                   save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -489,10 +489,11 @@ def consolidate_shards(out_dir):
     shards = [ck0] + [torch.load(p, map_location='cpu', weights_only=False) for p in paths[1:]]
     if len({(s['iter_num'], s['zero']['stage']) for s in shards}) != 1:
         raise SystemExit(f"error: the shards in {out_dir} are from different iterations or stages")
-    full = {}
-    for key in ('master', 'exp_avg', 'exp_avg_sq'):
+    full, n_buckets = {}, len(ck0['zero']['layout'])
+    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
         full[key] = {}
         for i, layout in enumerate(ck0['zero']['layout']):
+            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {n} shards (buckets of weights, m, v)")
             flat = shards[0]['zero'][key][i] if ck0['zero']['stage'] == 0 else torch.cat(
                 [s['zero'][key][i] for s in shards])  # the chunks of rank 0, 1, ... in order are the bucket
             offset = 0
@@ -661,7 +662,6 @@ def main(argv):
     dp_rank, dp_size = rank, world_size
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if master_process:
-        print(f"tokens per iteration: {tokens_per_iter:,}")
         os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
@@ -701,7 +701,7 @@ def main(argv):
     model.to(cfg.device)
     flops_per_token = model.flops_per_token()
     if master_process:
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters")
+        print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
     comm = Comm(None, 'dp')  # every collective goes through it, and is counted there
     param_dtype = torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
@@ -824,8 +824,11 @@ def main(argv):
             print(f"---------- a sample ----------\n{text}\n------------------------------")
             print(f"consolidate and sample more with: python zero.py --consolidate={cfg.out_dir} && "
                   f"python sample.py --out_dir={cfg.out_dir}")
+    if master_process:
+        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python zero.py "
+                                        f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     if owns_group and world_size > 1:
-        dist.barrier()  # wait for rank 0's last eval and checkpoint: tearing gloo down under a busy peer can abort
+        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
         dist.destroy_process_group()
 
 

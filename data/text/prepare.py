@@ -31,9 +31,11 @@ def read_files(pattern):
     if not paths:
         raise SystemExit(f"error: no files match --input {pattern!r}")
     parts = []
-    for path in paths:
+    for i, path in enumerate(paths):
         with open(path, encoding='utf-8', errors='replace') as f:
             parts.append(f.read())
+        if len(paths) >= 10 and (i + 1) % max(1, len(paths) // 10) == 0:
+            print(f"reading: {i + 1}/{len(paths)} files", flush=True)
     text = '\n'.join(parts)
     if len(text) < 100:
         raise SystemExit(f"error: the {len(paths)} file(s) matching {pattern!r} hold only {len(text)} characters")
