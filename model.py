@@ -1007,6 +1007,10 @@ def run_main(main):
     """Run main(argv) and turn a config error into one line on stderr and exit code 1 (on every rank)."""
     try:
         main(sys.argv[1:])
+        # free what the run built (DDP's reducer, gloo's work objects) while the interpreter is whole: freed during
+        # its shutdown instead, a C++ thread can reach for the GIL too late and abort the process (SIGABRT)
+        import gc
+        gc.collect()
     except SystemExit as e:
         if isinstance(e.code, str):
             rank = os.environ.get('RANK')

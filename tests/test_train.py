@@ -1,5 +1,6 @@
 """train.py: it learns, the logged loss is the global-batch mean, a killed run resumes bit-for-bit, checkpoints are
 atomic, and bad input is one line on stderr and a non-zero exit before any work."""
+import json
 import os
 import signal
 import subprocess
@@ -175,3 +176,13 @@ def test_block_size_too_large():
     import numpy as np
     with pytest.raises(SystemExit, match='block_size 16 is too large'):
         M.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
+
+
+def test_profile_writes_a_trace_perfetto_opens(tmp_path):
+    """--profile=2: two steps under torch.profiler, written as Chrome-trace JSON with the model's matmuls in it."""
+    proc = check(run_script(TRAIN, TINY + [f'--out_dir={tmp_path}', '--max_iters=4', '--profile=2']))
+    trace = tmp_path / 'trace_rank0.json'
+    assert 'ui.perfetto.dev' in proc.stdout
+    events = json.load(open(trace))['traceEvents']
+    assert any(e.get('name', '').startswith('aten::') and 'mm' in e['name'] for e in events)
+    assert any(e.get('name', '').startswith('ProfilerStep#') for e in events)  # the steps are marked
