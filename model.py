@@ -650,6 +650,22 @@ def mfu(flops_per_token, tokens_per_sec, n_devices, peak_flops):
     return flops_per_token * tokens_per_sec / (n_devices * peak_flops)
 
 
+def saved_bytes_counter(model):
+    """Measured activations: saved_tensors_hooks that note every distinct storage autograd keeps for backward,
+    the model's parameters left out. Use `with hooks:` around a forward; sum(seen.values()) is the bytes held.
+    Returns (hooks, seen: {storage: bytes})."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+
+
 def peak_memory_bytes(device):
     """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on CPU."""
     if device.startswith('cuda'):

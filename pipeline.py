@@ -26,7 +26,7 @@ from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepPro
                    comm_report, config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_lr,
                    init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
                    peak_flops_for, peak_memory_bytes, profiled, progress, restore_rng, run_main, run_shape,
-                   save_checkpoint, seed_dropout, trim_log, world_size_from_env)
+                   save_checkpoint, saved_bytes_counter, seed_dropout, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -288,26 +288,12 @@ def send_backward_recv_forward(st, dx):
 # one microbatch's forward and backward on this stage
 
 
-def saved_bytes_counter(params):
-    """saved_tensors_hooks that add up the distinct storages autograd keeps for backward, parameters left out:
-    the activations held, measured. Returns (hooks, {storage: bytes})."""
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
-
-
 def forward_step(st, i, x, idx, targets, loss_scale):
     """F of microbatch i: embed (first stage) or take the received activation, run this stage's blocks, and on the
     last stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
     start = st.clock.mark()
     model = st.model
-    hooks, saved = saved_bytes_counter({p.untyped_storage().data_ptr() for p in model.parameters()})
+    hooks, saved = saved_bytes_counter(model)
     with st.ctx, hooks:
         if st.is_first:
             x = None

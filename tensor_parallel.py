@@ -35,7 +35,7 @@ from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepPro
                    comm_report, config_defaults, configure, estimate_loss, get_batch, get_lr, init_distributed,
                    load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line, param_groups,
                    peak_flops_for, peak_memory_bytes, profiled, progress, rng_state, run_main, run_shape,
-                   save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
+                   save_checkpoint, saved_bytes_counter, seed_dropout, set_rng_state, trim_log, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -492,18 +492,10 @@ def measure_activation_bytes(model, idx, par):
     formula's numbers without sequence parallelism (no dropout masks at p=0, and PyTorch's attention keeps no
     s x s matrix), and above its 1/t with it: the column-parallel layers here keep their all-gathered input,
     where Megatron keeps the sequence chunk and all-gathers it again in backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    hooks, seen = saved_bytes_counter(model)
     with torch.enable_grad():
         x = model.transformer.wte(idx).detach()  # the block's input as it sees it (with SP: this rank's chunk)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with hooks:
             model.run_block(model.transformer.h[0], x)
     return sum(seen.values())
 
