@@ -277,7 +277,8 @@ def model_flags(args):
     return [f'--n_layer={args.n_layer}', f'--n_head={args.n_head}', f'--n_embd={args.n_embd}',
             f'--block_size={args.block_size}', f'--batch_size={args.batch_size}',
             f'--gradient_accumulation_steps={args.world_size}', f'--max_iters={args.max_iters}',
-            f'--lr_decay_iters={args.max_iters}', '--warmup_iters=2', '--log_interval=1',
+            f'--lr_decay_iters={args.max_iters}', '--warmup_iters=2', f'--learning_rate={args.learning_rate}',
+            '--log_interval=1',
             f'--eval_interval={args.max_iters}', '--eval_iters=1', '--dropout=0.0', f'--dtype={args.dtype}',
             '--compile=False', '--sample_at_end=False', '--always_save_checkpoint=False', f'--seed={args.seed}'] + (
         [f'--peak_flops={args.peak_flops}'] if args.peak_flops else [])
@@ -586,6 +587,9 @@ def parse_args(argv):
     p.add_argument('--n_embd', type=int, default=512,
                    help='wide enough that compute dominates, so the pipeline rows measure a bubble near the formula')
     p.add_argument('--block_size', type=int, default=128)
+    p.add_argument('--learning_rate', type=float, default=3e-4,
+                   help='low enough that the 512-wide model trains without a loss spike: a spike amplifies the '
+                        'rounding differences between strategies past the same-loss tolerance')
     p.add_argument('--batch_size', type=int, default=8, help='sequences per dp rank; global batch x world_size')
     p.add_argument('--dtype', default=None, help='bench default float32; estimate default bfloat16 (mixed precision)')
     p.add_argument('--seed', type=int, default=1337)
