@@ -432,7 +432,13 @@ def shard_gpt(model, par):
     for name, p in dense_named:  # what is left (norms, row-parallel biases, wpe) is the dense model's own
         if name not in specs:
             specs[name] = (p, 'replicated')
+    model.forward = forward_needs_tp_forward  # GPT.forward would compute a loss over one vocabulary slice
     return specs
+
+
+def forward_needs_tp_forward(*args, **kwargs):
+    raise RuntimeError("this GPT is one tensor-parallel rank's slice: run it with tensor_parallel.tp_forward (its "
+                       "loss is vocabulary-parallel); to sample, consolidate it into a train.py checkpoint first")
 
 
 def tp_forward(model, idx, targets, par):

@@ -183,6 +183,16 @@ def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t
         assert r['logits_err'] < TOL and r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)
 
 
+def test_a_sharded_model_refuses_the_dense_forward():
+    """After shard_gpt, GPT.forward would give a loss over this rank's slice of the vocabulary: it raises."""
+    import tensor_parallel as tpm
+    from model import GPT, Comm, GPTConfig
+    model = GPT(GPTConfig(**LAYOUTS['gpt2']))
+    tpm.shard_gpt(model, tpm.TensorParallel(Comm(None, 'tp')))
+    with pytest.raises(RuntimeError, match='tp_forward'):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+
 def test_a_tp_layer_equals_dtensor_colwise_rowwise(spawned):
     for rank, (_, errors, _) in enumerate(spawned):
         assert errors[False] < TOL, f"plain TP vs DTensor, rank {rank}: {errors[False]}"
