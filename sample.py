@@ -72,7 +72,11 @@ def main(argv):
     ctx = autocast_context(device_type, cfg.dtype)
     model, dataset = load_model(cfg)
     if cfg.export_hf:
-        model.to_hf().save_pretrained(cfg.export_hf)
+        try:
+            hf_model = model.to_hf()
+        except ValueError as e:  # a layout Hugging Face has no class for: one line, not a traceback
+            raise SystemExit(f"error: --export_hf: {e}")
+        hf_model.save_pretrained(cfg.export_hf)
         print(f"saved the model to {cfg.export_hf} in Hugging Face's format; load it with "
               f"transformers.AutoModelForCausalLM.from_pretrained({cfg.export_hf!r})")
         return

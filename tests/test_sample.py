@@ -72,3 +72,11 @@ def test_export_hf_loads_in_auto_model_with_the_same_logits(tmp_path):
     with torch.no_grad():
         want = ours.eval()(idx)[0]
         torch.testing.assert_close(theirs(idx).logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_export_hf_of_a_mixed_layout_is_one_line(trained, tmp_path):
+    """The fixture's model mixes GPT-2's norm and MLP with RoPE: no Hugging Face class holds it."""
+    pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    proc = run_script('sample.py', [f'--out_dir={trained}', f'--export_hf={tmp_path / "hf"}', '--device=cpu'])
+    assert proc.returncode == 1 and proc.stderr.strip().count('\n') == 0, proc.stderr
+    assert proc.stderr.startswith('error: --export_hf:') and 'GPT-2 layout' in proc.stderr
