@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
@@ -822,6 +823,135 @@ class StepProfiler:
 
 
 # -----------------------------------------------------------------------------
+# The steps of the loop every training script runs, named once, so that each main() reads like train.py's
+
+def is_master():
+    """Rank 0, or the only process: it logs, prints and writes the files the ranks share."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def check_batch(cfg, dp_size, world_size):
+    """The one batch rule needs whole micro-batches on every data-parallel rank."""
+    if cfg.gradient_accumulation_steps % dp_size:
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
+                         f"by the data-parallel size dp={dp_size} (world size {world_size}): each data-parallel "
+                         f"rank takes whole micro-batches, and the world is larger than the batch or does not "
+                         f"divide it")
+
+
+def init_model(cfg, vocab_size, ckpt_path=None, load_weights=True, gpt2=True):
+    """The model init_from names: 'scratch' (train.py's initialization from cfg.seed), 'resume' (ckpt_path, a
+    checkpoint with 'model_args'; its 'model' loaded when load_weights) or a GPT-2 name (when gpt2). On the CPU.
+    Returns (model, the checkpoint or None, iter_num, best_val_loss); on resume the log is trimmed to iter_num."""
+    checkpoint, iter_num, best_val_loss = None, 0, 1e9
+    if cfg.init_from == 'scratch':
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from == 'resume':
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        if load_weights:
+            model.load_state_dict(checkpoint['model'])
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        if is_master():
+            trim_log(cfg.out_dir, iter_num)
+    elif gpt2 and cfg.init_from.startswith('gpt2'):
+        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
+                                    activation_checkpointing=cfg.activation_checkpointing)
+    else:
+        raise SystemExit(f"error: init_from must be 'scratch', 'resume'{' or a GPT-2 name' if gpt2 else ''}, "
+                         f"got {cfg.init_from!r}")
+    if cfg.block_size > model.config.block_size:
+        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    return model, checkpoint, iter_num, best_val_loss
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+
+
+def should_evaluate(iter_num, cfg):
+    return iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+
+
+def evaluate(loss_of, model, data, cfg, iter_num, lr, dp=None):
+    """estimate_loss with the model in eval mode (no dropout), logged by rank 0. Every rank must call it (the
+    data-parallel ranks share the batches). A loss that is not finite stops the run, keeping the last checkpoint."""
+    model.eval()
+    losses = estimate_loss(loss_of, data, cfg, dp)
+    model.train()
+    if is_master():
+        log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'], 'lr': lr})
+    if not math.isfinite(losses['val']):
+        raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
+    return losses
+
+
+def should_save(iter_num, val_loss, best_val_loss, cfg):
+    return iter_num > 0 and (val_loss < best_val_loss or cfg.always_save_checkpoint)
+
+
+def train_checkpoint(model_sd, optimizer_sd, rng_states, model_args, iter_num, best_val_loss, config, scaler_sd=None):
+    """train.py's checkpoint: what every script resumes from and sample.py reads. rng_states: every data-parallel
+    rank's random streams, in rank order (rank 0's are also saved under nanoGPT's names)."""
+    return {'model': model_sd, 'optimizer': optimizer_sd, 'scaler': scaler_sd or {},
+            'rng_state': rng_states[0]['cpu'], 'cuda_rng_state': rng_states[0]['cuda'], 'rng_states': rng_states,
+            'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
+
+
+def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
+    """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch rule)."""
+    global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    return [get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size,
+                      micro_batch_rows(cfg, dp_rank, dp_size, micro_step), cfg.device)
+            for micro_step in range(cfg.gradient_accumulation_steps // dp_size)]
+
+
+class StepLogger:
+    """The line logged every log_interval iterations: the time per iteration since the last line (host clock,
+    after the loss's .item() has waited for the device), tokens per second of the whole run, MFU per device, peak
+    memory. Every iteration it checks that the loss is finite."""
+
+    def __init__(self, cfg, flops_per_token, n_devices):
+        self.cfg, self.flops_per_token, self.n_devices = cfg, flops_per_token, n_devices
+        self.peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+        self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+        self.restart()
+
+    def restart(self):
+        """Time afresh from now (after an evaluation: eval time is not training time)."""
+        self.t_last, self.iters = time.time(), 0
+
+    def step(self, iter_num, loss, lr):
+        if not math.isfinite(loss):
+            raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint is kept")
+        self.iters += 1
+        if iter_num % self.cfg.log_interval == 0 and is_master():
+            dt = (time.time() - self.t_last) / self.iters
+            self.restart()
+            tokens_per_sec = self.tokens_per_iter / dt
+            log_row(self.cfg.out_dir, {'iter': iter_num, 'loss': loss, 'lr': lr, 'ms': 1000 * dt,
+                                       'tokens_per_sec': tokens_per_sec,
+                                       'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices, self.peak),
+                                       'peak_mem_bytes': peak_memory_bytes(self.cfg.device)})
+
+
+def print_sample(model, cfg, ctx, show=True, hint='python sample.py --out_dir={out_dir}'):
+    """300 characters sampled from the trained model (every rank of a sharded model must take part; the ones
+    with show print it), and how to sample more."""
+    encode, decode = get_codec(cfg.dataset)
+    model.eval()
+    start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
+    with ctx:
+        text = decode(model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
+    if show:
+        print(f"---------- a sample ----------\n{text}\n------------------------------")
+        print(f"sample more with: {hint.format(out_dir=cfg.out_dir)}")
+
+
+# -----------------------------------------------------------------------------
 # Random streams: dropout masks per rank, saved and restored with every rank's checkpoint
 
 def rng_state():
@@ -887,10 +1017,10 @@ class Comm:
     reduce-scatter or all-gather), wire_bytes_formula[kind] what ring algorithms send for those calls (the papers'
     number). What really crosses the wire depends on the backend: see WireMeter. A group of one moves nothing."""
 
-    def __init__(self, group=None, name='dp'):
-        self.group, self.name = group, name
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+    def __init__(self, group=None, name='dp', alone=False):
+        self.group, self.name = group, name  # group None: the whole world; alone: a group of this rank only
+        self.rank = dist.get_rank(group) if dist.is_initialized() and not alone else 0
+        self.size = dist.get_world_size(group) if dist.is_initialized() and not alone else 1
         self.collective_bytes, self.wire_bytes_formula = Counter(), Counter()
 
     def count(self, kind, tensor, op=None):
@@ -996,21 +1126,70 @@ class WireMeter:
         return (loopback_bytes_sent() - self.start_bytes) / self.ranks_here
 
 
-def init_distributed(timeout_s):
+_GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down
+
+
+def init_distributed(timeout_s, group_of_one=False):
     """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run as
-    one process without it. NCCL with one GPU per process when CUDA is there, gloo on CPU.
+    one process without it (group_of_one: in a group of one, for code that needs a group, as FSDP2 does). NCCL
+    with one GPU per process when CUDA is there, gloo on CPU. Inside a process group that already exists (a
+    notebook, a test harness) it joins that one and leaves it standing at the end.
     Returns (rank, local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
     import datetime
-    if 'RANK' not in os.environ:
+    global _GROUP_IS_OURS
+    local_rank = int(os.environ.get('LOCAL_RANK', '0'))
+    device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
+    if dist.is_initialized():
+        return dist.get_rank(), local_rank, dist.get_world_size(), device
+    if 'RANK' not in os.environ and not group_of_one:
         return 0, 0, 1, ('cuda' if torch.cuda.is_available() else 'cpu')
-    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
     if torch.cuda.is_available():
-        device, backend = f'cuda:{local_rank}', 'nccl'
         torch.cuda.set_device(device)
+    backend, timeout = 'nccl' if torch.cuda.is_available() else 'gloo', datetime.timedelta(seconds=timeout_s)
+    if 'RANK' in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        device, backend = 'cpu', 'gloo'
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return rank, local_rank, world_size, device
+        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    _GROUP_IS_OURS = True
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def finish_distributed():
+    """Leave together: a barrier, then tear down the group init_distributed made (tearing gloo down under a peer
+    still inside a collective can abort it)."""
+    global _GROUP_IS_OURS
+    if dist.is_initialized() and _GROUP_IS_OURS:
+        dist.barrier()
+        dist.destroy_process_group()
+        _GROUP_IS_OURS = False
+
+
+GRID_DIMS = ('dp', 'pp', 'cp', 'tp')
+
+
+def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
+    """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank is
+    ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group, which
+    talks the most, is neighbouring ranks (one node's GPUs). A dimension's groups are the ranks that differ only in
+    that coordinate. Every rank creates every group in the same order (new_group is collective).
+    Returns (grid, {dim: this rank's coordinate}, {dim: Comm of this rank's group along dim})."""
+    sizes = dict(dp=dp, pp=pp, cp=cp, tp=tp)
+    if dp * pp * cp * tp != world_size:
+        raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp}")
+    grid = torch.arange(world_size).view(dp, pp, cp, tp)
+    coords = dict(zip(GRID_DIMS, (int(i) for i in (grid == rank).nonzero()[0])))
+    comms = {}
+    for d, dim in enumerate(GRID_DIMS):
+        if sizes[dim] == 1:
+            comms[dim] = Comm(None, dim, alone=True)
+        elif sizes[dim] == world_size:
+            comms[dim] = Comm(None, dim)  # the whole world: its default group
+        else:
+            for members in grid.movedim(d, -1).reshape(-1, sizes[dim]).tolist():
+                group = dist.new_group(members)
+                if rank in members:
+                    comms[dim] = Comm(group, dim)
+    return grid, coords, comms
 
 
 def world_size_from_env():

@@ -9,16 +9,14 @@ activation checkpointing, gradient accumulation, gradient clipping, cosine LR, c
 Every other training script is this file plus one idea, section by section: diff them against it.
 """
 
-import math
 import os
-import time
 
 import torch
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, GPTConfig, StepProfiler, autocast_context, config_defaults,
-                   configure, estimate_loss, get_batch, get_codec, get_lr, load_dataset, log_row, mfu,
-                   micro_batch_rows, model_config, outputs_line, peak_flops_for, peak_memory_bytes, profiled,
-                   restore_rng, rng_state, run_main, run_shape, trim_log)
+from model import (CheckpointWriter, StepLogger, StepProfiler, autocast_context, config_defaults, configure,
+                   evaluate, get_lr, init_model, load_dataset, micro_batches, outputs_line, print_sample, profiled,
+                   restore_rng, rng_state, run_main, run_shape, set_lr, should_evaluate, should_save,
+                   train_checkpoint)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -64,12 +62,29 @@ config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
 
+def train_step(model, optimizer, scaler, batches, ctx, grad_clip):
+    """One iteration: forward and backward over every micro-batch (the gradients add up in .grad), then one
+    optimizer step. Returns the mean loss over the batch."""
+    loss_sum = 0.0
+    for x, y in batches:
+        with ctx:
+            _, loss = model(x, y)
+            loss = loss / len(batches)  # the gradient is the mean over the whole batch
+        loss_sum += loss.detach()
+        scaler.scale(loss).backward()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum.item()
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
-    dp_rank, dp_size = 0, 1  # one process: it holds the whole global batch
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -81,34 +96,16 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
 
     # model
-    iter_num, best_val_loss, checkpoint = 0, 1e9, None
-    if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from == 'resume':
-        ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
-        model.load_state_dict(checkpoint['model'])
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        trim_log(cfg.out_dir, iter_num)
-    elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
-                                    activation_checkpointing=cfg.activation_checkpointing)
-    else:
-        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
-    if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
     model.to(cfg.device)
-    flops_per_token = model.flops_per_token()
     print(run_shape('one process', cfg, model.get_num_params()))
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
         scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)
+        restore_rng(checkpoint, 0, 1, cfg.seed, 0)
     checkpoint = None  # free it
     raw_model = model
     if cfg.compile:
@@ -119,88 +116,35 @@ def main(argv):
             return model(x, y)[1]
 
     # training loop
-    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
     profiler = StepProfiler(cfg.profile, cfg.out_dir, 0, cfg.device)  # --profile=N: a trace per rank
-    t_last, iters_since_log = time.time(), 0
+    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=1)
     while True:
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
+        set_lr(optimizer, lr)
 
         # evaluate, and checkpoint the state from which iteration iter_num starts
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            model.eval()
-            losses = estimate_loss(loss_of, data, cfg)
-            model.train()
-            log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'], 'lr': lr})
-            if not math.isfinite(losses['val']):
-                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
-            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr)
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
-                rng_states = [rng_state()]  # every data-parallel rank's random streams (here one)
-                writer.save({
-                    'model': raw_model.state_dict(),
-                    'optimizer': optimizer.state_dict(),
-                    'scaler': scaler.state_dict(),
-                    'rng_state': rng_states[0]['cpu'],
-                    'cuda_rng_state': rng_states[0]['cuda'],
-                    'rng_states': rng_states,
-                    'model_args': vars(raw_model.config),
-                    'iter_num': iter_num,
-                    'best_val_loss': best_val_loss,
-                    'config': vars(cfg),
-                }, os.path.join(cfg.out_dir, 'ckpt.pt'))
-            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+                writer.save(train_checkpoint(raw_model.state_dict(), optimizer.state_dict(), [rng_state()],
+                                             vars(raw_model.config), iter_num, best_val_loss, vars(cfg),
+                                             scaler.state_dict()), ckpt_path)
+            logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
 
-        # one iteration: forward and backward over every micro-batch, then one optimizer step
-        micro_steps = cfg.gradient_accumulation_steps // dp_size
-        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        loss_sum = torch.zeros((), device=cfg.device)
-        for micro_step in range(micro_steps):
-            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
-            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
-                             cfg.device)
-            with ctx:
-                _, loss = model(x, y)
-                loss = loss / micro_steps  # the gradient is the mean over the whole batch
-            loss_sum += loss.detach()
-            scaler.scale(loss).backward()
-        if cfg.grad_clip != 0.0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-        # log
-        loss_value = loss_sum.item()  # the mean loss over the global batch
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        iters_since_log += 1
-        if iter_num % cfg.log_interval == 0:
-            dt = (time.time() - t_last) / iters_since_log
-            t_last, iters_since_log = time.time(), 0
-            tokens_per_sec = tokens_per_iter / dt
-            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
-                                  'tokens_per_sec': tokens_per_sec,
-                                  'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
-                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        # one iteration, then its log line
+        loss = train_step(model, optimizer, scaler, micro_batches(data, cfg, iter_num), ctx, cfg.grad_clip)
+        logger.step(iter_num, loss, lr)
         profiler.step()
         iter_num += 1
     profiler.stop()
     writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only:
-        encode, decode = get_codec(cfg.dataset)
-        raw_model.eval()
-        start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
-        with ctx:
-            text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
-        print(f"---------- a sample ----------\n{text}\n------------------------------")
-        print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+        print_sample(raw_model, cfg, ctx)
     print(outputs_line(cfg.out_dir, "ckpt.pt (the checkpoint: resume, sample.py)", *profiled(cfg)))
 
 

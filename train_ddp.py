@@ -13,19 +13,17 @@ checkpoint format, with every rank's random state in it.
 """
 
 import contextlib
-import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, autocast_context,
-                   config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_codec, get_lr,
-                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
-                   peak_flops_for, peak_memory_bytes, profiled, restore_rng, run_main, run_shape, seed_dropout,
-                   trim_log, world_size_from_env)
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
+                   configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
+                   load_dataset, micro_batches, outputs_line, print_sample, profiled, restore_rng, run_main,
+                   run_shape, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -80,21 +78,38 @@ def sync_context(model, micro_step, micro_steps):
     return contextlib.nullcontext()
 
 
+def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp):
+    """train.py's iteration on this rank's micro-batches: DDP averages the gradients over the ranks during the
+    last micro-step's backward. Returns the mean loss over the global batch."""
+    loss_sum = 0.0
+    for micro_step, (x, y) in enumerate(batches):
+        with sync_context(model, micro_step, len(batches)):
+            with ctx:
+                _, loss = model(x, y)
+                loss = loss / len(batches)  # the gradient is the mean over the whole batch (DDP averages ranks)
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    dp.all_reduce(loss_sum)
+    return loss_sum.item() / dp.size
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
-    if cfg.gradient_accumulation_steps % world_size_from_env() != 0:
-        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by "
-                         f"the world size ({world_size_from_env()}): each rank needs whole micro-batches (the world "
-                         f"is larger than the batch); pass a multiple of it")
+    check_batch(cfg, world_size_from_env(), world_size_from_env())
     dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # joins torchrun's group; one process without
     ddp = dist.is_initialized()
     if ddp:
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
     master_process = dp_rank == 0  # logs, writes the checkpoint, samples
     dp = Comm(None, 'dp')  # the whole world is one data-parallel group
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -106,28 +121,9 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
 
     # model
-    iter_num, best_val_loss, checkpoint = 0, 1e9, None
-    if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from == 'resume':
-        ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
-        model.load_state_dict(checkpoint['model'])
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        if master_process:
-            trim_log(cfg.out_dir, iter_num)
-    elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
-                                    activation_checkpointing=cfg.activation_checkpointing)
-    else:
-        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
-    if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
     model.to(cfg.device)
-    flops_per_token = model.flops_per_token()
     if master_process:
         print(run_shape(f'world {dp_size} = dp {dp_size} (DDP)', cfg, model.get_num_params()))
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
@@ -151,96 +147,39 @@ def main(argv):
             return raw_model(x, y)[1]  # each rank its share of the eval batches: no DDP hooks needed
 
     # training loop
-    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
     profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
-    t_last, iters_since_log = time.time(), 0
+    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=dp_size)
     while True:
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
+        set_lr(optimizer, lr)
 
         # evaluate, and checkpoint the state from which iteration iter_num starts
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            model.eval()
-            losses = estimate_loss(loss_of, data, cfg, dp)
-            model.train()
-            if master_process:
-                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
-                                      'lr': lr})
-            if not math.isfinite(losses['val']):
-                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
-            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 rng_states = gather_rng_states(dp)  # every rank's dropout stream, so that resume is exact
                 if master_process:
-                    writer.save({
-                        'model': raw_model.state_dict(),
-                        'optimizer': optimizer.state_dict(),
-                        'scaler': scaler.state_dict(),
-                        'rng_state': rng_states[0]['cpu'],
-                        'cuda_rng_state': rng_states[0]['cuda'],
-                        'rng_states': rng_states,
-                        'model_args': vars(raw_model.config),
-                        'iter_num': iter_num,
-                        'best_val_loss': best_val_loss,
-                        'config': vars(cfg),
-                    }, os.path.join(cfg.out_dir, 'ckpt.pt'))
-            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+                    writer.save(train_checkpoint(raw_model.state_dict(), optimizer.state_dict(), rng_states,
+                                                 vars(raw_model.config), iter_num, best_val_loss, vars(cfg),
+                                                 scaler.state_dict()), ckpt_path)
+            logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
 
-        # one iteration: forward and backward over every micro-batch, then one optimizer step
-        micro_steps = cfg.gradient_accumulation_steps // dp_size
-        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        loss_sum = torch.zeros((), device=cfg.device)
-        for micro_step in range(micro_steps):
-            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
-            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
-                             cfg.device)
-            with sync_context(model, micro_step, micro_steps):
-                with ctx:
-                    _, loss = model(x, y)
-                    loss = loss / micro_steps  # the gradient is the mean over the whole batch (DDP averages ranks)
-                loss_sum += loss.detach()
-                scaler.scale(loss).backward()
-        if cfg.grad_clip != 0.0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-        # log
-        dp.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        iters_since_log += 1
-        if iter_num % cfg.log_interval == 0 and master_process:
-            dt = (time.time() - t_last) / iters_since_log
-            t_last, iters_since_log = time.time(), 0
-            tokens_per_sec = tokens_per_iter / dt
-            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
-                                  'tokens_per_sec': tokens_per_sec,
-                                  'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
-                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        # one iteration, then its log line
+        batches = micro_batches(data, cfg, iter_num, dp_rank, dp_size)
+        loss = train_step(model, optimizer, scaler, batches, ctx, cfg.grad_clip, dp)
+        logger.step(iter_num, loss, lr)
         profiler.step()
         iter_num += 1
     profiler.stop()
     writer.wait()
-    if ddp:
-        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
-        dist.destroy_process_group()
+    finish_distributed()
 
     if cfg.sample_at_end and not cfg.eval_only and master_process:  # after the group is gone: no timeout to trip
-        encode, decode = get_codec(cfg.dataset)
-        raw_model.eval()
-        start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
-        with ctx:
-            text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
-        print(f"---------- a sample ----------\n{text}\n------------------------------")
-        print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+        print_sample(raw_model, cfg, ctx)
     if master_process:
         print(outputs_line(cfg.out_dir, "ckpt.pt (train.py's format: resume, sample.py)", *profiled(cfg)))
 

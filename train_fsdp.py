@@ -15,10 +15,8 @@ model and AdamW state), from which train.py, sample.py and every other script co
 """
 
 import json
-import math
 import os
 import shutil
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,11 +27,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, autocast_context,
-                   config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_codec, get_lr,
-                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
-                   peak_flops_for, peak_memory_bytes, profiled, restore_rng, run_main, run_shape, seed_dropout,
-                   trim_log, world_size_from_env)
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
+                   configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
+                   load_dataset, micro_batches, outputs_line, print_sample, profiled, restore_rng, run_main,
+                   run_shape, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -124,6 +122,18 @@ def grad_bytes_now(model):
     return total
 
 
+class GradPeak:
+    """The most gradient bytes this rank held after any micro-step's backward (grad_bytes_now)."""
+
+    def __init__(self, model):
+        self.model, self.peak = model, 0
+
+    def update(self):
+        if self.peak is not None:
+            now = grad_bytes_now(self.model)
+            self.peak = None if now is None else max(self.peak, now)
+
+
 def held_bytes_formula(numel, world_size, micro_steps):
     """ZeRO-3 for Ψ = numel parameters over N ranks, as FSDP2 keeps them: fp32 parameter shards 4Ψ/N (they are
     the master weights; bf16 copies exist only while a group is gathered), fp32 gradient shards 4Ψ/N (the
@@ -174,6 +184,16 @@ def save_sharded(state, extras, path, master_process):
     dist.barrier()
 
 
+def export_full(model, optimizer, scaler, rng_states, iter_num, best_val_loss, cfg, writer):
+    """out_dir/ckpt.pt in train.py's format (rank 0 writes it in the background): every rank must call it."""
+    model_sd, optim_sd = full_checkpoint_state(model, optimizer)
+    if model_sd:
+        path = os.path.join(cfg.out_dir, 'ckpt.pt')
+        writer.save(train_checkpoint(model_sd, optim_sd, rng_states, vars(model.config), iter_num, best_val_loss,
+                                     vars(cfg), scaler.state_dict()), path)
+        print(f"exported {path} (train.py's format) at iter {iter_num}")
+
+
 def full_checkpoint_state(model, optimizer):
     """train.py's 'model' and 'optimizer': the shards gathered to full tensors on rank 0 (on the CPU), the
     optimizer state keyed by position in configure_optimizers' parameter order, as a plain AdamW's state_dict.
@@ -199,24 +219,50 @@ def shard_optimizer_state(optimizer):
                 state[key] = distribute_tensor(value, p.device_mesh, p.placements)
 
 
+def load_sharded(model, optimizer, path):
+    """Resume from a sharded checkpoint: every rank reads only its own shards of the model and optimizer state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {'model': model_sd, 'optimizer': optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optimizer'])
+
+
+def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp, on_micro_step=None):
+    """train.py's iteration on this rank's micro-batches: FSDP2 gathers each block's parameters around its
+    forward and backward and reduce-scatters the gradients in the last micro-step's backward. on_micro_step()
+    runs after each backward (to measure). Returns the mean loss over the global batch."""
+    loss_sum = 0.0
+    for micro_step, (x, y) in enumerate(batches):
+        # reduce-scatter in the last micro-step's backward only; before it the gradients add up locally
+        # (full size, per block: less communication for more memory)
+        model.set_requires_gradient_sync(micro_step == len(batches) - 1)
+        with ctx:
+            _, loss = model(x, y)
+            loss = loss / len(batches)  # the gradient is the mean over the whole batch (FSDP averages ranks)
+        loss_sum += loss.detach()
+        scaler.scale(loss).backward()
+        if on_micro_step is not None:
+            on_micro_step()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the norm of all ranks' shards
+    scaler.step(optimizer)
+    scaler.update()
+    dp.all_reduce(loss_sum)
+    return loss_sum.item() / dp.size
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), got "
                          f"{cfg.dtype!r}; float16 needs train.py's loss scaling")
-    if cfg.gradient_accumulation_steps % world_size_from_env() != 0:
-        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by "
-                         f"the world size ({world_size_from_env()}): each rank needs whole micro-batches (the world "
-                         f"is larger than the batch); pass a multiple of it")
-    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # joins torchrun's group
-    if dist.is_initialized():
+    check_batch(cfg, world_size_from_env(), world_size_from_env())
+    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout, group_of_one=True)  # FSDP2 needs a group
+    if 'RANK' in os.environ:
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
-    else:  # python train_fsdp.py: a group of one, so that the same code runs
-        dist.init_process_group('nccl' if cfg.device.startswith('cuda') else 'gloo', store=dist.HashStore(),
-                                rank=0, world_size=1)
     master_process = dp_rank == 0  # logs, writes the full checkpoint, prints the sample
     dp = Comm(None, 'dp')
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -230,33 +276,12 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model
-    iter_num, best_val_loss, checkpoint = 0, 1e9, None
-    if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from == 'resume':
-        # our sharded checkpoint if there is one, else a full train.py-format ckpt.pt (any script's)
-        sharded_path, ckpt_path = os.path.join(cfg.out_dir, 'ckpt_dcp'), os.path.join(cfg.out_dir, 'ckpt.pt')
-        if not os.path.exists(sharded_path) and not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {sharded_path} or {ckpt_path}")
-        sharded = os.path.exists(sharded_path)
-        checkpoint = torch.load(os.path.join(sharded_path, 'extras.pt') if sharded else ckpt_path,
-                                map_location='cpu', weights_only=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
-        if not sharded:
-            model.load_state_dict(checkpoint['model'])
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        if master_process:
-            trim_log(cfg.out_dir, iter_num)
-    elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
-                                    activation_checkpointing=cfg.activation_checkpointing)
-    else:
-        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
-    if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    # model: resume from our sharded checkpoint if there is one, else from a train.py-format ckpt.pt (any script's)
+    sharded_path = os.path.join(cfg.out_dir, 'ckpt_dcp')
+    sharded = os.path.exists(sharded_path)
+    ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not sharded)
     model.to(cfg.device)
-    flops_per_token = model.flops_per_token()
     if master_process:
         print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
     model = shard_model(model, mesh, mp_policy)  # every rank built the same full model; now each keeps 1/N
@@ -264,11 +289,8 @@ def main(argv):
     # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
-        if sharded:  # every rank reads its own shards of the model and the optimizer state
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {'model': model_sd, 'optimizer': optim_sd}
-            dcp.load(state, checkpoint_id=sharded_path)
-            set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optimizer'])
+        if sharded:
+            load_sharded(model, optimizer, sharded_path)
         else:
             optimizer.load_state_dict(checkpoint['optimizer'])
             shard_optimizer_state(optimizer)
@@ -286,124 +308,50 @@ def main(argv):
             return model(x, y)[1]
 
     # training loop
-    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
     writer = CheckpointWriter()  # for the exported ckpt.pt, which rank 0 writes in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
-    t_last, iters_since_log = time.time(), 0
-    start_iter = iter_num  # the first iteration measures what each rank holds
+    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=dp_size)
+    grad_peak = GradPeak(raw_model) if iter_num < cfg.max_iters else None  # the first iteration is measured
     while True:
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
+        set_lr(optimizer, lr)
 
         # evaluate, and checkpoint the state from which iteration iter_num starts
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            model.eval()
-            losses = estimate_loss(loss_of, data, cfg, dp)  # each rank its share of the batches
-            model.train()
-            if master_process:
-                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
-                                      'lr': lr})
-            if not math.isfinite(losses['val']):
-                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
-            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # this rank's shards, keyed by name
-                rng_states = gather_rng_states(dp)  # every rank's dropout stream, so that resume is exact
-                save_sharded({'model': model_sd, 'optimizer': optim_sd}, {
-                    'scaler': scaler.state_dict(),
-                    'rng_state': rng_states[0]['cpu'],
-                    'cuda_rng_state': rng_states[0]['cuda'],
-                    'rng_states': rng_states,
-                    'model_args': vars(raw_model.config),
-                    'iter_num': iter_num,
-                    'best_val_loss': best_val_loss,
-                    'config': vars(cfg),
-                }, os.path.join(cfg.out_dir, 'ckpt_dcp'), master_process)
-            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+                extras = train_checkpoint(None, None, gather_rng_states(dp), vars(raw_model.config), iter_num,
+                                          best_val_loss, vars(cfg), scaler.state_dict())
+                save_sharded({'model': model_sd, 'optimizer': optim_sd}, extras, sharded_path, master_process)
+            logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
 
-        # one iteration: forward and backward over every micro-batch, then one optimizer step
-        micro_steps = cfg.gradient_accumulation_steps // dp_size
-        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        loss_sum = torch.zeros((), device=cfg.device)
-        peak_grad_bytes = 0
-        for micro_step in range(micro_steps):
-            # reduce-scatter the gradients in the last micro-step's backward only; before it they add up locally
-            # (full size, per block: less communication for more memory)
-            model.set_requires_gradient_sync(micro_step == micro_steps - 1)
-            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
-            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
-                             cfg.device)
-            with ctx:
-                _, loss = model(x, y)
-                loss = loss / micro_steps  # the gradient is the mean over the whole batch (FSDP averages ranks)
-            loss_sum += loss.detach()
-            scaler.scale(loss).backward()
-            if iter_num == start_iter and peak_grad_bytes is not None:  # after each micro-step, once
-                now = grad_bytes_now(raw_model)
-                peak_grad_bytes = None if now is None else max(peak_grad_bytes, now)
-        if cfg.grad_clip != 0.0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the norm of all ranks' shards
-        scaler.step(optimizer)
-        scaler.update()
-        if iter_num == start_iter:  # once, when the gradients and the AdamW state exist
-            log_held_bytes(cfg.out_dir, iter_num, model, optimizer, peak_grad_bytes, micro_steps, master_process)
+        # one iteration, then its log line (the first also logs what each rank holds)
+        batches = micro_batches(data, cfg, iter_num, dp_rank, dp_size)
+        loss = train_step(model, optimizer, scaler, batches, ctx, cfg.grad_clip, dp,
+                          grad_peak.update if grad_peak else None)
+        if grad_peak is not None:  # once, while the gradients and the AdamW state exist
+            log_held_bytes(cfg.out_dir, iter_num, model, optimizer, grad_peak.peak, len(batches), master_process)
+            grad_peak = None
         optimizer.zero_grad(set_to_none=True)
-
-        # log
-        dp.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        iters_since_log += 1
-        if iter_num % cfg.log_interval == 0 and master_process:
-            dt = (time.time() - t_last) / iters_since_log
-            t_last, iters_since_log = time.time(), 0
-            tokens_per_sec = tokens_per_iter / dt
-            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
-                                  'tokens_per_sec': tokens_per_sec,
-                                  'mfu': mfu(flops_per_token, tokens_per_sec, dp_size, peak),
-                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        logger.step(iter_num, loss, lr)
         profiler.step()
         iter_num += 1
     profiler.stop()
 
     if cfg.export:  # one train.py-format checkpoint of the state from which iteration iter_num starts
-        model_sd, optim_sd = full_checkpoint_state(raw_model, optimizer)
-        rng_states = gather_rng_states(dp)
-        if master_process:
-            writer.save({
-                'model': model_sd,
-                'optimizer': optim_sd,
-                'scaler': scaler.state_dict(),
-                'rng_state': rng_states[0]['cpu'],
-                'cuda_rng_state': rng_states[0]['cuda'],
-                'rng_states': rng_states,
-                'model_args': vars(raw_model.config),
-                'iter_num': iter_num,
-                'best_val_loss': best_val_loss,
-                'config': vars(cfg),
-            }, os.path.join(cfg.out_dir, 'ckpt.pt'))
-            print(f"exported {os.path.join(cfg.out_dir, 'ckpt.pt')} (train.py's format) at iter {iter_num}")
-    if cfg.sample_at_end and not cfg.eval_only:
-        encode, decode = get_codec(cfg.dataset)
-        raw_model.eval()
-        start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
-        with ctx:  # every rank generates (each forward gathers the shards); rank 0 prints
-            text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
-        if master_process:
-            print(f"---------- a sample ----------\n{text}\n------------------------------")
-            print(f"sample more with: python sample.py --out_dir={cfg.out_dir}")
+        export_full(raw_model, optimizer, scaler, gather_rng_states(dp), iter_num, best_val_loss, cfg, writer)
+    if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (each forward gathers the shards)
+        print_sample(raw_model, cfg, ctx, show=master_process)
     writer.wait()
     if master_process:
         print(outputs_line(cfg.out_dir, "ckpt_dcp/ (every rank's shards: resume)",
                            *(["ckpt.pt (train.py's format, exported at the end)"] if cfg.export else []),
                            *profiled(cfg)))
-    dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == '__main__':

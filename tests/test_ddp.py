@@ -138,7 +138,7 @@ def test_world_larger_than_the_batch_is_one_line():
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, WORLD_SIZE='3'))
     assert proc.returncode == 1 and proc.stdout == ''
     assert proc.stderr.strip().count('\n') == 0, proc.stderr
-    assert proc.stderr.startswith('error: gradient_accumulation_steps (2) must be divisible by the world size (3)')
+    assert proc.stderr.startswith('error: gradient_accumulation_steps (2) must be divisible by the data-parallel size dp=3')
 
 
 def test_missing_data_set_is_one_line_on_every_rank(tmp_path):

@@ -230,7 +230,7 @@ BAD = [
     (2, ['--pp=2', '--n_layer=3'], 'n_layer (3) must be divisible by pp (2)'),
     (2, ['--pp=2', '--n_microbatches=3'], 'must be divisible into n_microbatches'),
     (2, ['--pp=2', '--schedule=1f1b', '--n_microbatches=1'], 'needs n_microbatches (1) >= pp (2)'),
-    (4, ['--pp=2', '--gradient_accumulation_steps=1'], 'must be divisible by the data-parallel size 2'),
+    (4, ['--pp=2', '--gradient_accumulation_steps=1'], 'must be divisible by the data-parallel size dp=2'),
 ]
 
 
