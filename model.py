@@ -712,6 +712,19 @@ def log_row(out_dir, row):
               flush=True)
 
 
+def log_rank_rows(out_dir, row):
+    """Every rank's row (a collective: each rank passes its own), in rank order; rank 0 appends them to
+    out_dir/log.jsonl. Returns the rows on every rank."""
+    rows = [row]
+    if dist.is_initialized():
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+    if is_master():
+        with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
+            f.writelines(json.dumps(r) + '\n' for r in rows)
+    return rows
+
+
 def trim_log(out_dir, iter_num):
     """On resume, drop the log rows from iter_num on: the resumed run writes them again, so log.jsonl stays the
     record of one run."""
@@ -1022,11 +1035,14 @@ class Comm:
         self.rank = dist.get_rank(group) if dist.is_initialized() and not alone else 0
         self.size = dist.get_world_size(group) if dist.is_initialized() and not alone else 1
         self.collective_bytes, self.wire_bytes_formula = Counter(), Counter()
+        self.observe = None  # a function to call at every collective, as it is posted (to sample memory there)
 
     def count(self, kind, tensor, op=None):
         nbytes = tensor.numel() * tensor.element_size()
         self.collective_bytes[kind] += nbytes
         self.wire_bytes_formula[kind] += RING_FACTOR[op or kind](self.size) * nbytes
+        if self.observe is not None:
+            self.observe()
 
     def clear(self):
         self.collective_bytes.clear()

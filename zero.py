@@ -17,25 +17,25 @@ stage 2  + gradients sharded: each bucket is reduce-scattered as soon as backwar
 stage 3  + parameters sharded: a block's parameters are all-gathered just before its forward and again just
            before its backward, and freed after each
 
-The update is torch.optim.AdamW's, element by element, so every stage trains the same numbers as train.py.
-It prints, per rank, the bytes it holds (at rest and at the peak of a step) and the bytes it sends per step,
-measured, beside the ZeRO paper's formulas (Rajbhandari et al. 2020). Diff it against train.py.
+What each stage does is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced
+them) and publish_stage_S (the updated chunk, back into the model's parameters). The update is torch.optim.AdamW's,
+element by element, so every stage trains the same numbers as train.py. The first iteration is measured: the
+bytes each rank holds (at rest and at the peak of the step) and sends, beside the ZeRO paper's formulas
+(Rajbhandari et al. 2020). Diff it against train.py.
 """
 
 import json
 import math
 import os
-import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
-                   config_defaults, configure, estimate_loss, get_batch, get_codec, get_lr, init_distributed,
-                   load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line, param_groups,
-                   peak_flops_for, peak_memory_bytes, profiled, progress, restore_rng, rng_state, run_main, run_shape,
-                   save_checkpoint, seed_dropout, set_rng_state, trim_log, world_size_from_env)
+from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
+                   check_batch, config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed,
+                   init_model, load_dataset, log_rank_rows, micro_batches, outputs_line, param_groups, print_sample,
+                   profiled, progress, restore_rng, rng_state, run_main, run_shape, save_checkpoint, seed_dropout,
+                   set_rng_state, should_evaluate, should_save, train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -89,55 +89,55 @@ config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
 
-def model_state_bytes_formula(numel, world_size, stage, mixed_precision):
-    """Bytes of parameters, gradients and optimizer state per rank (ZeRO paper). fp32: 4 + 4 + 8 (Adam m, v)
-    bytes per parameter; mixed precision: 2 + 2 + 12 (fp32 master, m, v). Sharded states hold ceil(numel/N)."""
-    p, g, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    shard = math.ceil(numel / world_size)
-    return {'param_bytes': p * (shard if stage >= 3 else numel),
-            'grad_bytes': g * (shard if stage >= 2 else numel),
-            'optim_bytes': k * (shard if stage >= 1 else numel)}
-
-
-def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):
-    """Bytes one rank sends per step, ring algorithms (the paper's count). Stages 0-2: one all-reduce's worth,
-    2(N-1)/N·Ψ (stage 1/2 as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters gathered
-    for forward and again for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so they reduce
-    at every one. On gloo a reduce-scatter is an all-reduce underneath: the wire carries more (see WireMeter)."""
-    one = (world_size - 1) / world_size * numel * bytes_per_elem
-    return {0: 2 * one, 1: 2 * one, 2: (micro_steps + 1) * one, 3: 3 * micro_steps * one}[stage]
-
-
-def wait(work):
-    if work is not None:
-        work.wait()
+# -----------------------------------------------------------------------------
+# The buckets: flat buffers that one collective moves at once
 
 
 class Bucket:
     """Some parameters laid end to end in one flat buffer, padded to a multiple of N when sharded, so that one
     collective moves all of them and rank r owns the contiguous chunk [r·S, (r+1)·S), S = padded/N. Each
-    parameter's .data becomes a view of the flat buffer, so a gather into the buffer is a gather into the model."""
+    parameter's .data becomes a view of the flat buffer, so a gather into the buffer is a gather into the model.
 
-    def __init__(self, names, params, decay, rank, world_size, sharded, dtype, device):
-        self.names, self.params = names, params
+    The buffers of each stage (P = padded elements, S = P/N, W = the working dtype: fp32, or bf16 in mixed
+    precision; in fp32 `master` is `shard` itself, in bf16 an fp32 copy):
+                    stage 0              stage 1              stage 2                 stage 3
+      flat (W)      P, the parameters    P                    P                       P while gathered, else 0 B
+      shard (W)     = flat               S, a view of flat    S, a view of flat       S, its own: the parameters
+      master (fp32) P                    S                    S                       S
+      grad_flat (W) P, p.grad its views  P, p.grad its views  -                       -
+      filling (W)   -                    -                    P, while backward fills it and the reduce runs
+      grad_shard(W) -                    S, from the reduce   S, sums the micro-steps S, sums the micro-steps
+    """
+
+    def __init__(self, names, params, decay, rank, world_size, stage, dtype, device):
+        self.names, self.params, self.stage = names, params, stage
         self.shapes = [tuple(p.shape) for p in params]
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.numel = sum(p.numel() for p in params)
+        sharded = stage >= 1
         self.padded = math.ceil(self.numel / world_size) * world_size if sharded else self.numel
         self.shard_numel = self.padded // world_size if sharded else self.numel
         self.lo = rank * self.shard_numel if sharded else 0
         flat32 = self.flatten([p.detach().float() for p in params], device)
-        # a flat shard spans both AdamW groups (and padding): the decayed parameters are ranges of this rank's chunk
+        # a chunk spans both AdamW groups (and padding): the decayed parameters are ranges of this rank's chunk
         self.decay_ranges = self.owned_ranges([id(p) in decay for p in params])
-        self.flat = flat32.to(dtype)  # the full parameters, in the working dtype (flat32 itself in fp32)
+        self.flat = flat32.to(dtype)  # (flat32 itself in fp32)
         for p, view in zip(params, self.views(self.flat)):
             p.data = view
-        # the fp32 weights AdamW updates: in fp32 this rank's chunk of the parameters themselves, in bf16 a copy
+        self.shard = self.owned(self.flat).clone() if stage == 3 else self.owned(self.flat)
         self.master = self.owned(flat32) if dtype == torch.float32 else self.owned(flat32).clone()
+        if stage == 3 and dtype == torch.float32:
+            self.master = self.shard
+        self.grad_flat = self.filling = self.grad_shard = None
+        if stage <= 1:
+            self.grad_flat = torch.zeros(self.padded, dtype=dtype, device=device)
+            for p, view in zip(params, self.views(self.grad_flat)):
+                p.grad = view  # autograd accumulates into an existing .grad in place: it stays a view
+        if stage >= 2:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         self.ready = 0              # parameters whose gradient backward has produced this micro-step
-        self.grad_flat = None       # stages 0-1: the full gradients (each p.grad is a view of it)
-        self.filling = None         # stages 2-3: the bucket's gradients, copied in as backward produces them
-        self.grad_shard = None      # stages 1-3: this rank's chunk of the reduced gradients
+        self.gathered = True        # stage 3: whether flat holds the parameters now
+        self.in_backward = False    # stage 3: the block's backward has begun (a recompute must not free it)
 
     def flatten(self, tensors, device):
         flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=device)
@@ -188,14 +188,91 @@ class ShardedAdamW:
             p.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
-def storage_bytes(tensors, skip=()):
-    """Bytes of the distinct storages behind tensors (views of one buffer count once), and their ids."""
-    seen, total = set(skip), 0
-    for t in tensors:
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return total, seen
+# -----------------------------------------------------------------------------
+# What each stage does. reduce_stage_S: a bucket whose gradients backward has all produced. publish_stage_S:
+# after this rank's AdamW step on its chunk, the parameters the model computes with.
+
+def reduce_stage_0(z, b):
+    """Plain data parallelism: all-reduce the full gradients in place, asynchronously, so backward goes on
+    meanwhile; every rank gets the whole average and updates everything."""
+    b.grad_flat.div_(z.world_size)
+    z.in_flight.append((z.comm.all_reduce(b.grad_flat, async_op=True), None, None, b))
+
+
+def reduce_stage_1(z, b):
+    """Every rank keeps the full gradients (they accumulate over micro-steps in grad_flat), but it updates only
+    its chunk: a reduce-scatter gives it that chunk of the average, for half an all-reduce's bytes."""
+    b.grad_shard = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
+    b.grad_flat.div_(z.world_size)
+    z.in_flight.append((z.comm.reduce_scatter(b.grad_shard, b.grad_flat, async_op=True), None, None, b))
+
+
+def reduce_stage_2(z, b):
+    """The full-size gradients exist only in the bucket's `filling` buffer, from the moment backward produces the
+    first of them until this reduce-scatter has sent it: then only this rank's chunk of the sum is kept, added to
+    grad_shard (micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
+    finish_in_flight(z)
+    full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
+    b.filling = None  # (zeros: a bucket whose parameters got no gradient)
+    full.div_(z.world_size)
+    out = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
+    z.in_flight.append((z.comm.reduce_scatter(out, full, async_op=True), full, out, b))
+
+
+def reduce_stage_3(z, b):
+    """Stage 2's reduce-scatter; and the block's backward is over, so its gathered parameters are freed."""
+    free(b)
+    reduce_stage_2(z, b)
+
+
+def finish_in_flight(z):
+    for work, full, out, b in z.in_flight:
+        if work is not None:
+            work.wait()
+        if out is not None:
+            b.grad_shard.add_(out)
+    z.in_flight = []
+
+
+def publish_stage_0(z, b):
+    """The updated parameters are the master (fp32); in bf16 they are copied down into the model's."""
+    if b.master.data_ptr() != b.flat.data_ptr():
+        b.flat.copy_(b.master)
+
+
+def publish_stage_1(z, b):
+    """Every rank updated only its chunk: an all-gather gives everyone everyone's (a copy: the chunk is inside
+    the output). Returns the work, waited for after every bucket's gather is posted."""
+    return z.comm.all_gather(b.flat, b.master.to(z.dtype, copy=True), async_op=True)
+
+
+publish_stage_2 = publish_stage_1
+
+
+def publish_stage_3(z, b):
+    """Only this rank's chunk is kept: it is updated in place; the next forward gathers the block."""
+    if b.shard is not b.master:
+        b.shard.copy_(b.master)
+
+
+# -----------------------------------------------------------------------------
+# Stage 3: a block's parameters gathered just before it runs, freed just after
+
+
+def gather(z, b):
+    if b.gathered:
+        return
+    b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
+    # write through .data: the gather is not an autograd in-place op on the views saved for backward
+    z.comm.all_gather(b.flat.data, b.shard)
+    b.gathered = True
+
+
+def free(b):
+    # the views (p.data) and the tensors autograd saved keep pointing at this storage; it just holds no bytes
+    # until the next gather refills it
+    b.flat.untyped_storage().resize_(0)
+    b.gathered = False
 
 
 class GatherBeforeBackward(torch.autograd.Function):
@@ -203,135 +280,100 @@ class GatherBeforeBackward(torch.autograd.Function):
     so this backward runs first: the place to all-gather the block's parameters again, just in time."""
 
     @staticmethod
-    def forward(ctx, x, zero, bucket):
-        ctx.zero, ctx.bucket = zero, bucket
+    def forward(ctx, x, z, bucket):
+        ctx.z, ctx.bucket = z, bucket
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.bucket.in_backward = True
-        ctx.zero.gather(ctx.bucket)
+        gather(ctx.z, ctx.bucket)
         return grad, None, None
 
 
+def after_forward(z, b, out):
+    if b.in_backward:  # a recomputation (activation checkpointing) inside backward: keep them
+        return out
+    free(b)
+    if out is not None and torch.is_grad_enabled() and out.requires_grad:
+        return GatherBeforeBackward.apply(out, z, b)
+    return out
+
+
+def install_stage_3_hooks(z, model):
+    """Each block gathers its bucket before its forward and frees it after; the root bucket (embeddings, final
+    norm, head) is gathered for the whole model's forward."""
+    *block_buckets, root = z.buckets
+    for block, b in zip(model.transformer.h, block_buckets[::-1]):
+        block.register_forward_pre_hook(lambda m, args, b=b: gather(z, b))
+        block.register_forward_hook(lambda m, args, out, b=b: after_forward(z, b, out))
+
+    def after_model_forward(m, args, out):
+        logits, loss = out
+        return logits, after_forward(z, root, loss)
+
+    model.register_forward_pre_hook(lambda m, args: gather(z, root))
+    model.register_forward_hook(after_model_forward)
+
+
+# -----------------------------------------------------------------------------
+# The engine: buckets, the hooks that reduce gradients as backward produces them, the step
+
+
 class Zero:
-    """The ZeRO engine of one rank: buckets, the hooks that reduce gradients as backward produces them, the
-    stage-3 hooks that gather parameters around each block, the sharded AdamW step and the byte counts."""
+    """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ between stages."""
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
         self.dtype, self.device = dtype, next(model.parameters()).device
+        self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
+        self.publish = (publish_stage_0, publish_stage_1, publish_stage_2, publish_stage_3)[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
-        self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage >= 1,
-                               dtype, self.device) for group in self.bucket_groups(model, stage, bucket_size)]
+        self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage, dtype,
+                               self.device) for group in bucket_groups(model, stage, bucket_size)]
         self.numel = sum(b.numel for b in self.buckets)
         for b in self.buckets:
-            if stage <= 1:  # the full gradients live in one flat buffer per bucket, p.grad its views
-                b.grad_flat = torch.zeros(b.padded, dtype=dtype, device=self.device)
-                for p, view in zip(b.params, b.views(b.grad_flat)):
-                    p.grad = view  # autograd accumulates into an existing .grad in place: it stays a view
-            if stage >= 2:
-                b.grad_shard = torch.zeros(b.shard_numel, dtype=dtype, device=self.device)
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self.grad_ready(b, i, p))
-            if stage == 3:  # at rest a rank keeps only its chunk of the parameters
-                b.shard = b.owned(b.flat).clone()
-                b.master = b.shard if dtype == torch.float32 else b.master
-                b.in_backward = False
-                self.free(b)
-            else:
-                b.shard = b.owned(b.flat)
         self.optimizer = ShardedAdamW([b.master for b in self.buckets], [b.decay_ranges for b in self.buckets],
                                       weight_decay, betas, eps)
         if stage == 3:
-            self.install_stage3_hooks(model)
+            for b in self.buckets:
+                free(b)  # at rest a rank keeps only its chunk of the parameters
+            install_stage_3_hooks(self, model)
         self.sync = True           # stages 0-1 reduce only at the last micro-step (gradients accumulate locally)
         self.next_bucket = 0       # buckets are reduced in order, so every rank issues the same collectives
-        self.in_flight = []        # (work, full buffer, output, bucket) of reduce-scatters not yet waited for
-        self.measuring, self.peak = False, defaultdict(int)
+        self.in_flight = []        # (work, full buffer, output, bucket) of reductions not yet waited for
 
-    @staticmethod
-    def bucket_groups(model, stage, bucket_size):
-        """(name, parameter) groups in the order backward produces their gradients: the reverse of the model's
-        order (the tied token embedding, first in the model, gets its last contribution last). Stage 3: one
-        group per block, and one for the rest (embeddings, final norm, head), which the whole model uses."""
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if stage == 3:
-            blocks = [list(block.named_parameters(prefix=f'transformer.h.{i}'))
-                      for i, block in enumerate(model.transformer.h)]
-            in_blocks = {id(p) for group in blocks for _, p in group}
-            return blocks[::-1] + [[(n, p) for n, p in named if id(p) not in in_blocks]]
-        groups, group = [], []
-        for n, p in reversed(named):
-            group.append((n, p))
-            if sum(q.numel() for _, q in group) >= bucket_size:
-                groups.append(group)
-                group = []
-        return groups + ([group] if group else [])
-
-    # --- gradients: reduced bucket by bucket while backward runs ---------------------------------------------
-
-    def grad_ready(self, bucket, i, p):
+    def grad_ready(self, b, i, p):
         """post_accumulate_grad hook: p.grad now holds this micro-step's full gradient of p."""
         if not self.sync:
             return
-        bucket.ready += 1
-        self.measure()
-        if self.stage >= 2:  # move it into the bucket's buffer and free it at once: no full-size gradients
-            if bucket.filling is None:
-                bucket.filling = torch.zeros(bucket.padded, dtype=self.dtype, device=self.device)
-            bucket.views(bucket.filling)[i].copy_(p.grad)
+        b.ready += 1
+        if self.stage >= 2:  # into the bucket's buffer, and freed at once: no full-size gradients outside it
+            if b.filling is None:
+                b.filling = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
+            b.views(b.filling)[i].copy_(p.grad)
             p.grad = None
         # reduce in bucket order (a bucket may fill early; the collectives must match across ranks)
-        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].ready == len(
-                self.buckets[self.next_bucket].params):
-            self.reduce(self.buckets[self.next_bucket])
+        while self.next_bucket < len(self.buckets) and \
+                self.buckets[self.next_bucket].ready == len(self.buckets[self.next_bucket].params):
+            self.reduce(self, self.buckets[self.next_bucket])
             self.next_bucket += 1
-
-    def reduce(self, b):
-        if self.stage == 0:  # all-reduce the full gradients in place, asynchronously: backward goes on meanwhile
-            b.grad_flat.div_(self.world_size)
-            self.in_flight.append((self.comm.all_reduce(b.grad_flat, async_op=True), None, None, b))
-            return
-        if self.stage == 1:  # every rank keeps the full gradients, but needs only its chunk reduced
-            b.grad_shard = torch.empty(b.shard_numel, dtype=self.dtype, device=self.device)
-            b.grad_flat.div_(self.world_size)
-            self.in_flight.append((self.comm.reduce_scatter(b.grad_shard, b.grad_flat, async_op=True), None, None, b))
-            return
-        # stages 2-3: reduce-scatter (not all-reduce) the bucket's buffer: this rank keeps only its chunk of
-        # the sum, for half the bytes of an all-reduce
-        self.finish_in_flight()  # one bucket in flight at a time bounds the gradient memory
-        full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-        b.filling = None  # (zeros: a parameter that got no gradient)
-        full.div_(self.world_size)
-        if self.stage == 3:
-            self.free(b)  # the block's backward is over: its gradients are all here
-        out = torch.empty(b.shard_numel, dtype=self.dtype, device=self.device)
-        self.in_flight.append((self.comm.reduce_scatter(out, full, async_op=True), full, out, b))
-        self.measure()
-
-    def finish_in_flight(self):
-        for work, full, out, b in self.in_flight:
-            wait(work)
-            if out is not None:
-                b.grad_shard.add_(out)  # stages 2-3 accumulate micro-steps into the shard
-        self.in_flight = []
 
     def finish_backward(self):
         """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients), then
         wait for every collective still running, as the step needs their results."""
         if self.sync:
-            while self.next_bucket < len(self.buckets):
-                self.reduce(self.buckets[self.next_bucket])
-                self.next_bucket += 1
-            self.finish_in_flight()
+            for b in self.buckets[self.next_bucket:]:
+                self.reduce(self, b)
+            finish_in_flight(self)
         for b in self.buckets:
             b.ready = 0
             if self.stage == 3:
                 b.in_backward = False
-                self.free(b)
+                free(b)
         self.next_bucket = 0
-        self.measure()
 
     def grads(self):
         """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise."""
@@ -349,23 +391,13 @@ class Zero:
             g.mul_(coef.to(g.dtype))
         return norm
 
-    # --- the step: own chunk updated, then parameters published -------------------------------------------
-
     @torch.no_grad()
     def step(self, lr):
+        """AdamW on this rank's chunks, then the parameters published; the gradients start again from zero."""
         self.optimizer.step(self.grads(), lr)
-        works = []
-        for b in self.buckets:
-            if self.stage == 0:
-                if b.master.data_ptr() != b.flat.data_ptr():  # bf16: the parameters from the fp32 master
-                    b.flat.copy_(b.master)
-            elif self.stage in (1, 2):  # everyone gets everyone's updated chunk (a copy: the input is in the output)
-                works.append(self.comm.all_gather(b.flat, b.master.to(self.dtype, copy=True), async_op=True))
-            elif b.shard is not b.master:
-                b.shard.copy_(b.master)  # stage 3 gathers at the next forward
-        for work in works:
-            wait(work)
-        self.measure()
+        for work in [self.publish(self, b) for b in self.buckets]:
+            if work is not None:
+                work.wait()
         for b in self.buckets:
             if self.stage <= 1:
                 b.grad_flat.zero_()
@@ -374,64 +406,7 @@ class Zero:
             if self.stage >= 2:
                 b.grad_shard.zero_()
 
-    # --- stage 3: parameters gathered around each block ---------------------------------------------------
-
-    def gather(self, b):
-        if b.gathered:
-            return
-        b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
-        # write through .data: the gather is not an autograd in-place op on the views saved for backward
-        self.comm.all_gather(b.flat.data, b.shard)
-        b.gathered = True
-        self.measure()
-
-    def free(self, b):
-        # the views (p.data) and the tensors autograd saved keep pointing at this storage; it just holds no
-        # bytes until the next gather refills it
-        b.flat.untyped_storage().resize_(0)
-        b.gathered = False
-
-    def install_stage3_hooks(self, model):
-        *block_buckets, root = self.buckets
-        for block, b in zip(model.transformer.h, block_buckets[::-1]):
-            block.register_forward_pre_hook(lambda m, args, b=b: self.gather(b))
-            block.register_forward_hook(lambda m, args, out, b=b: self.after_forward(b, out))
-
-        def after_model_forward(m, args, out):  # the root's parameters served embed and head: free them
-            logits, loss = out
-            return logits, self.after_forward(root, loss)
-
-        model.register_forward_pre_hook(lambda m, args: self.gather(root))
-        model.register_forward_hook(after_model_forward)
-
-    def after_forward(self, b, out):
-        if b.in_backward:  # a recomputation (activation checkpointing) inside backward: keep them
-            return out
-        self.free(b)
-        if out is not None and torch.is_grad_enabled() and out.requires_grad:
-            return GatherBeforeBackward.apply(out, self, b)
-        return out
-
-    # --- measurement --------------------------------------------------------------------------------------
-
-    def held_bytes(self):
-        """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
-        params, param_ids = storage_bytes([p for b in self.buckets for p in b.params] +
-                                          [t for b in self.buckets for t in (b.flat, b.shard)])
-        grads, _ = storage_bytes([p.grad for b in self.buckets for p in b.params] +
-                                 [t for b in self.buckets for t in (b.grad_flat, b.grad_shard, b.filling)] +
-                                 [t for _, full, out, _ in self.in_flight for t in (full, out)])
-        optim, _ = storage_bytes(self.optimizer.masters + self.optimizer.exp_avg + self.optimizer.exp_avg_sq,
-                                 skip=param_ids)  # in fp32 stages 0-2 the master chunk is the parameters
-        return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim}
-
-    def measure(self):
-        if self.measuring:
-            for k, v in self.held_bytes().items():
-                self.peak[k] = max(self.peak[k], v)
-
-    # --- checkpoints --------------------------------------------------------------------------------------
-
+    # checkpoints: this rank's chunks of the fp32 weights and AdamW's moments, and where they sit in the model
     def state_dict(self):
         return {'stage': self.stage, 'world_size': self.world_size, 'rank': self.rank,
                 'layout': [{'names': b.names, 'shapes': b.shapes, 'numel': b.numel, 'lo': b.lo} for b in self.buckets],
@@ -441,12 +416,14 @@ class Zero:
     @torch.no_grad()
     def load_state_dict(self, sd):
         opt = self.optimizer
-        for i, b in enumerate(self.buckets):
+        for i in range(len(self.buckets)):
             for mine, saved in ((opt.masters[i], sd['master'][i]), (opt.exp_avg[i], sd['exp_avg'][i]),
                                 (opt.exp_avg_sq[i], sd['exp_avg_sq'][i])):
                 mine.copy_(saved)
         opt.step_count = sd['step']
-        self.publish_master()
+        for work in [self.publish(self, b) for b in self.buckets]:
+            if work is not None:
+                work.wait()
 
     @torch.no_grad()
     def load_torch_optimizer(self, osd):
@@ -460,19 +437,283 @@ class Zero:
                 mine.copy_(b.owned(full))
         opt.step_count = int(osd['state'][0]['step'])
 
-    def publish_master(self):
-        """Parameters from the fp32 master chunks (after loading): every rank's chunk to everyone."""
-        for b in self.buckets:
-            if self.stage == 3:
-                b.shard.copy_(b.master)
-            elif self.stage == 0:
-                b.flat.copy_(b.master)
-            else:
-                self.comm.all_gather(b.flat, b.master.to(self.dtype, copy=True))
+
+def bucket_groups(model, stage, bucket_size):
+    """(name, parameter) groups in the order backward produces their gradients: the reverse of the model's order
+    (the tied token embedding, first in the model, gets its last contribution last). Stage 3: one group per
+    block, and one for the rest (embeddings, final norm, head), which the whole model uses."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if stage == 3:
+        blocks = [list(block.named_parameters(prefix=f'transformer.h.{i}'))
+                  for i, block in enumerate(model.transformer.h)]
+        in_blocks = {id(p) for group in blocks for _, p in group}
+        return blocks[::-1] + [[(n, p) for n, p in named if id(p) not in in_blocks]]
+    groups, group = [], []
+    for n, p in reversed(named):
+        group.append((n, p))
+        if sum(q.numel() for _, q in group) >= bucket_size:
+            groups.append(group)
+            group = []
+    return groups + ([group] if group else [])
+
+
+# -----------------------------------------------------------------------------
+# The training loop
+
+
+def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
+    """train.py's iteration on this rank's micro-batches: the hooks reduce each bucket as backward fills it (at
+    every micro-step in stages 2-3, which cannot hold full gradients; at the last in stages 0-1, which accumulate
+    them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss over the global batch."""
+    loss_sum = 0.0
+    for micro_step, (x, y) in enumerate(batches):
+        zero.sync = zero.stage >= 2 or micro_step == len(batches) - 1
+        with ctx:
+            _, loss = model(x, y)
+            loss = loss / len(batches)  # the mean over this rank's rows; the reduction averages the ranks
+        loss_sum += loss.detach()
+        loss.backward()
+        zero.finish_backward()
+    if grad_clip != 0.0:
+        zero.clip_grad_norm(grad_clip)
+    zero.step(lr)
+    dp.all_reduce(loss_sum, kind='scalars')
+    return loss_sum.item() / dp.size
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    if cfg.consolidate:
+        consolidate_shards(cfg.consolidate)
+        return
+    world = world_size_from_env()
+    cfg = check_config(cfg, world)
+    if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
+        print(json.dumps(deepspeed_config_of(cfg, world), indent=2))
+        return
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model: every rank builds the same full model as train.py, then keeps its part; resume from this rank's
+    # shard, else from a train.py-format ckpt.pt (any script's, any world size)
+    shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
+    from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
+    ckpt_path = shard_file if from_shard else full_file
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not from_shard)
+    model.to(cfg.device)
+    if rank == 0:
+        print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
+    zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp)
+    if checkpoint is not None and from_shard:
+        check_shard(checkpoint, ckpt_path, world_size, cfg)
+        zero.load_state_dict(checkpoint['zero'])
+        set_rng_state(checkpoint['rng'])  # this rank's own dropout stream, from its own shard
+    elif checkpoint is not None:
+        zero.load_torch_optimizer(checkpoint['optimizer'])
+        restore_rng(checkpoint, rank, world_size, cfg.seed, rank)
+    else:
+        seed_dropout(cfg.seed, rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py draw
+    checkpoint = None  # free it
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model)
+
+    def loss_of(x, y):
+        with ctx:
+            return model(x, y)[1]
+
+    # training loop
+    writer = CheckpointWriter()  # every rank writes its shard in the background
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
+    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=world_size)
+    report = FirstStepReport(zero, dp, cfg, iter_num)  # the first iteration: bytes held and sent, measured
+    while True:
+        lr = get_lr(iter_num, cfg)
+
+        # evaluate (every rank: in stage 3 each one takes part in the gathers), checkpoint every rank's shard
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
+                best_val_loss = min(best_val_loss, losses['val'])
+                writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(raw_model.config),
+                             'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}, shard_file)
+            logger.restart()
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+
+        # one iteration, then its log line
+        report.start(iter_num)
+        loss = train_step(zero, model, micro_batches(data, cfg, iter_num, rank, world_size), ctx, cfg.grad_clip, lr,
+                          dp)
+        report.finish(iter_num)
+        logger.step(iter_num, loss, lr)
+        profiler.step()
+        iter_num += 1
+    profiler.stop()
+    writer.wait()
+
+    if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (stage 3 gathers); rank 0 prints
+        print_sample(raw_model, cfg, ctx, show=rank == 0, hint=f"python zero.py --consolidate={cfg.out_dir} && "
+                                                               f"python sample.py --out_dir={cfg.out_dir}")
+    if rank == 0:
+        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python zero.py "
+                                        f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
+    finish_distributed()
+
+
+def check_config(cfg, world_size):
+    """Every bad combination, before any work: one line, the same on every rank. Returns cfg with the DeepSpeed
+    config applied."""
+    if cfg.deepspeed_config:
+        cfg = apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
+    if cfg.stage not in (0, 1, 2, 3):
+        raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
+    if cfg.print_ds_config:
+        return cfg
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}")
+    check_batch(cfg, world_size, world_size)
+    if cfg.compile and cfg.stage == 3:
+        raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
+    if cfg.bucket_size < 1:
+        raise SystemExit(f"error: bucket_size must be positive, got {cfg.bucket_size}")
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# Measured: the bytes a rank holds, sampled at every collective (where the buffers in flight are alive), and the
+# bytes it sends, counted by the Comm and measured on the wire. The algorithm above knows nothing of it.
+
+
+def storage_bytes(tensors, skip=()):
+    """Bytes of the distinct storages behind tensors (views of one buffer count once), and their ids."""
+    seen, total = set(skip), 0
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total, seen
+
+
+def held_bytes(zero):
+    """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
+    buckets = zero.buckets
+    params, param_ids = storage_bytes([p for b in buckets for p in b.params] + [t for b in buckets
+                                                                                for t in (b.flat, b.shard)])
+    grads, _ = storage_bytes([p.grad for b in buckets for p in b.params] +
+                             [t for b in buckets for t in (b.grad_flat, b.grad_shard, b.filling)] +
+                             [t for _, full, out, _ in zero.in_flight for t in (full, out)])
+    opt = zero.optimizer
+    optim, _ = storage_bytes(opt.masters + opt.exp_avg + opt.exp_avg_sq, skip=param_ids)  # fp32 0-2: master is flat
+    return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim}
+
+
+class FirstStepReport:
+    """The first iteration of the run, measured: bytes held at their peak (sampled by the Comm at each collective)
+    and at rest after the step, bytes sent (counted, ring formula, wire). One row per rank in log.jsonl."""
+
+    def __init__(self, zero, comm, cfg, first_iter):
+        self.zero, self.comm, self.cfg, self.first_iter = zero, comm, cfg, first_iter
+        self.wire, self.peak = WireMeter(), defaultdict(int)
+
+    def sample(self):
+        for k, v in held_bytes(self.zero).items():
+            self.peak[k] = max(self.peak[k], v)
+
+    def start(self, iter_num):
+        if iter_num == self.first_iter:
+            self.comm.clear()
+            self.comm.observe = self.sample
+            self.wire.start()
+
+    def finish(self, iter_num):
+        if iter_num != self.first_iter:
+            return
+        self.comm.observe = None
+        wire_bytes = self.wire.stop()
+        at_rest = held_bytes(self.zero)
+        for k, v in at_rest.items():
+            self.peak[k] = max(self.peak[k], v)
+        z, cfg = self.zero, self.cfg
+        formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16')
+        row = {'iter': iter_num, 'rank': z.rank, 'stage': z.stage, 'world_size': z.world_size, 'numel': z.numel,
+               'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size}
+        for k in ('param_bytes', 'grad_bytes', 'optim_bytes'):
+            row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': self.peak[k]})
+        row.update({'collective_bytes': sum(self.comm.collective_bytes.values()),
+                    'collective_bytes_by_kind': dict(self.comm.collective_bytes),
+                    'wire_bytes_formula': sum(self.comm.wire_bytes_formula.values()),
+                    'wire_bytes_formula_by_kind': dict(self.comm.wire_bytes_formula),
+                    'wire_bytes': wire_bytes, 'wire_bytes_note': self.wire.why_not})
+        rows = log_rank_rows(cfg.out_dir, row)
+        if z.rank == 0:
+            print_report(rows)
+
+
+def print_report(rows):
+    r0 = rows[0]
+    print(f"ZeRO stage {r0['stage']}, N = {r0['world_size']}, Ψ = {r0['numel']:,}: bytes per rank, "
+          f"measured at rest / peak of a step (formula)")
+    for r in rows:
+        cells = [f"{k[:-6]} {r[k]:,} / {r['peak_' + k]:,} ({r[k + '_formula']:,})"
+                 for k in ('param_bytes', 'grad_bytes', 'optim_bytes')]
+        print(f"  rank {r['rank']}: " + ' | '.join(cells))
+    kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r0['collective_bytes_by_kind'].items())
+    wire = r0['wire_bytes_note'] if r0['wire_bytes'] is None else f"{r0['wire_bytes']:,.0f}"
+    print(f"  sent per step by each rank: collective bytes {r0['collective_bytes']:,} [{kinds}] (counted at the "
+          f"calls); wire bytes {r0['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback)")
+    if r0['wire_bytes'] and r0['wire_bytes'] > 1.2 * r0['wire_bytes_formula']:
+        print("  (more on the wire than the ring formula: gloo's reduce-scatter is an all-reduce underneath, so "
+              "each reduce-scatter sends 2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter)")
+
+
+# -----------------------------------------------------------------------------
+# Modelled: the ZeRO paper's formulas (bench.py --estimate imports them)
+
+
+def model_state_bytes_formula(numel, world_size, stage, mixed_precision):
+    """Bytes of parameters, gradients and optimizer state per rank (ZeRO paper). fp32: 4 + 4 + 8 (Adam m, v)
+    bytes per parameter; mixed precision: 2 + 2 + 12 (fp32 master, m, v). Sharded states hold ceil(numel/N)."""
+    p, g, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    shard = math.ceil(numel / world_size)
+    return {'param_bytes': p * (shard if stage >= 3 else numel),
+            'grad_bytes': g * (shard if stage >= 2 else numel),
+            'optim_bytes': k * (shard if stage >= 1 else numel)}
+
+
+def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):
+    """Bytes one rank sends per step, ring algorithms (the paper's count). Stages 0-2: one all-reduce's worth,
+    2(N-1)/N·Ψ (stage 1/2 as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters gathered
+    for forward and again for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so they reduce
+    at every one. On gloo a reduce-scatter is an all-reduce underneath: the wire carries more (see WireMeter)."""
+    one = (world_size - 1) / world_size * numel * bytes_per_elem
+    return {0: 2 * one, 1: 2 * one, 2: (micro_steps + 1) * one, 3: 3 * micro_steps * one}[stage]
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: one shard per rank; consolidation into train.py's format
 
 
 def shard_path(out_dir, rank):
     return os.path.join(out_dir, f'zero_rank{rank}.pt')
+
+
+def check_shard(checkpoint, path, world_size, cfg):
+    saved = checkpoint['zero']
+    if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
+        raise SystemExit(f"error: {path} is from stage {saved['stage']} on {saved['world_size']} ranks; run python "
+                         f"zero.py --consolidate={cfg.out_dir}, delete the zero_rank*.pt files, then resume")
 
 
 def consolidate_shards(out_dir):
@@ -515,20 +756,15 @@ def consolidate_shards(out_dir):
                                   'exp_avg': full['exp_avg'][names[id(p)]],
                                   'exp_avg_sq': full['exp_avg_sq'][names[id(p)]]}
     path = os.path.join(out_dir, 'ckpt.pt')
-    save_checkpoint({
-        'model': model.state_dict(),
-        'optimizer': optimizer.state_dict(),
-        'scaler': torch.amp.GradScaler('cpu', enabled=False).state_dict(),
-        'rng_state': ck0['rng']['cpu'],
-        'cuda_rng_state': ck0['rng']['cuda'],
-        'rng_states': [s['rng'] for s in shards],  # every rank's dropout stream: the same world resumes exactly
-        'model_args': ck0['model_args'],
-        'iter_num': ck0['iter_num'],
-        'best_val_loss': ck0['best_val_loss'],
-        'config': cfg,
-    }, path)
+    rng_states = [s['rng'] for s in shards]  # every rank's dropout stream: the same world resumes exactly
+    save_checkpoint(train_checkpoint(model.state_dict(), optimizer.state_dict(), rng_states, ck0['model_args'],
+                                     ck0['iter_num'], ck0['best_val_loss'], cfg), path)
     print(f"wrote {path}: iter {ck0['iter_num']}, from {n} stage-{ck0['zero']['stage']} shards")
     return path
+
+
+# -----------------------------------------------------------------------------
+# DeepSpeed's JSON config: the common subset, read and written
 
 
 DS_KEYS = {'zero_optimization': {'stage'}, 'train_micro_batch_size_per_gpu': None, 'gradient_accumulation_steps': None,
@@ -591,245 +827,6 @@ def apply_deepspeed_config(cfg, path, world_size):
         raise SystemExit(f"error: deepspeed_config train_batch_size {ds['train_batch_size']} is not "
                          f"micro batch × accumulation × world = {cfg.batch_size * cfg.gradient_accumulation_steps}")
     return cfg
-
-
-def report_rows(zero, at_rest, cfg, iter_num, micro_steps, wire_bytes, wire_why_not):
-    """This rank's bytes as a log row: held (measured) beside the ZeRO formulas, and sent: counted at the calls,
-    the ring formula for those calls, and measured on the wire."""
-    mixed = cfg.dtype == 'bfloat16'
-    formula = model_state_bytes_formula(zero.numel, zero.world_size, zero.stage, mixed)
-    row = {'iter': iter_num, 'rank': zero.rank, 'stage': zero.stage, 'world_size': zero.world_size,
-           'numel': zero.numel, 'buckets': len(zero.buckets), 'micro_steps': micro_steps}
-    for k in ('param_bytes', 'grad_bytes', 'optim_bytes'):
-        row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': zero.peak[k]})
-    row['collective_bytes'] = sum(zero.comm.collective_bytes.values())
-    row['collective_bytes_by_kind'] = dict(zero.comm.collective_bytes)
-    row['wire_bytes_formula'] = sum(zero.comm.wire_bytes_formula.values())
-    row['wire_bytes_formula_by_kind'] = dict(zero.comm.wire_bytes_formula)
-    row['wire_bytes'] = wire_bytes
-    row['wire_bytes_note'] = wire_why_not
-    return row
-
-
-def print_report(rows):
-    r0 = rows[0]
-    print(f"ZeRO stage {r0['stage']}, N = {r0['world_size']}, Ψ = {r0['numel']:,}: bytes per rank, "
-          f"measured at rest / peak of a step (formula)")
-    for r in rows:
-        cells = [f"{k[:-6]} {r[k]:,} / {r['peak_' + k]:,} ({r[k + '_formula']:,})"
-                 for k in ('param_bytes', 'grad_bytes', 'optim_bytes')]
-        print(f"  rank {r['rank']}: " + ' | '.join(cells))
-    kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r0['collective_bytes_by_kind'].items())
-    wire = r0['wire_bytes_note'] if r0['wire_bytes'] is None else f"{r0['wire_bytes']:,.0f}"
-    print(f"  sent per step by each rank: collective bytes {r0['collective_bytes']:,} [{kinds}] (counted at the "
-          f"calls); wire bytes {r0['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback)")
-    if r0['wire_bytes'] and r0['wire_bytes'] > 1.2 * r0['wire_bytes_formula']:
-        print("  (more on the wire than the ring formula: gloo's reduce-scatter is an all-reduce underneath, so "
-              "each reduce-scatter sends 2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter)")
-
-
-def main(argv):
-    cfg = configure(config, argv)
-    if cfg.consolidate:
-        consolidate_shards(cfg.consolidate)
-        return
-    world = world_size_from_env()
-    if cfg.deepspeed_config:
-        cfg = apply_deepspeed_config(cfg, cfg.deepspeed_config, world)
-    if cfg.stage not in (0, 1, 2, 3):
-        raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
-    if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
-        print(json.dumps(deepspeed_config_of(cfg, world), indent=2))
-        return
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}")
-    if cfg.gradient_accumulation_steps % world != 0:
-        raise SystemExit(f"error: world size {world} is larger than the batch or does not divide it: "
-                         f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a multiple of it")
-    if cfg.compile and cfg.stage == 3:
-        raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
-    if cfg.bucket_size < 1:
-        raise SystemExit(f"error: bucket_size must be positive, got {cfg.bucket_size}")
-
-    # setup
-    owns_group = not dist.is_initialized()  # tests may run main() inside a process group they made
-    if owns_group:
-        rank, local_rank, world_size, device = init_distributed(cfg.dist_timeout)
-    else:
-        rank, world_size, device = dist.get_rank(), dist.get_world_size(), cfg.device
-    cfg.device = device
-    master_process = rank == 0
-    dp_rank, dp_size = rank, world_size
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    if master_process:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
-
-    # data
-    data, vocab_size = load_dataset(cfg.dataset)
-
-    # model: every rank builds the same full model as train.py, then keeps its part
-    iter_num, best_val_loss, checkpoint, torch_checkpoint = 0, 1e9, None, None
-    if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from == 'resume':
-        path, ckpt_path = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
-        if os.path.exists(path):
-            checkpoint = torch.load(path, map_location='cpu', weights_only=False)
-            if (checkpoint['zero']['world_size'], checkpoint['zero']['stage']) != (world_size, cfg.stage):
-                raise SystemExit(f"error: {path} is from stage {checkpoint['zero']['stage']} on "
-                                 f"{checkpoint['zero']['world_size']} ranks; run python zero.py "
-                                 f"--consolidate={cfg.out_dir}, delete the zero_rank*.pt files, then resume")
-            model_args = checkpoint['model_args']
-        elif os.path.exists(ckpt_path):  # a train.py-format checkpoint: any script's, any world size
-            torch_checkpoint = checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-            model_args = checkpoint['model_args']
-        else:
-            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {path} or {ckpt_path}")
-        model = GPT(GPTConfig(**model_args))
-        if torch_checkpoint is not None:
-            model.load_state_dict(torch_checkpoint['model'])
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        if master_process:
-            trim_log(cfg.out_dir, iter_num)
-    else:
-        raise SystemExit(f"error: init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
-    if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
-    model.to(cfg.device)
-    flops_per_token = model.flops_per_token()
-    if master_process:
-        print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
-    comm = Comm(None, 'dp')  # every collective goes through it, and is counted there
-    param_dtype = torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32
-    zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                cfg.bucket_size, param_dtype, comm)
-    if torch_checkpoint is not None:
-        zero.load_torch_optimizer(torch_checkpoint['optimizer'])
-    elif checkpoint is not None:
-        zero.load_state_dict(checkpoint['zero'])
-    if torch_checkpoint is not None:
-        restore_rng(torch_checkpoint, rank, world_size, cfg.seed, dp_rank)
-    elif checkpoint is not None:
-        set_rng_state(checkpoint['rng'])  # this rank's own dropout stream, from its own shard
-    else:
-        seed_dropout(cfg.seed, dp_rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py draw
-    checkpoint = torch_checkpoint = None  # free it
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
-
-    def loss_of(x, y):
-        with ctx:
-            return model(x, y)[1]
-
-    # training loop
-    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
-    writer, wire = CheckpointWriter(), WireMeter()  # every rank writes its shard in the background
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    t_last, iters_since_log, first_iter = time.time(), 0, iter_num
-    while True:
-        lr = get_lr(iter_num, cfg)
-
-        # evaluate (every rank: in stage 3 each one takes part in the gathers), checkpoint every rank's shard
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            model.eval()
-            losses = estimate_loss(loss_of, data, cfg, comm)  # each rank its share of the batches
-            model.train()
-            if master_process:
-                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
-                                      'lr': lr})
-            if not math.isfinite(losses['val']):
-                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
-            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
-                best_val_loss = min(best_val_loss, losses['val'])
-                writer.save({
-                    'zero': zero.state_dict(),
-                    'rng': rng_state(),
-                    'model_args': vars(raw_model.config),
-                    'iter_num': iter_num,
-                    'best_val_loss': best_val_loss,
-                    'config': vars(cfg),
-                }, shard_path(cfg.out_dir, rank))
-            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
-        if iter_num == cfg.max_iters or cfg.eval_only:
-            break
-
-        # one iteration: forward and backward over this rank's micro-batches, reducing as backward goes
-        measuring = iter_num == first_iter  # the first iteration: held bytes at their peaks, sent bytes
-        if measuring:
-            comm.clear()
-            wire.start()
-        zero.measuring = measuring
-        micro_steps = cfg.gradient_accumulation_steps // dp_size
-        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        loss_sum = torch.zeros((), device=cfg.device)
-        for micro_step in range(micro_steps):
-            # stages 0-1 hold full gradients, so they accumulate locally and reduce once (like DDP's no_sync)
-            zero.sync = cfg.stage >= 2 or micro_step == micro_steps - 1
-            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
-            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
-                             cfg.device)
-            with ctx:
-                _, loss = model(x, y)
-                loss = loss / micro_steps  # the mean over this rank's rows; the reduction averages the ranks
-            loss_sum += loss.detach()
-            loss.backward()
-            zero.finish_backward()
-        if cfg.grad_clip != 0.0:
-            zero.clip_grad_norm(cfg.grad_clip)
-        zero.step(lr)
-        zero.measuring = False
-        comm.all_reduce(loss_sum, kind='scalars')
-        wire_bytes = wire.stop() if measuring else None
-
-        # log
-        loss_value = loss_sum.item() / world_size  # the mean loss over the global batch
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        if measuring:  # one row per rank: what it holds and sends, beside the formulas
-            row = report_rows(zero, zero.held_bytes(), cfg, iter_num, micro_steps, wire_bytes, wire.why_not)
-            rows = [None] * world_size
-            if world_size > 1:
-                dist.all_gather_object(rows, row)
-            else:
-                rows = [row]
-            if master_process:
-                print_report(rows)
-                with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
-                    f.writelines(json.dumps(r) + '\n' for r in rows)
-        iters_since_log += 1
-        if iter_num % cfg.log_interval == 0 and master_process:
-            dt = (time.time() - t_last) / iters_since_log
-            t_last, iters_since_log = time.time(), 0
-            tokens_per_sec = tokens_per_iter / dt
-            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
-                                  'tokens_per_sec': tokens_per_sec,
-                                  'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
-                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
-        profiler.step()
-        iter_num += 1
-    profiler.stop()
-    writer.wait()
-
-    if cfg.sample_at_end and not cfg.eval_only:
-        encode, decode = get_codec(cfg.dataset)
-        raw_model.eval()
-        start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
-        with ctx:
-            text = decode(raw_model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
-        if master_process:
-            print(f"---------- a sample ----------\n{text}\n------------------------------")
-            print(f"consolidate and sample more with: python zero.py --consolidate={cfg.out_dir} && "
-                  f"python sample.py --out_dir={cfg.out_dir}")
-    if master_process:
-        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python zero.py "
-                                        f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
-    if owns_group and world_size > 1:
-        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
-        dist.destroy_process_group()
 
 
 if __name__ == '__main__':
