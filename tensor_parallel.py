@@ -20,10 +20,7 @@ the norms stay fp32, so the measured bytes are higher there.)
 
 import contextlib
 import functools
-import json
-import math
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +28,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
-                   comm_report, config_defaults, configure, estimate_loss, get_batch, get_lr, init_distributed,
-                   load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line, param_groups,
-                   peak_flops_for, peak_memory_bytes, profiled, progress, rng_state, run_main, run_shape,
-                   save_checkpoint, saved_bytes_counter, seed_dropout, set_rng_state, trim_log, world_size_from_env)
+from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
+                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
+                   init_distributed, init_model, load_dataset, log_rank_rows, micro_batches, outputs_line,
+                   param_groups, process_grid, profiled, progress, rng_state, run_main, run_shape, save_checkpoint,
+                   saved_bytes_counter, seed_dropout, set_lr, set_rng_state, should_evaluate, should_save,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -161,13 +159,13 @@ class CopyToTP(torch.autograd.Function):
     the outputs, and the full gradient is their sum."""
 
     @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.g), None
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.tp_group), None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -176,8 +174,8 @@ class ReduceFromTP(torch.autograd.Function):
     already has whole."""
 
     @staticmethod
-    def forward(ctx, x, g):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), g)
+    def forward(ctx, x, tp_group):
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), tp_group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -189,13 +187,13 @@ class GatherFromSequence(torch.autograd.Function):
     norm ran on this rank's chunk of the sequence, the column-parallel layer needs all of it."""
 
     @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
-        return all_gather_seq(x, g)
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return all_gather_seq(x, tp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.g), None
+        return reduce_scatter_seq(grad, ctx.tp_group), None
 
 
 class ScatterToSequence(torch.autograd.Function):
@@ -203,32 +201,32 @@ class ScatterToSequence(torch.autograd.Function):
     each rank keeps only its chunk of the summed output, for the dropout, residual and norm that follow."""
 
     @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
-        return reduce_scatter_seq(x, g)
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return reduce_scatter_seq(x, tp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.g), None
+        return all_gather_seq(grad, ctx.tp_group), None
 
 
 @dataclass
 class TensorParallel:
-    """This rank's tensor-parallel group (a Comm) and mode."""
-    g: Comm
+    """This rank's tensor-parallel group (a Comm) and whether sequence parallelism is on."""
+    group: Comm
     sequence_parallel: bool = False
 
 
-def enter_tp_region(x, par):
-    if par.g.size == 1:
+def enter_tp_region(x, tp):
+    if tp.group.size == 1:
         return x
-    return GatherFromSequence.apply(x, par.g) if par.sequence_parallel else CopyToTP.apply(x, par.g)
+    return GatherFromSequence.apply(x, tp.group) if tp.sequence_parallel else CopyToTP.apply(x, tp.group)
 
 
-def leave_tp_region(x, par):
-    if par.g.size == 1:
+def leave_tp_region(x, tp):
+    if tp.group.size == 1:
         return x
-    return ScatterToSequence.apply(x, par.g) if par.sequence_parallel else ReduceFromTP.apply(x, par.g)
+    return ScatterToSequence.apply(x, tp.group) if tp.sequence_parallel else ReduceFromTP.apply(x, tp.group)
 
 
 # -----------------------------------------------------------------------------
@@ -264,32 +262,33 @@ class TPRankDropout(nn.Module):
             return self.dropout(x)
 
 
-def give_tp_ranks_their_dropout(model, par):
+def give_tp_ranks_their_dropout(model, tp):
     """Each rank's heads get their own attention-dropout stream; with sequence parallelism, also the dropouts on
     the sequence chunks (embedding, and after each block's two row-parallel layers)."""
-    if par.g.size == 1 or model.config.dropout == 0:
+    if tp.group.size == 1 or model.config.dropout == 0:
         return
     for block in model.transformer.h:
-        block.attn.dropout_rng = functools.partial(tp_rank_rng, par.g.rank)
-        if par.sequence_parallel:
-            block.attn.resid_dropout = TPRankDropout(block.attn.resid_dropout, par.g.rank)
-            block.mlp.dropout = TPRankDropout(block.mlp.dropout, par.g.rank)
-    if par.sequence_parallel:
-        model.transformer.drop = TPRankDropout(model.transformer.drop, par.g.rank)
+        block.attn.dropout_rng = functools.partial(tp_rank_rng, tp.group.rank)
+        if tp.sequence_parallel:
+            block.attn.resid_dropout = TPRankDropout(block.attn.resid_dropout, tp.group.rank)
+            block.mlp.dropout = TPRankDropout(block.mlp.dropout, tp.group.rank)
+    if tp.sequence_parallel:
+        model.transformer.drop = TPRankDropout(model.transformer.drop, tp.group.rank)
 
 
 # -----------------------------------------------------------------------------
 # The parallel layers. Each holds this rank's slice of the dense layer's weights.
 
-def take_slice(full, kind, g, qkv_sizes=None):
+def take_slice(full, kind, tp_group, qkv_sizes=None):
     """This rank's part of a dense tensor. 'col': rows (output features), 'row': columns (input features),
     'qkv': the rows of this rank's heads in each of q, k and v, 'replicated': all of it."""
+    n, r = tp_group.size, tp_group.rank
     if kind == 'col':
-        return torch.tensor_split(full, g.size, dim=0)[g.rank]
+        return torch.tensor_split(full, n, dim=0)[r]
     if kind == 'row':
-        return torch.tensor_split(full, g.size, dim=1)[g.rank]
+        return torch.tensor_split(full, n, dim=1)[r]
     if kind == 'qkv':
-        return torch.cat([torch.tensor_split(part, g.size, dim=0)[g.rank] for part in full.split(qkv_sizes)])
+        return torch.cat([torch.tensor_split(part, n, dim=0)[r] for part in full.split(qkv_sizes)])
     return full
 
 
@@ -324,14 +323,14 @@ class RowParallelLinear(nn.Module):
     """Y = sum_r X_r A_r^T + b: this rank's input features give a partial sum; g (or the sequence
     reduce-scatter) adds them up, then the replicated bias is added once."""
 
-    def __init__(self, weight, bias, par):
+    def __init__(self, weight, bias, tp):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = bias  # the dense layer's own Parameter: replicated
-        self.par = par
+        self.tp = tp
 
     def forward(self, x):
-        y = leave_tp_region(F.linear(x, self.weight), self.par)
+        y = leave_tp_region(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -339,70 +338,70 @@ class NormThenEnter(nn.Module):
     """The block's norm, then the entry into the tensor-parallel region: f in plain TP, the sequence all-gather
     with sequence parallelism (where the norm ran on this rank's chunk of the sequence)."""
 
-    def __init__(self, norm, par):
+    def __init__(self, norm, tp):
         super().__init__()
-        self.norm, self.par = norm, par
+        self.norm, self.tp = norm, tp
 
     def forward(self, x):
-        return enter_tp_region(self.norm(x), self.par)
+        return enter_tp_region(self.norm(x), self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [start, start + n) of the token embedding: tokens outside it look up zeros, and g (or the
     reduce-scatter to sequence chunks) sums the ranks' lookups into the full embedding."""
 
-    def __init__(self, weight, start, par):
+    def __init__(self, weight, start, tp):
         super().__init__()
-        self.weight, self.start, self.par = weight, start, par
+        self.weight, self.start, self.tp = weight, start, tp
 
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.size(0))
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return leave_tp_region(x.masked_fill(outside[..., None], 0.0), self.par)
+        return leave_tp_region(x.masked_fill(outside[..., None], 0.0), self.tp)
 
 
-def vocab_parallel_cross_entropy(logits, targets, vocab_start, par):
+def vocab_parallel_cross_entropy(logits, targets, vocab_start, tp):
     """Mean cross-entropy from this rank's vocabulary slice of the logits (B, T, V/t), never gathering them:
     3 all-reduces of one number per token (the max, the sum of exponentials, the target's logit).
     Targets -1 are ignored, as F.cross_entropy(ignore_index=-1)."""
     logits, targets = logits.float().flatten(0, 1), targets.flatten()
-    top = all_reduce(logits.max(dim=-1).values.detach(), par.g, op=dist.ReduceOp.MAX)  # for stability only
+    top = all_reduce(logits.max(dim=-1).values.detach(), tp.group, op=dist.ReduceOp.MAX)  # for stability only
     shifted = logits - top[:, None]
     sum_exp = shifted.exp().sum(dim=-1)
     local = targets - vocab_start
     mine = (local >= 0) & (local < logits.size(-1))
     target_logit = shifted.gather(1, local.clamp(0, logits.size(-1) - 1)[:, None]).squeeze(1) * mine
-    if par.g.size > 1:  # g: all-reduce forward, identity backward gives each rank softmax - one_hot on its slice
-        sum_exp, target_logit = ReduceFromTP.apply(sum_exp, par.g), ReduceFromTP.apply(target_logit, par.g)
+    if tp.group.size > 1:  # g: all-reduce forward, identity backward gives each rank softmax - one_hot on its slice
+        sum_exp, target_logit = ReduceFromTP.apply(sum_exp, tp.group), ReduceFromTP.apply(target_logit, tp.group)
     valid = targets != -1
     return ((sum_exp.log() - target_logit) * valid).sum() / valid.sum()
 
 
-def shard_gpt(model, par):
+def shard_gpt(model, tp):
     """Turn the full GPT (built exactly as train.py builds it) into this rank's part, in place: reuses model.py's
     blocks with their Linear layers replaced by parallel ones holding this rank's slice.
     Returns {dense parameter name: (this rank's parameter, kind)} for consolidation and gradient sync."""
-    cfg, g = model.config, par.g
+    cfg, tp_group = model.config, tp.group
     dense_named = list(model.named_parameters())
     names = {id(p): n for n, p in dense_named}
-    specs = {}
+    layout = {}
 
     def keep(dense, local, kind):
         if dense is not None:
-            specs[names[id(dense)]] = (local, kind)
+            layout[names[id(dense)]] = (local, kind)
         return local
 
     def column(linear, kind, qkv_sizes=None):
-        layer = ColumnParallelLinear(take_slice(linear.weight.detach(), kind, g, qkv_sizes).clone(),
+        layer = ColumnParallelLinear(take_slice(linear.weight.detach(), kind, tp_group, qkv_sizes).clone(),
                                      None if linear.bias is None else
-                                     take_slice(linear.bias.detach(), kind, g, qkv_sizes).clone())
+                                     take_slice(linear.bias.detach(), kind, tp_group, qkv_sizes).clone())
         keep(linear.weight, layer.weight, kind)
         keep(linear.bias, layer.bias, kind)
         return layer
 
     def row(linear):
-        layer = RowParallelLinear(take_slice(linear.weight.detach(), 'row', g).clone(), linear.bias, par)
+        layer = RowParallelLinear(take_slice(linear.weight.detach(), 'row', tp_group).clone(), linear.bias, tp)
         keep(linear.weight, layer.weight, 'row')
         return layer
 
@@ -411,29 +410,29 @@ def shard_gpt(model, par):
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
         attn.c_attn, attn.c_proj = column(attn.c_attn, 'qkv', qkv_sizes), row(attn.c_proj)
-        attn.n_head, attn.n_kv_head = cfg.n_head // g.size, cfg.n_kv_head // g.size  # the heads this rank holds
+        attn.n_head, attn.n_kv_head = cfg.n_head // tp_group.size, cfg.n_kv_head // tp_group.size  # its heads
         mlp.c_fc = column(mlp.c_fc, 'col')
         if mlp.swiglu:
             mlp.c_gate = column(mlp.c_gate, 'col')
         mlp.c_proj = row(mlp.c_proj)
-        block.ln_1, block.ln_2 = NormThenEnter(block.ln_1, par), NormThenEnter(block.ln_2, par)
-    model.transformer.ln_f = NormThenEnter(model.transformer.ln_f, par)
+        block.ln_1, block.ln_2 = NormThenEnter(block.ln_1, tp), NormThenEnter(block.ln_2, tp)
+    model.transformer.ln_f = NormThenEnter(model.transformer.ln_f, tp)
 
-    sizes = [len(part) for part in torch.tensor_split(torch.arange(cfg.vocab_size), g.size)]
-    start = sum(sizes[:g.rank])
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(cfg.vocab_size), tp_group.size)]
+    start = sum(sizes[:tp_group.rank])
     wte, lm_head = model.transformer.wte, model.lm_head
-    wte_slice = nn.Parameter(take_slice(wte.weight.detach(), 'col', g).clone())
-    model.transformer.wte = VocabParallelEmbedding(keep(wte.weight, wte_slice, 'col'), start, par)
+    wte_slice = nn.Parameter(take_slice(wte.weight.detach(), 'col', tp_group).clone())
+    model.transformer.wte = VocabParallelEmbedding(keep(wte.weight, wte_slice, 'col'), start, tp)
     if cfg.tie_embeddings:  # the head is the same vocabulary slice of the same tensor
         model.lm_head = ColumnParallelLinear(wte_slice, None)
     else:
         model.lm_head = column(lm_head, 'col')
     model.lm_head.vocab_start = start
     for name, p in dense_named:  # what is left (norms, row-parallel biases, wpe) is the dense model's own
-        if name not in specs:
-            specs[name] = (p, 'replicated')
+        if name not in layout:
+            layout[name] = (p, 'replicated')
     model.forward = forward_needs_tp_forward  # GPT.forward would compute a loss over one vocabulary slice
-    return specs
+    return layout
 
 
 def forward_needs_tp_forward(*args, **kwargs):
@@ -441,29 +440,29 @@ def forward_needs_tp_forward(*args, **kwargs):
                        "loss is vocabulary-parallel); to sample, consolidate it into a train.py checkpoint first")
 
 
-def tp_forward(model, idx, targets, par):
+def tp_forward(model, idx, targets, tp):
     """GPT.forward with the vocabulary-parallel embedding, head and loss. Returns (this rank's vocabulary slice
     of the logits, the mean loss)."""
     x = model.transformer.wte(idx)  # summed over the ranks (and, with SP, this rank's chunk of the sequence)
     if model.transformer.wpe is not None:
         T = x.size(1)
-        first = par.g.rank * T if par.sequence_parallel and par.g.size > 1 else 0
+        first = tp.group.rank * T if tp.sequence_parallel and tp.group.size > 1 else 0
         x = x + model.transformer.wpe(torch.arange(first, first + T, dtype=torch.long, device=idx.device))
     x = model.transformer.drop(x)
     for block in model.transformer.h:
         x = model.run_block(block, x)
     logits = model.lm_head(model.transformer.ln_f(x))
-    loss = None if targets is None else vocab_parallel_cross_entropy(logits, targets, model.lm_head.vocab_start, par)
+    loss = None if targets is None else vocab_parallel_cross_entropy(logits, targets, model.lm_head.vocab_start, tp)
     return logits, loss
 
 
-def sync_tp_grads(specs, par):
+def sync_tp_grads(layout, tp):
     """Sequence parallelism only: the replicated parameters (norms, row-parallel biases, learned positions) saw
     only this rank's chunk of the sequence, so their full gradient is the sum over the tp ranks. (Without it
     every tp rank computed the same gradient from the same whole sequence.)"""
-    grads = [p.grad for p, kind in specs.values() if kind == 'replicated' and p.grad is not None]
-    if par.sequence_parallel and par.g.size > 1 and grads:
-        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), par.g, 'grad_all_reduce')
+    grads = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
+    if tp.sequence_parallel and tp.group.size > 1 and grads:
+        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), tp.group, 'grad_all_reduce')
         for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
             gr.copy_(new.view_as(gr))
 
@@ -477,13 +476,13 @@ def sync_dp_grads(params, dp):
             gr.copy_(new.view_as(gr))
 
 
-def clip_grad_norm(specs, par, max_norm):
+def clip_grad_norm(layout, tp, max_norm):
     """torch.nn.utils.clip_grad_norm_ over the whole model: the split parameters' squares summed over the tp
     ranks, the replicated ones counted once."""
-    split = [p.grad for p, kind in specs.values() if kind != 'replicated' and p.grad is not None]
-    replicated = [p.grad for p, kind in specs.values() if kind == 'replicated' and p.grad is not None]
+    split = [p.grad for p, kind in layout.values() if kind != 'replicated' and p.grad is not None]
+    replicated = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
     split_sq = torch.stack([gr.float().pow(2).sum() for gr in split]).sum() if split else torch.zeros(())
-    total_sq = all_reduce(split_sq, par.g, 'scalars')
+    total_sq = all_reduce(split_sq, tp.group, 'scalars')
     if replicated:
         total_sq = total_sq + torch.stack([gr.float().pow(2).sum() for gr in replicated]).sum()
     coef = torch.clamp(max_norm / (total_sq.sqrt() + 1e-6), max=1.0)
@@ -492,7 +491,7 @@ def clip_grad_norm(specs, par, max_norm):
     return total_sq.sqrt()
 
 
-def measure_activation_bytes(model, idx, par):
+def measure_activation_bytes(model, idx, tp):
     """Bytes one layer saves for backward, measured: run the embedding and the first block on idx and add up
     the distinct storages that autograd keeps (saved_tensors_hooks), parameters left out. Expect it below the
     formula's numbers without sequence parallelism (no dropout masks at p=0, and PyTorch's attention keeps no
@@ -506,27 +505,78 @@ def measure_activation_bytes(model, idx, par):
     return sum(seen.values())
 
 
-def make_grid(world_size, tp_size, rank):
-    """The process grid as one reshape: grid[dp_rank, tp_rank] is a global rank. Each row is a tp group (the
-    ranks that split one model), each column a dp group (the same slice, different data)."""
-    grid = torch.arange(world_size).view(world_size // tp_size, tp_size)
-    dp_rank, tp_rank = divmod(rank, tp_size)
-    if world_size == 1:
-        return grid, Comm(None, 'tp'), Comm(None, 'dp')
-    tp_groups = [dist.new_group(row.tolist()) for row in grid]  # every rank creates every group, in one order
-    dp_groups = [dist.new_group(col.tolist()) for col in grid.t()]
-    return grid, Comm(tp_groups[dp_rank], 'tp'), Comm(dp_groups[tp_rank], 'dp')
+# -----------------------------------------------------------------------------
+# Measured, beside the formulas: the first iteration of the run
+
+
+class FirstStepReport:
+    """Parameter bytes; the activation bytes one layer saves for backward (measure_activation_bytes on the first
+    micro-batch); the bytes sent in the step: counted at the calls (collective_bytes), the ring formula for those
+    calls (wire_bytes_formula) beside Megatron's count (tp_comm_bytes_formula), and on the wire (wire_bytes).
+    One printed line and one log row per rank."""
+
+    def __init__(self, model, layout, tp, dp, cfg, first_iter, ctx):
+        self.model, self.layout, self.tp, self.dp, self.cfg, self.ctx = model, layout, tp, dp, cfg, ctx
+        self.first_iter, self.wire = first_iter, WireMeter()
+
+    def start(self, iter_num, x):
+        if iter_num != self.first_iter:
+            return
+        devices = [torch.device(self.cfg.device).index or 0] if self.cfg.device.startswith('cuda') else []
+        with self.ctx, torch.random.fork_rng(devices=devices):  # its dropout draws must not move the run's streams
+            self.activation_bytes = measure_activation_bytes(self.model, x, self.tp)
+        self.tp.group.clear(), self.dp.clear()
+        self.wire.start()
+
+    def finish(self, iter_num):
+        if iter_num != self.first_iter:
+            return
+        wire_bytes = self.wire.stop()
+        cfg, config, tp_group, dp = self.cfg, self.model.config, self.tp.group, self.dp
+        s, b, h, t, L = cfg.block_size, cfg.batch_size, config.n_embd, tp_group.size, config.n_layer
+        act_elem, micro_steps = (2 if cfg.dtype == 'bfloat16' else 4), cfg.gradient_accumulation_steps // dp.size
+        param_bytes = sum(p.numel() * p.element_size() for p, _ in self.layout.values())
+        sent = comm_report([tp_group, dp])
+        activations = {k: v for k, v in tp_group.wire_bytes_formula.items()
+                       if k in ('all_reduce', 'all_gather', 'reduce_scatter')}  # not the gradient or norm sync
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        row = {'rank': rank, 'iter': iter_num, 'tp_rank': tp_group.rank, 'dp_rank': dp.rank, 'tp': t, 'dp': dp.size,
+               'sequence_parallel': cfg.sequence_parallel,
+               'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(config, t),
+               'activation_bytes': self.activation_bytes,
+               'activation_bytes_formula': activation_bytes_formula(s, b, h, config.n_head, t, cfg.sequence_parallel,
+                                                                    bytes_per_elem=act_elem),
+               'collective_bytes': sum(sent['collective_bytes'].values()),
+               'collective_bytes_by_kind': sent['collective_bytes'],
+               'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
+               'wire_bytes_formula_by_kind': sent['wire_bytes_formula'],
+               'wire_bytes': wire_bytes, 'wire_bytes_note': self.wire.why_not,
+               'tp_activation_wire_bytes_formula': sum(activations.values()),
+               'tp_comm_bytes_formula': micro_steps * (
+                   L * tp_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)
+                   + tp_edge_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)),
+               'dp_grad_wire_bytes_formula': dp.wire_bytes_formula['all_reduce'],
+               'dp_grad_bytes_formula': 2 * (dp.size - 1) / dp.size * param_bytes}
+        wire = self.wire.why_not if wire_bytes is None else f"{wire_bytes:,.0f}"
+        print(f"[rank {rank}] tp {tp_group.rank}/{t} dp {dp.rank}/{dp.size}: "
+              f"param bytes {param_bytes:,} (formula {row['param_bytes_formula']:,.0f}); "
+              f"activation bytes/layer {self.activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}, "
+              f"{'with' if cfg.sequence_parallel else 'no'} SP); sent per step: collective bytes "
+              f"{row['collective_bytes']:,} (counted: "
+              + ', '.join(f"{k} {v:,}" for k, v in sent['collective_bytes'].items())
+              + f"), wire bytes {row['wire_bytes_formula']:,.0f} (ring formula; Megatron's count for the "
+              f"activations {row['tp_comm_bytes_formula']:,.0f}), {wire} (measured, loopback)", flush=True)
+        rows = log_rank_rows(cfg.out_dir, row)
+        if rank == 0 and rows[0]['wire_bytes'] and rows[0]['wire_bytes'] > 1.2 * rows[0]['wire_bytes_formula']:
+            print("(more on the wire than the ring formula: with sequence parallelism half the collectives are "
+                  "reduce-scatters, and gloo's reduce-scatter is an all-reduce underneath)")
 
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
     if cfg.tp < 1 or world_size % cfg.tp:
         raise SystemExit(f"error: world size {world_size} is not divisible by tp={cfg.tp}")
-    dp_size = world_size // cfg.tp
-    if cfg.gradient_accumulation_steps % dp_size:
-        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
-                         f"by the data-parallel size dp={dp_size} (world size {world_size} / tp {cfg.tp}): "
-                         f"the world is larger than the batch")
+    check_batch(cfg, world_size // cfg.tp, world_size)
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     if cfg.n_head % cfg.tp or n_kv_head % cfg.tp:
         raise SystemExit(f"error: n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) must both be divisible by "
@@ -543,15 +593,21 @@ def check_config(cfg, world_size):
                                  f"{rank_ckpt_path(cfg.out_dir, r)} (resume needs the same world size)")
 
 
+def check_rank_checkpoint(checkpoint, cfg, world_size):
+    if checkpoint['tp'] != cfg.tp or checkpoint['world_size'] != world_size:
+        raise SystemExit(f"error: the checkpoint was written with tp={checkpoint['tp']} on "
+                         f"{checkpoint['world_size']} ranks; resume with the same (or consolidate it)")
+
+
 def rank_ckpt_path(out_dir, rank):
     return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
 
 
-def rank_layout(model, specs, optimizer):
+def checkpoint_layout(model, layout, optimizer):
     """What consolidation needs to find each dense parameter in a rank's checkpoint: {dense name: (local name,
     kind)}, and the local names in the optimizer's order (the order its state_dict numbers them)."""
     local_name = {id(p): n for n, p in model.named_parameters()}
-    layout = {dense: (local_name[id(p)], kind) for dense, (p, kind) in specs.items()}
+    layout = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items()}
     order = [local_name[id(p)] for group in optimizer.param_groups for p in group['params']]
     return layout, order
 
@@ -597,27 +653,39 @@ def consolidate_ranks(out_dir):
     return path
 
 
+def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
+    """train.py's iteration with the tensor-parallel forward, then the gradient syncs that tensor parallelism
+    adds: the replicated parameters' over the tp ranks (sequence parallelism), every gradient over the dp replicas,
+    and the clip over the whole model. Returns the mean loss over the global batch."""
+    loss_sum = 0.0
+    for x, y in batches:
+        with ctx:
+            _, loss = tp_forward(model, x, y, tp)
+            loss = loss / len(batches)  # the gradient is the mean over the whole batch
+        loss_sum += loss.detach()
+        loss.backward()
+    sync_tp_grads(layout, tp)
+    sync_dp_grads([p for p, _ in layout.values()], dp)
+    if grad_clip != 0.0:
+        clip_grad_norm(layout, tp, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return all_reduce(loss_sum, dp, 'scalars').item() / dp.size
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.consolidate:
         consolidate_ranks(cfg.consolidate)
         return
-    world_size = world_size_from_env()
-    check_config(cfg, world_size)
-    dp_size = world_size // cfg.tp
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    check_config(cfg, world_size_from_env())
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.tp, tp=cfg.tp)
+    tp, dp = TensorParallel(comms['tp'], cfg.sequence_parallel), comms['dp']
+    print_grid(grid, coords, rank)
 
     # setup
-    rank, local_rank, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
-    grid, tpg, dp = make_grid(world_size, cfg.tp, rank)
-    dp_rank = dp.rank
-    par = TensorParallel(tpg, cfg.sequence_parallel)
-    master = rank == 0
-    if master:
-        print(f"process grid (dp x tp) = torch.arange({world_size}).view({dp_size}, {cfg.tp}):\n{grid}")
-    print(f"[rank {rank}] tp group {grid[dp_rank].tolist()} (tp rank {tpg.rank}), "
-          f"dp group {grid[:, tpg.rank].tolist()} (dp rank {dp_rank})", flush=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
@@ -627,190 +695,81 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
 
     # model: the full GPT, exactly as train.py builds it, then this rank's slice of it
-    iter_num, best_val_loss, checkpoint = 0, 1e9, None
-    if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from == 'resume':
-        checkpoint = torch.load(rank_ckpt_path(cfg.out_dir, rank), map_location='cpu', weights_only=False)
-        if checkpoint['tp'] != cfg.tp or checkpoint['world_size'] != world_size:
-            raise SystemExit(f"error: the checkpoint was written with tp={checkpoint['tp']} on "
-                             f"{checkpoint['world_size']} ranks; resume with the same (or consolidate it)")
-        model = GPT(GPTConfig(**checkpoint['model_args']))
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        if master:
-            trim_log(cfg.out_dir, iter_num)
-    elif cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
-                                    activation_checkpointing=cfg.activation_checkpointing)
-    else:
-        raise SystemExit(f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg.init_from!r}")
-    if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False)
     dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
-    specs = shard_gpt(model, par)
-    give_tp_ranks_their_dropout(model, par)
+    layout = shard_gpt(model, tp)
+    give_tp_ranks_their_dropout(model, tp)
     if checkpoint is not None:
+        check_rank_checkpoint(checkpoint, cfg, world_size)
         model.load_state_dict(checkpoint['model'])
         set_rng_state(checkpoint['rng'])  # this rank's own streams
     else:
-        seed_dropout(cfg.seed, dp_rank)  # the tp ranks of a replica share the stream; each replica its own
+        seed_dropout(cfg.seed, dp.rank)  # the tp ranks of a replica share the stream; each replica its own
     model.to(cfg.device)
-    if master:
-        print(run_shape(f"world {world_size} = dp {dp_size} x tp {cfg.tp}"
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {dp.size} x tp {cfg.tp}"
                         f"{' with sequence parallelism' if cfg.sequence_parallel else ''}", cfg, dense_params))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
     checkpoint = None  # free it
     raw_model = model
-    params = [p for p, _ in specs.values()]
 
     def loss_of(x, y):
         with ctx:
-            return tp_forward(model, x, y, par)[1]
-
-    # measured: parameter bytes, activation bytes of one layer for one micro-batch
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    x0, _ = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, cfg.batch_size, cfg.block_size, None,
-                      cfg.device)
-    devices = [torch.device(cfg.device).index or 0] if device_type == 'cuda' else []
-    with ctx, torch.random.fork_rng(devices=devices):  # its dropout draws must not move the run's streams
-        activation_bytes = measure_activation_bytes(model, x0, par)
-    act_elem = 2 if cfg.dtype == 'bfloat16' else 4
+            return tp_forward(model, x, y, tp)[1]
 
     # training loop
-    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
-    writer, wire = CheckpointWriter(), WireMeter()  # every rank writes its own checkpoint in the background
+    writer = CheckpointWriter()  # every rank writes its own checkpoint in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    t_last, iters_since_log, first_iter = time.time(), 0, iter_num
+    logger = StepLogger(cfg, flops_per_token, n_devices=world_size)
+    report = FirstStepReport(raw_model, layout, tp, dp, cfg, iter_num, ctx)  # measured beside the formulas
     while True:
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
+        set_lr(optimizer, lr)
 
         # evaluate, and checkpoint the state from which iteration iter_num starts
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            model.eval()
-            losses = estimate_loss(loss_of, data, cfg, dp)  # each replica its share of the batches
-            model.train()
-            if master:
-                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
-                                      'lr': lr})
-            if not math.isfinite(losses['val']):
-                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
-            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)  # each replica its share of the batches
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
-                layout, param_order = rank_layout(raw_model, specs, optimizer)
+                names, param_order = checkpoint_layout(raw_model, layout, optimizer)
                 writer.save({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'rng': rng_state(),
-                             'layout': layout, 'param_order': param_order, 'model_args': vars(raw_model.config),
+                             'layout': names, 'param_order': param_order, 'model_args': vars(raw_model.config),
                              'tp': cfg.tp, 'world_size': world_size, 'iter_num': iter_num,
-                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, rank_ckpt_path(cfg.out_dir, rank))
-            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
+            logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
 
-        # one iteration: forward and backward over every micro-batch, then one optimizer step
-        measuring = iter_num == first_iter  # the first iteration: the bytes sent, counted and measured
-        if measuring:
-            tpg.clear(), dp.clear()
-            wire.start()
-        micro_steps = cfg.gradient_accumulation_steps // dp_size
-        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        loss_sum = torch.zeros((), device=cfg.device)
-        for micro_step in range(micro_steps):
-            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
-            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
-                             cfg.device)
-            with ctx:
-                _, loss = tp_forward(model, x, y, par)
-                loss = loss / micro_steps  # the gradient is the mean over the whole batch
-            loss_sum += loss.detach()
-            loss.backward()
-        sync_tp_grads(specs, par)
-        sync_dp_grads(params, dp)
-        if cfg.grad_clip != 0.0:
-            clip_grad_norm(specs, par, cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = all_reduce(loss_sum, dp, 'scalars').item() / dp.size  # the mean loss over the global batch
-        wire_bytes = wire.stop() if measuring else None
-
-        # log
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        if measuring:  # once: what each rank measured, beside the formulas
-            report_measurements(cfg, raw_model.config, iter_num, rank, tpg, dp, micro_steps, param_bytes,
-                                activation_bytes, act_elem, wire_bytes, wire.why_not)
-        iters_since_log += 1
-        if iter_num % cfg.log_interval == 0 and master:
-            dt = (time.time() - t_last) / iters_since_log
-            t_last, iters_since_log = time.time(), 0
-            tokens_per_sec = tokens_per_iter / dt
-            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
-                                  'tokens_per_sec': tokens_per_sec,
-                                  'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
-                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
+        # one iteration, then its log line
+        batches = micro_batches(data, cfg, iter_num, dp.rank, dp.size)
+        report.start(iter_num, batches[0][0])
+        loss = train_step(model, optimizer, batches, ctx, cfg.grad_clip, tp, dp, layout)
+        report.finish(iter_num)
+        logger.step(iter_num, loss, lr)
         profiler.step()
         iter_num += 1
     profiler.stop()
     writer.wait()
 
-    if cfg.sample_at_end and not cfg.eval_only and master:
-        print(f"sample with: python tensor_parallel.py --consolidate={cfg.out_dir} && "
-              f"python sample.py --out_dir={cfg.out_dir}")
-    if master:
+    if rank == 0:
+        if cfg.sample_at_end and not cfg.eval_only:
+            print(f"sample with: python tensor_parallel.py --consolidate={cfg.out_dir} && "
+                  f"python sample.py --out_dir={cfg.out_dir}")
         print(outputs_line(cfg.out_dir, "ckpt_rank*.pt (each rank's slices: resume; python tensor_parallel.py "
                                         f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
-    if world_size > 1:
-        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
-        dist.destroy_process_group()
+    finish_distributed()
 
 
-def report_measurements(cfg, dense_config, iter_num, rank, tpg, dp, micro_steps, param_bytes, activation_bytes,
-                        act_elem, wire_bytes, wire_why_not):
-    """One row per rank in log.jsonl (gathered to rank 0) and one printed line each: measured beside formula.
-    Bytes sent: counted at the calls (collective_bytes), the ring formula for those calls (wire_bytes_formula)
-    beside Megatron's count for a layer (tp_comm_bytes_formula), and measured on the wire (wire_bytes)."""
-    s, b, h, t, L = cfg.block_size, cfg.batch_size, dense_config.n_embd, tpg.size, dense_config.n_layer
-    sent = comm_report([tpg, dp])
-    activations = {k: v for k, v in tpg.wire_bytes_formula.items()
-                   if k in ('all_reduce', 'all_gather', 'reduce_scatter')}  # not the gradient or norm sync
-    row = {'rank': rank, 'iter': iter_num, 'tp_rank': tpg.rank, 'dp_rank': dp.rank, 'tp': t, 'dp': dp.size,
-           'sequence_parallel': cfg.sequence_parallel,
-           'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(dense_config, t),
-           'activation_bytes': activation_bytes,
-           'activation_bytes_formula': activation_bytes_formula(s, b, h, dense_config.n_head, t,
-                                                                cfg.sequence_parallel, bytes_per_elem=act_elem),
-           'collective_bytes': sum(sent['collective_bytes'].values()),
-           'collective_bytes_by_kind': sent['collective_bytes'],
-           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
-           'wire_bytes_formula_by_kind': sent['wire_bytes_formula'],
-           'wire_bytes': wire_bytes, 'wire_bytes_note': wire_why_not,
-           'tp_activation_wire_bytes_formula': sum(activations.values()),
-           'tp_comm_bytes_formula': micro_steps * (
-               L * tp_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)
-               + tp_edge_comm_bytes_formula(s, b, h, t, cfg.sequence_parallel, act_elem)),
-           'dp_grad_wire_bytes_formula': dp.wire_bytes_formula['all_reduce'],
-           'dp_grad_bytes_formula': 2 * (dp.size - 1) / dp.size * param_bytes}
-    wire = wire_why_not if wire_bytes is None else f"{wire_bytes:,.0f}"
-    print(f"[rank {rank}] tp {tpg.rank}/{t} dp {dp.rank}/{dp.size}: "
-          f"param bytes {row['param_bytes']:,} (formula {row['param_bytes_formula']:,.0f}); "
-          f"activation bytes/layer {activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}, "
-          f"{'with' if cfg.sequence_parallel else 'no'} SP); sent per step: collective bytes "
-          f"{row['collective_bytes']:,} (counted: "
-          + ', '.join(f"{k} {v:,}" for k, v in sent['collective_bytes'].items())
-          + f"), wire bytes {row['wire_bytes_formula']:,.0f} (ring formula; Megatron's count for the activations "
-          f"{row['tp_comm_bytes_formula']:,.0f}), {wire} (measured, loopback)", flush=True)
-    rows = [row]
-    if dist.is_initialized():
-        rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, row)
+def print_grid(grid, coords, rank):
+    """The process grid, and this rank's place in it: its tp group (a row) and dp group (a column)."""
+    grid = grid.view(grid.size(0), -1)  # (dp, tp): pp and cp are 1 here
     if rank == 0:
-        with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
-            f.writelines(json.dumps(r) + '\n' for r in rows)
-        if rows[0]['wire_bytes'] and rows[0]['wire_bytes'] > 1.2 * rows[0]['wire_bytes_formula']:
-            print("(more on the wire than the ring formula: with sequence parallelism half the collectives are "
-                  "reduce-scatters, and gloo's reduce-scatter is an all-reduce underneath)")
+        print(f"process grid (dp x tp) = torch.arange({grid.numel()}).view({grid.size(0)}, {grid.size(1)}):\n{grid}")
+    print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
+          f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
 
 
 if __name__ == '__main__':

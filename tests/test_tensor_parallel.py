@@ -61,31 +61,31 @@ def _against_dense(rank, world_size):
         dense_params = dict(dense.named_parameters())
         for t in (1, 2, 4):
             for sp in (False, True):
-                par = tpm.TensorParallel(groups[t], sp)
+                tp = tpm.TensorParallel(groups[t], sp)
                 model = copy.deepcopy(dense)
                 model.zero_grad(set_to_none=True)
-                specs = tpm.shard_gpt(model, par)
-                par.g.clear()
-                logits, loss = tpm.tp_forward(model, idx, targets, par)
+                param_layout = tpm.shard_gpt(model, tp)
+                tp.group.clear()
+                logits, loss = tpm.tp_forward(model, idx, targets, tp)
                 loss.backward()
-                comm = sum(par.g.wire_bytes_formula.values())  # counted at the calls, ring bytes
-                tpm.sync_tp_grads(specs, par)
-                full_logits = torch.cat(_gather(logits.detach(), par.g), dim=-1)
-                grad_err = max(_rel_err(tpm.join_slices(_gather(p.grad, par.g), kind, qkv_sizes),
-                                        dense_params[n].grad) for n, (p, kind) in specs.items())
+                comm = sum(tp.group.wire_bytes_formula.values())  # counted at the calls, ring bytes
+                tpm.sync_tp_grads(param_layout, tp)
+                full_logits = torch.cat(_gather(logits.detach(), tp.group), dim=-1)
+                grad_err = max(_rel_err(tpm.join_slices(_gather(p.grad, tp.group), kind, qkv_sizes),
+                                        dense_params[n].grad) for n, (p, kind) in param_layout.items())
                 L, h = config.n_layer, config.n_embd
                 results[(name, t, sp)] = dict(
                     logits_err=_rel_err(full_logits, dense_logits.detach()),
                     loss_err=abs(loss.item() - dense_loss.item()),
                     grad_err=grad_err,
-                    covered=sorted(specs) == sorted(dense_params),
+                    covered=sorted(param_layout) == sorted(dense_params),
                     comm=comm,
                     comm_formula=L * tpm.tp_comm_bytes_formula(16, 2, h, t, sp, 4)
                     + tpm.tp_edge_comm_bytes_formula(16, 2, h, t, sp, 4),
                     param_bytes=sum(p.numel() * 4 for p in model.parameters()),
                     param_bytes_formula=tpm.param_bytes_formula(config, t),
                     dense_param_bytes=sum(p.numel() * 4 for p in dense.parameters()),
-                    activation_bytes=tpm.measure_activation_bytes(model, idx, par))
+                    activation_bytes=tpm.measure_activation_bytes(model, idx, tp))
     return results
 
 
@@ -111,22 +111,22 @@ def _against_dtensor(rank, world_size):
         else:
             plan = {'0': ColwiseParallel(), '2': RowwiseParallel()}
         parallelize_module(ref, mesh, plan)
-        par = tpm.TensorParallel(g, sp)
+        tp = tpm.TensorParallel(g, sp)
         col = tpm.ColumnParallelLinear(tpm.take_slice(dense[0].weight.detach(), 'col', g).clone(),
                                        tpm.take_slice(dense[0].bias.detach(), 'col', g).clone())
         row = tpm.RowParallelLinear(tpm.take_slice(dense[2].weight.detach(), 'row', g).clone(),
-                                    nn.Parameter(dense[2].bias.detach().clone()), par)
+                                    nn.Parameter(dense[2].bias.detach().clone()), tp)
         gen = torch.Generator().manual_seed(2)
         x = torch.randn(3, 8, 16, generator=gen)
         if sp:
             x = x.tensor_split(world_size, dim=1)[rank]
         x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_ref = ref(x_ref)
-        y_ours = row(F.gelu(col(tpm.enter_tp_region(x_ours, par))))
+        y_ours = row(F.gelu(col(tpm.enter_tp_region(x_ours, tp))))
         w = torch.randn(y_ref.shape, generator=gen)
         (y_ref * w).sum().backward()
         (y_ours * w).sum().backward()
-        tpm.sync_tp_grads({'bias': (row.bias, 'replicated')}, par)  # SP: the bias saw only this rank's tokens
+        tpm.sync_tp_grads({'bias': (row.bias, 'replicated')}, tp)  # SP: the bias saw only this rank's tokens
         errors[sp] = max(_rel_err(y_ours, y_ref), _rel_err(x_ours.grad, x_ref.grad),
                          _rel_err(col.weight.grad, ref[0].weight.grad.to_local()),
                          _rel_err(col.bias.grad, ref[0].bias.grad.to_local()),
@@ -142,7 +142,7 @@ def _dropout_checks(rank, world_size):
     import tensor_parallel as tpm
     from model import GPT, Comm, GPTConfig
     made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, 2)]
-    par = tpm.TensorParallel(Comm(made[rank // 2], 'tp'), False)
+    tp = tpm.TensorParallel(Comm(made[rank // 2], 'tp'), False)
     config = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=16, vocab_size=32, dropout=0.5, bias=False)
     torch.manual_seed(0)
     model = GPT(config)
@@ -151,15 +151,15 @@ def _dropout_checks(rank, world_size):
         w[:, 2:] = w[:, :2]
         model.transformer.h[0].attn.c_proj.weight.view(16, 4, 4)[:, 2:] = \
             model.transformer.h[0].attn.c_proj.weight.view(16, 4, 4)[:, :2]
-    tpm.shard_gpt(model, par)
-    tpm.give_tp_ranks_their_dropout(model, par)
+    tpm.shard_gpt(model, tp)
+    tpm.give_tp_ranks_their_dropout(model, tp)
     seen = {}
     block = model.transformer.h[0]
     block.attn.c_proj.register_forward_pre_hook(lambda m, args: seen.setdefault('attn', args[0].detach()))
     block.register_forward_hook(lambda m, args, out: seen.setdefault('block', out.detach()))
     torch.manual_seed(7)  # the tp ranks of a replica share the stream
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(3))
-    tpm.tp_forward(model.train(), idx, idx, par)
+    tpm.tp_forward(model.train(), idx, idx, tp)
     return seen['attn'].numpy(), seen['block'].numpy(), torch.rand(4).numpy()  # (tensors die with the process)
 
 
@@ -179,7 +179,7 @@ def spawned():
 def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t, sp):
     for rank, (dense, _, _) in enumerate(spawned):
         r = dense[(layout, t, sp)]
-        assert r['covered'], "the shard specs must cover every dense parameter"
+        assert r['covered'], "the shard layout must cover every dense parameter"
         assert r['logits_err'] < TOL and r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)
 
 
