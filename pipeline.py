@@ -14,7 +14,6 @@ bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose a
 """
 
 import json
-import math
 import os
 import statistics
 import time
@@ -22,11 +21,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import (GPT, TRAIN_STREAM, CheckpointWriter, Comm, GPTConfig, StepProfiler, WireMeter, autocast_context,
-                   comm_report, config_defaults, configure, estimate_loss, gather_rng_states, get_batch, get_lr,
-                   init_distributed, load_dataset, log_row, mfu, micro_batch_rows, model_config, outputs_line,
-                   peak_flops_for, peak_memory_bytes, profiled, progress, restore_rng, run_main, run_shape,
-                   save_checkpoint, saved_bytes_counter, seed_dropout, trim_log, world_size_from_env)
+from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
+                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed,
+                   gather_rng_states, get_lr, init_distributed, init_model, load_dataset, log_row, micro_batches,
+                   outputs_line, process_grid, profiled, progress, restore_rng, run_main, run_shape, save_checkpoint,
+                   saved_bytes_counter, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -106,10 +106,7 @@ def validate(cfg, world_size):
         raise SystemExit(f"error: schedule must be 'gpipe' or '1f1b', got {cfg.schedule!r}")
     if cfg.pp < 1 or world_size % cfg.pp != 0:
         raise SystemExit(f"error: world size {world_size} is not divisible by pp={cfg.pp} (world = dp x pp)")
-    dp_size = world_size // cfg.pp
-    if cfg.gradient_accumulation_steps % dp_size != 0:
-        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
-                         f"by the data-parallel size {dp_size} (world size larger than the batch)")
+    check_batch(cfg, world_size // cfg.pp, world_size)
     if cfg.n_layer % cfg.pp != 0:
         raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp ({cfg.pp}): each stage gets "
                          f"n_layer/pp blocks")
@@ -124,34 +121,20 @@ def validate(cfg, world_size):
                          f"need one loss scale agreed by every stage)")
     if cfg.compile:
         raise SystemExit("error: compile=True is not supported by pipeline.py")
-    return dp_size
 
 
-def process_grid(world_size, pp_size):
-    """The process grid as one reshape: rank = dp_rank * pp + stage. Rows are pipelines, columns are stages."""
-    return torch.arange(world_size).view(world_size // pp_size, pp_size)
-
-
-def make_groups(grid, rank, tied):
-    """This rank's data-parallel group (its column: the same stage of every pipeline) and pipeline group (its row),
-    and, for tied embeddings, the group {first stage, last stage} of its pipeline. Every rank creates every group
-    in the same order, as new_group requires."""
-    dp_group = pp_group = embed_group = None
-    for s in range(grid.size(1)):
-        g = dist.new_group(grid[:, s].tolist())
-        if rank in grid[:, s].tolist():
-            dp_group = g
-    for d in range(grid.size(0)):
-        g = dist.new_group(grid[d, :].tolist())
-        if rank in grid[d, :].tolist():
-            pp_group = g
-    if tied and grid.size(1) > 1:
-        for d in range(grid.size(0)):
-            pair = [int(grid[d, 0]), int(grid[d, -1])]
-            g = dist.new_group(pair)
-            if rank in pair:
-                embed_group = g
-    return dp_group, pp_group, embed_group
+def embed_comm(grid, rank, tied):
+    """With tied embeddings and pp > 1: the group {first stage, last stage} of this rank's pipeline, which holds the
+    tied weight's two copies (None without). Every rank creates every pair's group, in one order."""
+    if not tied or grid.size(1) == 1:
+        return None
+    pipelines = grid.movedim(1, -1).reshape(-1, grid.size(1))  # each row one pipeline's ranks, stage by stage
+    comm = None
+    for row in pipelines.tolist():
+        group = dist.new_group([row[0], row[-1]])
+        if rank in (row[0], row[-1]):
+            comm = Comm(group, 'embed')
+    return comm
 
 
 def keep_stage(model, stage, pp_size):
@@ -200,11 +183,11 @@ class Stage:
     """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
     boundary, and the record of what it executed and held during the last schedule."""
 
-    def __init__(self, model, layers, stage, pp_size, grid_row, act_shape, device, ctx, pp_comm):
-        self.model, self.layers, self.stage, self.pp = model, layers, stage, pp_size
-        self.is_first, self.is_last = stage == 0, stage == pp_size - 1
-        self.prev_rank = None if self.is_first else int(grid_row[stage - 1])
-        self.next_rank = None if self.is_last else int(grid_row[stage + 1])
+    def __init__(self, model, layers, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
+        self.model, self.layers, self.index, self.pp = model, layers, index, pp_size
+        self.is_first, self.is_last = index == 0, index == pp_size - 1
+        self.prev_rank = None if self.is_first else int(grid_row[index - 1])
+        self.next_rank = None if self.is_last else int(grid_row[index + 1])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
         self.clock = Clock(device)
         self.held = {}            # microbatch -> (input, output): the activations whose graph is alive
@@ -226,190 +209,190 @@ class Stage:
 # point-to-point communication: activations go to the next stage, their gradients back to the previous one
 
 
-def communicate(st, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
     """Post this stage's sends and receives together (Comm.send_recv: one batch_isend_irecv), and wait for the
     receives. The sends are waited for at the next exchange (the compute in between overlaps them), so a sent
     buffer is let go one exchange later, not kept until the schedule ends. The shape is known from the config,
     so there is no shape handshake. Returns (from_prev, from_next); the time spent is recorded as W."""
-    start = st.clock.mark()
-    finish_sends(st)  # the previous exchange's: their peers have posted the matching receives by now
-    sends = [(t.detach().contiguous(), peer) for t, peer in ((send_next, st.next_rank), (send_prev, st.prev_rank))
+    start = stage.clock.mark()
+    finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
+    sends = [(t.detach().contiguous(), peer) for t, peer in ((send_next, stage.next_rank), (send_prev, stage.prev_rank))
              if t is not None]
-    from_prev = torch.empty(st.act_shape, device=st.device) if recv_prev else None
-    from_next = torch.empty(st.act_shape, device=st.device) if recv_next else None
-    recvs = [(t, peer) for t, peer in ((from_prev, st.prev_rank), (from_next, st.next_rank)) if t is not None]
-    send_works, recv_works = st.comm.send_recv(sends, recvs)
+    from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
+    from_next = torch.empty(stage.act_shape, device=stage.device) if recv_next else None
+    recvs = [(t, peer) for t, peer in ((from_prev, stage.prev_rank), (from_next, stage.next_rank)) if t is not None]
+    send_works, recv_works = stage.comm.send_recv(sends, recvs)
     for w in recv_works:
         w.wait()
-    st.pending_sends += [(w, t) for w, (t, _) in zip(send_works, sends)]
-    st.peak_pending_sends = max(st.peak_pending_sends, len(st.pending_sends))
-    st.records.append(('W', None, start, st.clock.mark()))
+    stage.pending_sends += [(w, t) for w, (t, _) in zip(send_works, sends)]
+    stage.peak_pending_sends = max(stage.peak_pending_sends, len(stage.pending_sends))
+    stage.records.append(('W', None, start, stage.clock.mark()))
     return from_prev, from_next
 
 
-def finish_sends(st):
-    for w, _ in st.pending_sends:
+def finish_sends(stage):
+    for w, _ in stage.pending_sends:
         w.wait()
-    st.pending_sends = []
+    stage.pending_sends = []
 
 
-def recv_forward(st):
-    return None if st.is_first else communicate(st, recv_prev=True)[0]
+def recv_forward(stage):
+    return None if stage.is_first else communicate(stage, recv_prev=True)[0]
 
 
-def send_forward(st, y):
-    if not st.is_last:
-        communicate(st, send_next=y)
+def send_forward(stage, y):
+    if not stage.is_last:
+        communicate(stage, send_next=y)
 
 
-def recv_backward(st):
-    return None if st.is_last else communicate(st, recv_next=True)[1]
+def recv_backward(stage):
+    return None if stage.is_last else communicate(stage, recv_next=True)[1]
 
 
-def send_backward(st, dx):
-    if not st.is_first:
-        communicate(st, send_prev=dx)
+def send_backward(stage, dx):
+    if not stage.is_first:
+        communicate(stage, send_prev=dx)
 
 
-def send_forward_recv_backward(st, y):
+def send_forward_recv_backward(stage, y):
     """1F1B's steady state: the forward's output goes on while the gradient of an older microbatch comes back."""
-    if st.is_last:
+    if stage.is_last:
         return None
-    return communicate(st, send_next=y, recv_next=True)[1]
+    return communicate(stage, send_next=y, recv_next=True)[1]
 
 
-def send_backward_recv_forward(st, dx):
-    if st.is_first:
+def send_backward_recv_forward(stage, dx):
+    if stage.is_first:
         return None
-    return communicate(st, send_prev=dx, recv_prev=True)[0]
+    return communicate(stage, send_prev=dx, recv_prev=True)[0]
 
 
 # -----------------------------------------------------------------------------
 # one microbatch's forward and backward on this stage
 
 
-def forward_step(st, i, x, idx, targets, loss_scale):
+def forward_step(stage, i, x, idx, targets, loss_scale):
     """F of microbatch i: embed (first stage) or take the received activation, run this stage's blocks, and on the
     last stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
-    start = st.clock.mark()
-    model = st.model
+    start = stage.clock.mark()
+    model = stage.model
     hooks, saved = saved_bytes_counter(model)
-    with st.ctx, hooks:
-        if st.is_first:
+    with stage.ctx, hooks:
+        if stage.is_first:
             x = None
             h = model.embed(idx[i])
         else:
             x.requires_grad_(True)
             h = x
-        for layer in st.layers:
+        for layer in stage.layers:
             h = model.run_block(model.transformer.h[layer], h)
-        if st.is_last:
+        if stage.is_last:
             _, loss = model.head(h, targets[i])
             h = loss * loss_scale  # the gradient is the mean over the global batch
-            st.loss_sum += h.detach()
+            stage.loss_sum += h.detach()
     # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
     # buffers of the next stage fit it
-    st.held[i] = (x, h)
-    st.held_bytes[i] = sum(saved.values())
-    st.microbatch_bytes = max(st.microbatch_bytes, st.held_bytes[i])
-    st.peak_held = max(st.peak_held, len(st.held))
-    st.peak_held_bytes = max(st.peak_held_bytes, sum(st.held_bytes.values()))
-    st.records.append(('F', i, start, st.clock.mark()))
-    return None if st.is_last else h
+    stage.held[i] = (x, h)
+    stage.held_bytes[i] = sum(saved.values())
+    stage.microbatch_bytes = max(stage.microbatch_bytes, stage.held_bytes[i])
+    stage.peak_held = max(stage.peak_held, len(stage.held))
+    stage.peak_held_bytes = max(stage.peak_held_bytes, sum(stage.held_bytes.values()))
+    stage.records.append(('F', i, start, stage.clock.mark()))
+    return None if stage.is_last else h
 
 
-def backward_step(st, i, grad_output):
+def backward_step(stage, i, grad_output):
     """B of microbatch i: backpropagate from its loss (last stage) or from the received gradient of its output,
     free its activations, return the gradient of its input (to send to the previous stage)."""
-    start = st.clock.mark()
-    x, out = st.held.pop(i)
-    st.held_bytes.pop(i)
-    if st.is_last:
+    start = stage.clock.mark()
+    x, out = stage.held.pop(i)
+    stage.held_bytes.pop(i)
+    if stage.is_last:
         out.backward()
     else:
         torch.autograd.backward(out, grad_output)
-    st.records.append(('B', i, start, st.clock.mark()))
-    return None if st.is_first else x.grad
+    stage.records.append(('B', i, start, stage.clock.mark()))
+    return None if stage.is_first else x.grad
 
 
 # -----------------------------------------------------------------------------
 # the two schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
-def gpipe(st, m, idx, targets, loss_scale):
+def gpipe(stage, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
     activations before the first backward; the bubble is (p-1) forward slots at the start plus (p-1) backward
     slots at the end."""
     for i in range(m):
-        x = recv_forward(st)
-        y = forward_step(st, i, x, idx, targets, loss_scale)
-        send_forward(st, y)
+        x = recv_forward(stage)
+        y = forward_step(stage, i, x, idx, targets, loss_scale)
+        send_forward(stage, y)
     for i in range(m):
-        g = recv_backward(st)
-        dx = backward_step(st, i, g)
-        send_backward(st, dx)
+        dy = recv_backward(stage)
+        dx = backward_step(stage, i, dy)
+        send_backward(stage, dx)
 
 
-def one_f_one_b(st, m, idx, targets, loss_scale):
+def one_f_one_b(stage, m, idx, targets, loss_scale):
     """1F1B (PipeDream-Flush, Megatron's non-interleaved schedule). Stage r first does p-r-1 forwards to fill the
     pipeline, then alternates one forward and one backward, then drains the last backwards. The same bubble as
     GPipe, but a stage never holds more than p-r microbatches' activations."""
-    warmup = min(st.pp - st.stage - 1, m)
+    warmup = min(stage.pp - stage.index - 1, m)
     steady = m - warmup
     # warm-up: forwards only
     for i in range(warmup):
-        x = recv_forward(st)
-        y = forward_step(st, i, x, idx, targets, loss_scale)
-        send_forward(st, y)
-    x = recv_forward(st) if steady > 0 else None
+        x = recv_forward(stage)
+        y = forward_step(stage, i, x, idx, targets, loss_scale)
+        send_forward(stage, y)
+    x = recv_forward(stage) if steady > 0 else None
     # steady state: forward of microbatch warmup+k, then backward of microbatch k
     for k in range(steady):
-        y = forward_step(st, warmup + k, x, idx, targets, loss_scale)
-        g = send_forward_recv_backward(st, y)
-        dx = backward_step(st, k, g)
+        y = forward_step(stage, warmup + k, x, idx, targets, loss_scale)
+        dy = send_forward_recv_backward(stage, y)
+        dx = backward_step(stage, k, dy)
         if k == steady - 1:
-            send_backward(st, dx)
+            send_backward(stage, dx)
         else:
-            x = send_backward_recv_forward(st, dx)
+            x = send_backward_recv_forward(stage, dx)
     # cool-down: the backwards of the warm-up microbatches
     for k in range(steady, m):
-        g = recv_backward(st)
-        dx = backward_step(st, k, g)
-        send_backward(st, dx)
+        dy = recv_backward(stage)
+        dx = backward_step(stage, k, dy)
+        send_backward(stage, dx)
 
 
 SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b}
 
 
-def run_schedule(st, name, m, x, y, loss_scale):
+def run_schedule(stage, name, m, x, y, loss_scale):
     """Split the micro-step's batch into m microbatches and run the schedule; all stages start together (a
     barrier), so that their clocks start at the same moment. The records are this schedule's."""
     idx, targets = list(x.chunk(m)), list(y.chunk(m))
-    if st.comm.size > 1:
-        dist.barrier(group=st.comm.group)
-    st.reset()
-    SCHEDULES[name](st, m, idx, targets, loss_scale)
-    finish_sends(st)
-    st.t_end = st.clock.mark()
-    st.records_s = schedule_record(st)  # one synchronize per schedule on a GPU
-    total = torch.tensor([st.clock.seconds(st.t0, st.t_end)], device=st.device)  # on the GPU for NCCL
-    st.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')  # the step is the slowest stage's
-    st.total = float(total)
-    st.splits.append(time_split(st.records_s, st.total))
+    if stage.comm.size > 1:
+        dist.barrier(group=stage.comm.group)
+    stage.reset()
+    SCHEDULES[name](stage, m, idx, targets, loss_scale)
+    finish_sends(stage)
+    stage.t_end = stage.clock.mark()
+    stage.records_s = schedule_record(stage)  # one synchronize per schedule on a GPU
+    total = torch.tensor([stage.clock.seconds(stage.t0, stage.t_end)], device=stage.device)  # on the GPU for NCCL
+    stage.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')  # the step is the slowest stage's
+    stage.total = float(total)
+    stage.splits.append(time_split(stage.records_s, stage.total))
 
 
 @torch.no_grad()
-def forward_loss(st, x, y):
+def forward_loss(stage, x, y):
     """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every rank."""
-    st.act_shape = (x.size(0), x.size(1), st.model.config.n_embd)
-    model, h = st.model, recv_forward(st)
-    with st.ctx:
-        if st.is_first:
+    stage.act_shape = (x.size(0), x.size(1), stage.model.config.n_embd)
+    model, h = stage.model, recv_forward(stage)
+    with stage.ctx:
+        if stage.is_first:
             h = model.embed(x)
-        for layer in st.layers:
+        for layer in stage.layers:
             h = model.run_block(model.transformer.h[layer], h)
-        loss = model.head(h, y)[1].float() if st.is_last else torch.zeros((), device=st.device)
-    send_forward(st, h)
-    finish_sends(st)
-    st.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
+        loss = model.head(h, y)[1].float() if stage.is_last else torch.zeros((), device=stage.device)
+    send_forward(stage, h)
+    finish_sends(stage)
+    stage.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
     return loss
 
 
@@ -417,10 +400,11 @@ def forward_loss(st, x, y):
 # what was executed: a timeline per stage from the clock, the measured bubble and held activations
 
 
-def schedule_record(st):
+def schedule_record(stage):
     """The last schedule in seconds since its start: [(op, microbatch, start, end)], after one synchronize."""
-    st.clock.synchronize()
-    return [(op, i, st.clock.seconds(st.t0, a), st.clock.seconds(st.t0, b)) for op, i, a, b in st.records]
+    stage.clock.synchronize()
+    seconds = stage.clock.seconds
+    return [(op, i, seconds(stage.t0, a), seconds(stage.t0, b)) for op, i, a, b in stage.records]
 
 
 def time_split(records, total):
@@ -463,20 +447,42 @@ def write_schedule_trace(stages, total, path):
         json.dump({'traceEvents': events, 'displayTimeUnit': 'ms'}, f)
 
 
-def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_bytes, wire_why_not):
+class LastStepReport:
+    """The last iteration, measured: the schedule each stage executed (its records, from the clock) and the bytes
+    sent in that step, counted by the Comms and measured on the wire; report_schedule prints them."""
+
+    def __init__(self, stage, comms, cfg, rank, dp_rank):
+        self.stage, self.comms, self.cfg, self.rank, self.dp_rank = stage, comms, cfg, rank, dp_rank
+        self.wire = WireMeter()
+
+    def start(self, iter_num):
+        if iter_num == self.cfg.max_iters - 1:
+            for comm in self.comms:
+                comm.clear()
+            self.wire.start()
+
+    def finish(self, iter_num):
+        if iter_num == self.cfg.max_iters - 1:
+            wire_bytes = self.wire.stop()
+            micro_steps = self.cfg.gradient_accumulation_steps // self.comms[0].size
+            report_schedule(self.stage, self.cfg, self.rank, self.dp_rank, iter_num, micro_steps, self.comms,
+                            wire_bytes, self.wire.why_not)
+
+
+def report_schedule(stage, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_bytes, wire_why_not):
     """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
     per stage (dp replica 0's pipeline)."""
-    records, total = st.records_s, st.total
+    records, total = stage.records_s, stage.total
     # the split: the median over the run's schedules (the first one, a warm-up, left out when there are more)
-    splits = st.splits[1:] or st.splits
+    splits = stage.splits[1:] or stage.splits
     split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     sent = comm_report(comms)
     m, p = cfg.n_microbatches, cfg.pp
-    mine = dict({'rank': rank, 'stage': st.stage, 'dp_rank': dp_rank, 'records': records,
-                 'p2p_bytes': st.comm.collective_bytes['send'],
-                 'peak_microbatches_held': st.peak_held, 'peak_activation_bytes': st.peak_held_bytes,
-                 'activation_bytes_per_microbatch': st.microbatch_bytes,
-                 'peak_pending_sends': st.peak_pending_sends,
+    mine = dict({'rank': rank, 'stage': stage.index, 'dp_rank': dp_rank, 'records': records,
+                 'p2p_bytes': stage.comm.collective_bytes['send'],
+                 'peak_microbatches_held': stage.peak_held, 'peak_activation_bytes': stage.peak_held_bytes,
+                 'activation_bytes_per_microbatch': stage.microbatch_bytes,
+                 'peak_pending_sends': stage.peak_pending_sends,
                  'collective_bytes': sum(sent['collective_bytes'].values()),
                  'collective_bytes_by_kind': sent['collective_bytes'],
                  'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
@@ -490,7 +496,7 @@ def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_b
     stages = sorted((r for r in everyone if r['dp_rank'] == 0), key=lambda r: r['stage'])
     n_slots = 3 * (m + p - 1)  # about one forward per slot when a backward costs two forwards
     width = len(str(m - 1)) + 1
-    clock = 'CUDA events' if st.clock.cuda else 'host clock'
+    clock = 'CUDA events' if stage.clock.cuda else 'host clock'
     print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, iter {iter_num}, step {1000 * total:.1f} ms "
           f"({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = forward/backward of microbatch 3, "
           f". = not computing)")
@@ -503,7 +509,7 @@ def report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_b
     write_schedule_trace(stages, total, trace)
     print(f"the same schedule as a trace, one track per stage: {trace} (open it at ui.perfetto.dev)")
     formula = bubble_fraction_formula(p, m)
-    b, h = cfg.batch_size // m, st.model.config.n_embd
+    b, h = cfg.batch_size // m, stage.model.config.n_embd
     for r in stages:
         held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'])
         bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'])
@@ -584,190 +590,134 @@ def consolidate_checkpoints(out_dir, dest_dir):
 # -----------------------------------------------------------------------------
 
 
+def train_step(stage, optimizer, batches, cfg, dp, embed):
+    """One iteration: the schedule over each micro-step's microbatches, then the gradient syncs a pipeline adds:
+    each stage's gradients averaged over its data-parallel column, the tied embedding's two copies summed, the
+    clip over every stage. Returns the mean loss over the global batch."""
+    model = stage.model
+    stage.loss_sum = torch.zeros((), device=cfg.device)
+    stage.act_shape = (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd)
+    for x, y in batches:
+        run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for grad in grads:  # data parallel: average each stage's gradients over its column of the grid
+        dp.all_reduce(grad)
+        grad.div_(dp.size)
+    if embed is not None:  # the tied weight's two copies: sum the embedding's and the head's gradient
+        embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
+    if cfg.grad_clip != 0.0:
+        clip_grad_norm(stage, grads, cfg.grad_clip, embed)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = stage.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp
+    stage.comm.all_reduce(loss_sum, kind='scalars')
+    dp.all_reduce(loss_sum, kind='scalars')
+    return loss_sum.item() / dp.size
+
+
+def clip_grad_norm(stage, grads, max_norm, embed):
+    """clip_grad_norm_ over the whole model: every stage's squared norm, summed over the pipeline. A tied weight
+    counts once: on the last stage lm_head.weight is a copy of the first stage's wte."""
+    tied_copy = stage.model.lm_head.weight if embed is not None and stage.is_last else None
+    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters() if p.grad is not None and p is not tied_copy)
+    sq = torch.as_tensor(sq, dtype=torch.float32, device=stage.device)
+    stage.comm.all_reduce(sq, kind='scalars')
+    clip_coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(clip_coef)
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.consolidate:
         path = consolidate_checkpoints(cfg.out_dir, cfg.consolidate)
         print(f"wrote {path} (train.py format) from the stage checkpoints in {cfg.out_dir}")
         return
-    world_size = world_size_from_env()
-    dp_size = validate(cfg, world_size)
-    rank, local_rank, world_size, dev = init_distributed(cfg.dist_timeout)
-    if dev.startswith('cuda') or cfg.device.startswith('cuda'):
-        cfg.device = dev
-    grid = process_grid(world_size, cfg.pp)
-    dp_rank, stage = rank // cfg.pp, rank % cfg.pp
-    master = rank == 0
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    if master:
-        print(f"process grid (dp={dp_size} x pp={cfg.pp}): pipelines are rows, stages are columns\n{grid}")
+    validate(cfg, world_size_from_env())
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
+    dp, pp_comm = comms['dp'], comms['pp']  # every collective and send goes through a Comm, and is counted there
+    embed = embed_comm(grid, rank, cfg.tie_embeddings)
+    if rank == 0:
+        print(f"process grid (dp={dp.size} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
+              f"{grid.view(dp.size, cfg.pp)}")
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
     ctx = autocast_context(device_type, cfg.dtype)
-    dp_group = pp_group = embed_group = None
-    if dist.is_initialized():
-        dp_group, pp_group, embed_group = make_groups(grid, rank, cfg.tie_embeddings)
-    # every collective and send goes through one of these, and is counted there
-    dp, pp = Comm(dp_group, 'dp'), Comm(pp_group, 'pp')
-    embed = Comm(embed_group, 'embed') if embed_group is not None else None
 
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
     # model: every rank builds train.py's full GPT from the same seed, then keeps its stage's part
-    iter_num, best_val_loss, checkpoint = 0, 1e9, None
-    if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from == 'resume':
-        ckpt_path = stage_ckpt_path(cfg.out_dir, stage)
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-    else:
-        raise SystemExit(f"error: init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
-    if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+    ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
+                                                            gpt2=False)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
-    layers = keep_stage(model, stage, cfg.pp)
+    layers = keep_stage(model, pp_comm.rank, cfg.pp)
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
-        if master:
-            trim_log(cfg.out_dir, iter_num)
     model.to(cfg.device)
-    if master:
-        print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
                         f"per stage, {cfg.schedule} over {cfg.n_microbatches} microbatches of "
                         f"{cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
-    scaler = torch.amp.GradScaler(device_type, enabled=False)  # float16 is rejected above; kept for the format
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank, stage)  # this rank's own dropout stream
+        restore_rng(checkpoint, dp.rank, dp.size, cfg.seed, dp.rank, pp_comm.rank)  # its own dropout stream
     else:
-        seed_dropout(cfg.seed, dp_rank, stage)  # each replica, and each stage (as Megatron), its own masks
+        seed_dropout(cfg.seed, dp.rank, pp_comm.rank)  # each replica, and each stage (as Megatron), its own masks
     checkpoint = None  # free it
-    raw_model = model
-    micro_rows = cfg.batch_size // cfg.n_microbatches
-    st = Stage(model, layers, stage, cfg.pp, grid[dp_rank], (micro_rows, cfg.block_size, model.config.n_embd),
-               cfg.device, ctx, pp)
-    # a tied weight counts once in the gradient norm: on the last stage lm_head.weight is the first stage's wte
-    tied_copy = raw_model.lm_head.weight if cfg.tie_embeddings and cfg.pp > 1 and st.is_last else None
+    stage = Stage(model, layers, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
+                  (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device, ctx, pp_comm)
 
     def loss_of(x, y):
-        return forward_loss(st, x, y)
+        return forward_loss(stage, x, y)
 
     # training loop
-    peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
-    writer, wire = CheckpointWriter(), WireMeter()  # every stage writes its file in the background
+    writer = CheckpointWriter()  # every stage writes its file in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    t_last, iters_since_log = time.time(), 0
+    logger = StepLogger(cfg, flops_per_token, n_devices=world_size)
+    report = LastStepReport(stage, [c for c in (dp, pp_comm, embed) if c], cfg, rank, dp.rank)
     while True:
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
+        set_lr(optimizer, lr)
 
         # evaluate, and checkpoint the state from which iteration iter_num starts
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            model.eval()
-            losses = estimate_loss(loss_of, data, cfg, dp)  # each pipeline its share of the batches
-            model.train()
-            if master:
-                log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
-                                      'lr': lr})
-            if not math.isfinite(losses['val']):
-                raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
-            if iter_num > 0 and (losses['val'] < best_val_loss or cfg.always_save_checkpoint):
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)  # each pipeline its share of the batches
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 rng_states = gather_rng_states(dp)  # every replica's dropout stream for this stage
-                if dp_rank == 0:  # the dp replicas of a stage are equal: one file per stage
-                    writer.save({
-                        'model': raw_model.state_dict(),
-                        'optimizer': optimizer.state_dict(),
-                        'param_names': optimizer_param_names(raw_model, optimizer),
-                        'scaler': scaler.state_dict(),
-                        'rng_state': rng_states[0]['cpu'],
-                        'cuda_rng_state': rng_states[0]['cuda'],
-                        'rng_states': rng_states,
-                        'model_args': vars(raw_model.config),
-                        'iter_num': iter_num,
-                        'best_val_loss': best_val_loss,
-                        'config': vars(cfg),
-                        'stage': stage,
-                    }, stage_ckpt_path(cfg.out_dir, stage))
-            t_last, iters_since_log = time.time(), 0  # do not count eval time as training time
+                if dp.rank == 0:  # the dp replicas of a stage are equal: one file per stage
+                    checkpoint = train_checkpoint(model.state_dict(), optimizer.state_dict(), rng_states,
+                                                  vars(model.config), iter_num, best_val_loss, vars(cfg))
+                    checkpoint.update(param_names=optimizer_param_names(model, optimizer), stage=pp_comm.rank)
+                    writer.save(checkpoint, ckpt_path)
+                    checkpoint = None
+            logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
 
-        # one iteration: the pipeline schedule over the microbatches of every micro-step, then one optimizer step
-        micro_steps = cfg.gradient_accumulation_steps // dp_size
-        global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        measuring = iter_num == cfg.max_iters - 1  # the last iteration: its schedule, as executed, and its bytes
-        if measuring:
-            for comm in (dp, pp, embed):
-                if comm is not None:
-                    comm.clear()
-            wire.start()
-        st.loss_sum = torch.zeros((), device=cfg.device)
-        st.act_shape = (micro_rows, cfg.block_size, raw_model.config.n_embd)
-        for micro_step in range(micro_steps):
-            rows = micro_batch_rows(cfg, dp_rank, dp_size, micro_step)
-            x, y = get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size, rows,
-                             cfg.device)
-            run_schedule(st, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * micro_steps))
-        grads = [p.grad for p in raw_model.parameters() if p.grad is not None]
-        for g in grads:  # data parallel: average each stage's gradients over its column of the grid
-            dp.all_reduce(g)
-            g.div_(dp_size)
-        if embed is not None:  # the tied weight's two copies: sum the embedding's and the head's gradient
-            embed.all_reduce(raw_model.transformer.wte.weight.grad if st.is_first else raw_model.lm_head.weight.grad)
-        if cfg.grad_clip != 0.0:  # clip_grad_norm_ over the whole model: the squared norms of every stage
-            sq = sum(p.grad.pow(2).sum() for p in raw_model.parameters() if p.grad is not None and p is not tied_copy)
-            sq = torch.as_tensor(sq, dtype=torch.float32, device=cfg.device)
-            pp.all_reduce(sq, kind='scalars')
-            clip_coef = torch.clamp(cfg.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(clip_coef)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        # log
-        loss_sum = st.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp
-        pp.all_reduce(loss_sum, kind='scalars')
-        dp.all_reduce(loss_sum, kind='scalars')
-        loss_value = loss_sum.item() / dp_size  # the mean loss over the global batch
-        wire_bytes = wire.stop() if measuring else None
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at iter {iter_num}; stopped, the last checkpoint is kept")
-        iters_since_log += 1
-        if iter_num % cfg.log_interval == 0 and master:
-            dt = (time.time() - t_last) / iters_since_log
-            t_last, iters_since_log = time.time(), 0
-            tokens_per_sec = tokens_per_iter / dt
-            log_row(cfg.out_dir, {'iter': iter_num, 'loss': loss_value, 'lr': lr, 'ms': 1000 * dt,
-                                  'tokens_per_sec': tokens_per_sec,
-                                  'mfu': mfu(flops_per_token, tokens_per_sec, world_size, peak),
-                                  'peak_mem_bytes': peak_memory_bytes(cfg.device)})
-        if iter_num == cfg.max_iters - 1:  # the last iteration's schedule, as executed
-            report_schedule(st, cfg, rank, dp_rank, iter_num, micro_steps, [c for c in (dp, pp, embed) if c],
-                            wire_bytes, wire.why_not)
+        # one iteration, then its log line (the last one also reports its schedule, as executed)
+        report.start(iter_num)
+        loss = train_step(stage, optimizer, micro_batches(data, cfg, iter_num, dp.rank, dp.size), cfg, dp, embed)
+        logger.step(iter_num, loss, lr)
+        report.finish(iter_num)
         profiler.step()
         iter_num += 1
     profiler.stop()
     writer.wait()
 
-    if master:
+    if rank == 0:
         print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python pipeline.py "
                                         f"--out_dir={cfg.out_dir} --consolidate=DIR makes one ckpt.pt)",
                            "schedule_trace.json (the last schedule: open at ui.perfetto.dev)", *profiled(cfg)))
-    if dist.is_initialized():
-        dist.barrier()  # all leave together: tearing gloo down under a peer still inside a collective can abort
-        dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == '__main__':

@@ -48,7 +48,7 @@ def _one_case(rank, world_size, p, schedule, layout):
     """One step of pipeline.py's schedule and of PyTorch's schedule of the same name, each against the
     sequential model's loss and gradients, plus the executed order's checks."""
     import pipeline
-    from model import GPT, Comm, GPTConfig
+    from model import GPT, GPTConfig, process_grid
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
                        **LAYOUTS[layout])
@@ -62,16 +62,17 @@ def _one_case(rank, world_size, p, schedule, layout):
     ref_grads = {n: p_.grad for n, p_ in ref.named_parameters()}
     ref_grads['lm_head.weight'] = ref.lm_head.weight.grad  # the tied weight under its second name too
 
-    grid = pipeline.process_grid(world_size, p)
-    dp_rank, stage = rank // p, rank % p
-    dp_group, pp_group, embed_group = pipeline.make_groups(grid, rank, config.tie_embeddings)
+    grid, coords, comms = process_grid(world_size, rank, dp=world_size // p, pp=p)
+    dp_rank, stage = coords['dp'], coords['pp']
+    embed = pipeline.embed_comm(grid, rank, config.tie_embeddings)
+    pp_group, embed_group = comms['pp'].group, embed.group if embed is not None else None
     out = {}
 
     # pipeline.py
     model = copy.deepcopy(full)
     layers = pipeline.keep_stage(model, stage, p)
-    st = pipeline.Stage(model, layers, stage, p, grid[dp_rank], (8 // M, 16, 16), 'cpu',
-                        torch.autocast('cpu', enabled=False), Comm(pp_group, 'pp'))
+    st = pipeline.Stage(model, layers, stage, p, grid[dp_rank, :, 0, 0], (8 // M, 16, 16), 'cpu',
+                        torch.autocast('cpu', enabled=False), comms['pp'])
     pipeline.run_schedule(st, schedule, M, x, y, 1.0 / M)
     _sync_tied(model, st, embed_group)
     mine = {n: p_.grad for n, p_ in model.named_parameters()}
