@@ -7,6 +7,7 @@ import subprocess
 import sys
 import traceback
 
+import pytest
 import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +51,55 @@ def read_log(out_dir):
 def train_losses(out_dir):
     """{iter: loss} of the training rows of a log."""
     return {r['iter']: r['loss'] for r in read_log(out_dir) if 'loss' in r and 'rank' not in r}
+
+
+def eval_losses(out_dir):
+    """{iter: (train_loss, val_loss)} of the evaluation rows of a log."""
+    return {r['iter']: (r['train_loss'], r['val_loss']) for r in read_log(out_dir) if 'val_loss' in r}
+
+
+def assert_same_losses(got, want, iters=None, rel=1e-5):
+    """The repo's one test of "the same loss curve": got and want are {iter: loss (or a tuple of losses)}; the
+    iterations logged must be `iters` (default: want's), each loss within rel of want's. fp32 and dropout 0: only
+    the summation order (over ranks, shards, buckets) differs, which moves the last digits."""
+    iters = sorted(want) if iters is None else list(iters)
+    assert sorted(got) == iters, f"logged iterations {sorted(got)}, expected {iters}"
+    for i in iters:
+        assert got[i] == pytest.approx(want[i], rel=rel), f"iter {i}: {got[i]} vs train.py's {want[i]}"
+
+
+def assert_same_checkpoint(got, want, atol=1e-5):
+    """Two train.py-format checkpoints (paths or loaded dicts): the same iteration, parameters and AdamW state
+    (position by position). Parameters to 1e-5 = 1/1000 of one step at lr 1e-2: AdamW divides by sqrt(v), so on
+    an element whose gradient is nearly zero the rounding of another summation order grows to ~1e-6..1e-5."""
+    import torch
+    got, want = (torch.load(c, map_location='cpu', weights_only=False) if isinstance(c, (str, os.PathLike)) else c
+                 for c in (got, want))
+    assert got['iter_num'] == want['iter_num']
+    assert got['model'].keys() == want['model'].keys()
+    for k in want['model']:
+        torch.testing.assert_close(got['model'][k], want['model'][k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert got['optimizer']['state'].keys() == want['optimizer']['state'].keys()
+    for i, state in want['optimizer']['state'].items():
+        for k in ('exp_avg', 'exp_avg_sq'):
+            torch.testing.assert_close(got['optimizer']['state'][i][k], state[k], atol=1e-6, rtol=1e-4)
+        assert float(got['optimizer']['state'][i]['step']) == float(state['step'])
+    assert [len(g['params']) for g in got['optimizer']['param_groups']] == \
+        [len(g['params']) for g in want['optimizer']['param_groups']]
+
+
+_TRAIN_PY_RUNS = {}
+
+
+def train_py_reference(args, tmp_path_factory):
+    """The out_dir of `python train.py args`, run once per pytest run for each distinct argument list (several
+    test files compare against the same reference). Read it; never resume or write in it."""
+    key = tuple(args)
+    if key not in _TRAIN_PY_RUNS:
+        out = str(tmp_path_factory.mktemp('train_py'))
+        check(run_script('train.py', list(args) + [f'--out_dir={out}']))
+        _TRAIN_PY_RUNS[key] = out
+    return _TRAIN_PY_RUNS[key]
 
 
 def free_port():

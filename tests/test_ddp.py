@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, TINY, check, free_port, read_log, run_script, spawn, train_losses
+from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, free_port,
+                     run_script, spawn, train_losses, train_py_reference)
 
 # gradient accumulation (6 micro-batches: 3 per rank on 2 ranks, 2 on 3), clipping that always bites (0.1), and a
 # learning rate large enough that the parameters move well away from their initial values in 8 steps
@@ -20,40 +21,12 @@ ARGS = TINY + ['--gradient_accumulation_steps=6', '--eval_interval=4', '--eval_i
                '--warmup_iters=2', '--learning_rate=1e-2', '--lr_decay_iters=8', '--min_lr=1e-3', '--grad_clip=0.1']
 
 
-def eval_losses(out_dir):
-    return {r['iter']: (r['train_loss'], r['val_loss']) for r in read_log(out_dir) if 'val_loss' in r}
-
-
-def assert_same_losses(got, want, iters):
-    assert set(iters) <= set(got), f"logged iterations {sorted(got)}, expected {iters}"
-    for i in iters:
-        assert got[i] == pytest.approx(want[i], rel=1e-5), f"iter {i}: {got[i]} vs train.py's {want[i]}"
-
-
-def assert_same_checkpoint(path, ref_path, atol=1e-5):
-    """Same iteration, same parameters and the same AdamW moments (position by position) as the reference.
-    Parameters to 1e-5 = 1/1000 of one step at lr 1e-2: AdamW divides by sqrt(v), so on an element whose gradient
-    is nearly zero the rounding of a different summation order (ranks, shards) grows to ~1e-6..1e-5."""
-    got, want = (torch.load(p, map_location='cpu', weights_only=False) for p in (path, ref_path))
-    assert got['iter_num'] == want['iter_num']
-    assert got['model'].keys() == want['model'].keys()
-    for k in want['model']:
-        torch.testing.assert_close(got['model'][k], want['model'][k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
-    assert got['optimizer']['state'].keys() == want['optimizer']['state'].keys()
-    for i, state in want['optimizer']['state'].items():
-        for k in ('exp_avg', 'exp_avg_sq'):
-            torch.testing.assert_close(got['optimizer']['state'][i][k], state[k], atol=1e-6, rtol=1e-4)
-        assert float(got['optimizer']['state'][i]['step']) == float(state['step'])
-    assert [len(g['params']) for g in got['optimizer']['param_groups']] == \
-        [len(g['params']) for g in want['optimizer']['param_groups']]
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     """ref: train.py for 8 iterations. a: DDP on 2 ranks for 4, then train.py resumes to 8. b: train.py for 4
     (kept as ref4), then DDP on 3 ranks resumes to 8."""
-    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('ref', 'a', 'b')}
-    check(run_script('train.py', ARGS + [f'--out_dir={d["ref"]}', '--max_iters=8']))
+    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('a', 'b')}
+    d['ref'] = train_py_reference(ARGS + ['--max_iters=8'], tmp_path_factory)
     check(run_script('train_ddp.py', ARGS + [f'--out_dir={d["a"]}', '--max_iters=4'], nproc=2))
     d['a4'] = os.path.join(d['a'], 'ckpt4.pt')
     shutil.copy(os.path.join(d['a'], 'ckpt.pt'), d['a4'])
@@ -138,7 +111,8 @@ def test_world_larger_than_the_batch_is_one_line():
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, WORLD_SIZE='3'))
     assert proc.returncode == 1 and proc.stdout == ''
     assert proc.stderr.strip().count('\n') == 0, proc.stderr
-    assert proc.stderr.startswith('error: gradient_accumulation_steps (2) must be divisible by the data-parallel size dp=3')
+    assert proc.stderr.startswith('error: gradient_accumulation_steps (2) must be divisible by the data-parallel '
+                                  'size dp=3')
 
 
 def test_missing_data_set_is_one_line_on_every_rank(tmp_path):

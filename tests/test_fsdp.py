@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from helpers import REPO, TINY, check, read_log, run_script, spawn, train_losses
-from test_ddp import (ARGS, assert_same_checkpoint, assert_same_losses, assert_survivors_fail_when_a_rank_dies,
-                      eval_losses)
+from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, read_log,
+                     run_script, spawn, train_losses, train_py_reference)
+from test_ddp import ARGS, assert_survivors_fail_when_a_rank_dies
 
 import pytest
 
@@ -19,9 +19,9 @@ def runs(tmp_path_factory):
     """ref: train.py for 8 iterations. f: FSDP on 2 ranks for 4 (sharded checkpoint + exported ckpt.pt), then
     resumed from the sharded checkpoint alone to 8. g: a copy of f at 4 that train.py continues from the exported
     ckpt.pt. h: FSDP on 3 ranks for 8 with activation checkpointing (recompute changes no number)."""
-    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('ref', 'f', 'h')}
+    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('f', 'h')}
     d['g'] = d['f'] + '_g'
-    check(run_script('train.py', ARGS + [f'--out_dir={d["ref"]}', '--max_iters=8']))
+    d['ref'] = train_py_reference(ARGS + ['--max_iters=8'], tmp_path_factory)
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=4'], nproc=2))
     d['f_log4'] = train_losses(d['f'])
     shutil.copytree(d['f'], d['g'])

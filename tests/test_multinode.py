@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY, check, free_port, read_log, run_script, train_losses
+from helpers import REPO, TINY, assert_same_losses, free_port, read_log, train_losses, train_py_reference
 
 ARGS = TINY + ['--gradient_accumulation_steps=2', '--max_iters=3', '--eval_interval=3', '--log_interval=1',
                '--peak_flops=1e12']
@@ -61,9 +61,7 @@ def assert_mfu_per_device(out_dir, world_size):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp('train'))
-    check(run_script('train.py', ARGS + [f'--out_dir={out}']))
-    return out
+    return train_py_reference(ARGS, tmp_path_factory)
 
 
 def test_train_py_mfu_is_per_device(reference):
@@ -74,10 +72,7 @@ def test_train_py_mfu_is_per_device(reference):
 def test_two_nodes_train_train_py_curve(reference, tmp_path, script):
     out = str(tmp_path)
     run_two_nodes(script, ARGS + SCRIPTS[script] + [f'--out_dir={out}'])
-    want, got = train_losses(reference), train_losses(out)
-    assert sorted(got) == sorted(want) == [0, 1, 2]
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5), (script, it, got[it], want[it])
+    assert_same_losses(train_losses(out), train_losses(reference), [0, 1, 2])
     assert_mfu_per_device(out, 2)
     # the loopback counter cannot tell one node's traffic from the other's: the scripts say so instead of guessing
     for r in read_log(out):

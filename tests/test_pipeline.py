@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from helpers import TINY, check, read_log, run_script, spawn, train_losses
+from helpers import (TINY, assert_same_losses, check, eval_losses, read_log, run_script, spawn, train_losses,
+                     train_py_reference)
 
 LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
@@ -159,21 +160,9 @@ ARGS = [a for a in TINY if not a.startswith('--n_layer')] + [
     '--lr_decay_iters=6', '--learning_rate=1e-2', '--min_lr=1e-3']
 
 
-def _assert_same(got, want, iters):
-    assert sorted(got) == list(iters), got
-    for it in iters:
-        assert abs(got[it] - want[it]) <= 1e-5 * abs(want[it]), (it, got[it], want[it])
-
-
-def _val_losses(out_dir):
-    return {r['iter']: r['val_loss'] for r in read_log(out_dir) if 'val_loss' in r}
-
-
 @pytest.fixture(scope='module')
 def baseline(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp('train'))
-    check(run_script('train.py', ARGS + [f'--out_dir={out}', '--max_iters=6']))
-    return out
+    return train_py_reference(ARGS + ['--max_iters=6'], tmp_path_factory)
 
 
 def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, tmp_path):
@@ -187,9 +176,9 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
     check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=4))
     check(run_script('train.py', ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume']))
     want = train_losses(baseline)
-    _assert_same(train_losses(pipe), want, range(6))
-    _assert_same(_val_losses(pipe), _val_losses(baseline), [0, 3, 6])
-    _assert_same(train_losses(full), want, range(3, 6))
+    assert_same_losses(train_losses(pipe), want, range(6))
+    assert_same_losses(eval_losses(pipe), eval_losses(baseline), [0, 3, 6])
+    assert_same_losses(train_losses(full), want, range(3, 6))
     rows = [r for r in read_log(pipe) if 'rank' in r and r['iter'] == 5]  # the resumed run's last step
     assert sorted(r['rank'] for r in rows) == [0, 1]  # one row per stage (of dp replica 0)
     for r in rows:
@@ -216,8 +205,8 @@ def test_pp4_gpipe_loss_curve_equals_train_py(baseline, tmp_path):
     out = str(tmp_path)
     proc = check(run_script('pipeline.py', ARGS + ['--pp=4', '--schedule=gpipe', '--n_microbatches=2',
                                                    f'--out_dir={out}', '--max_iters=6'], nproc=4))
-    _assert_same(train_losses(out), train_losses(baseline), range(6))
-    _assert_same(_val_losses(out), _val_losses(baseline), [0, 3, 6])
+    assert_same_losses(train_losses(out), train_losses(baseline), range(6))
+    assert_same_losses(eval_losses(out), eval_losses(baseline), [0, 3, 6])
     assert 'stage 3 |' in proc.stdout and 'bubble (not computing)' in proc.stdout
     rows = [r for r in read_log(out) if 'rank' in r]
     assert sorted(r['stage'] for r in rows) == [0, 1, 2, 3]

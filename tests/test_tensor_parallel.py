@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY, check, read_log, run_script, spawn, train_losses
+from helpers import TINY, assert_same_losses, check, read_log, run_script, spawn, train_losses, train_py_reference
 
 # Both layouts, shapes that divide by tp = 1, 2, 4. LLaMA: grouped-query attention (8 heads, 4 KV heads), untied,
 # and a vocabulary of 97 so that the vocabulary split is uneven.
@@ -225,12 +225,6 @@ LLAMA = ['--n_embd=32', '--n_head=8', '--n_kv_head=4', '--norm=rmsnorm', '--mlp=
          '--tie_embeddings=False']
 
 
-def _assert_same_curve(got, want, iters):
-    assert sorted(got) == list(iters), got
-    for it in iters:
-        assert got[it] == pytest.approx(want[it], rel=TOL), (it, got, want)
-
-
 def test_dropout_masks_differ_per_rank_in_the_tp_region_and_agree_outside_it(spawned):
     """Megatron's RNG: the tp ranks hold identical heads here, yet their attention outputs differ (each rank's
     heads draw their own masks); the block's output, replicated on the tp ranks, is the same on both, and so is
@@ -241,10 +235,9 @@ def test_dropout_masks_differ_per_rank_in_the_tp_region_and_agree_outside_it(spa
         assert np.array_equal(block0, block1) and np.array_equal(rand0, rand1)
 
 
-def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path):
-    ref, tp_dir, full = tmp_path / 'train', tmp_path / 'tp', tmp_path / 'full'
-    check(run_script('train.py', FLAGS + [f'--out_dir={ref}']))
-    want = train_losses(ref)
+def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path, tmp_path_factory):
+    tp_dir, full = tmp_path / 'tp', tmp_path / 'full'
+    want = train_losses(train_py_reference(FLAGS, tmp_path_factory))
     # dp=2 x tp=2: the first 2 iterations, one checkpoint per rank; consolidated offline into a train.py ckpt.pt
     check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
     check(run_script('tensor_parallel.py', [f'--consolidate={tp_dir}']))
@@ -254,8 +247,8 @@ def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path):
     # resume the tp run to iter 4, and continue the consolidated checkpoint in train.py
     check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--init_from=resume', f'--out_dir={tp_dir}'], nproc=4))
     check(run_script('train.py', FLAGS + ['--init_from=resume', f'--out_dir={full}']))
-    _assert_same_curve(train_losses(tp_dir), want, range(4))
-    _assert_same_curve(train_losses(full), want, range(4))  # 0-1 from the tp run, 2-3 from train.py
+    assert_same_losses(train_losses(tp_dir), want, range(4))
+    assert_same_losses(train_losses(full), want, range(4))  # 0-1 from the tp run, 2-3 from train.py
     rows = [r for r in read_log(tp_dir) if 'rank' in r]
     assert sorted(r['rank'] for r in rows if r['iter'] == 0) == [0, 1, 2, 3]
     for r in rows:
@@ -276,12 +269,11 @@ def test_resume_with_dropout_is_exact(tmp_path):
     assert train_losses(split) == train_losses(whole)
 
 
-def test_llama_gqa_tp4_sequence_parallel_matches_train_py(tmp_path):
-    ref, tp_dir = tmp_path / 'train', tmp_path / 'tp'
-    check(run_script('train.py', FLAGS + LLAMA + [f'--out_dir={ref}']))
+def test_llama_gqa_tp4_sequence_parallel_matches_train_py(tmp_path, tmp_path_factory):
+    tp_dir, ref = tmp_path / 'tp', train_py_reference(FLAGS + LLAMA, tmp_path_factory)
     check(run_script('tensor_parallel.py', FLAGS + LLAMA + ['--tp=4', '--sequence_parallel=True',
                                                             f'--out_dir={tp_dir}'], nproc=4))
-    _assert_same_curve(train_losses(tp_dir), train_losses(ref), range(4))
+    assert_same_losses(train_losses(tp_dir), train_losses(ref), range(4))
     rows = [r for r in read_log(tp_dir) if 'rank' in r]
     assert sorted(r['rank'] for r in rows) == [0, 1, 2, 3] and all(r['sequence_parallel'] for r in rows)
     assert all(r['tp_activation_wire_bytes_formula'] == pytest.approx(r['tp_comm_bytes_formula']) for r in rows)
