@@ -79,10 +79,14 @@ config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
 
-def shard_model(model, mesh, mp_policy):
+def shard_model(model, device_type, dp_size, dtype):
     """FSDP2: one sharded group per block, and the root group for the rest (embeddings, final norm, the tied
     head). fully_shard turns each parameter into a DTensor that holds this rank's slice of dim 0 (the last
-    ranks' slices are shorter when dim 0 does not divide)."""
+    ranks' slices are shorter when dim 0 does not divide). bfloat16 is FSDP's MixedPrecisionPolicy: bf16 compute
+    and all-gathers, fp32 sharded master weights, fp32 gradient reduction."""
+    mesh = init_device_mesh(device_type, (dp_size,))
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if dtype == 'bfloat16' else MixedPrecisionPolicy()
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -184,13 +188,13 @@ def save_sharded(state, extras, path, master_process):
     dist.barrier()
 
 
-def export_full(model, optimizer, scaler, rng_states, iter_num, best_val_loss, cfg, writer):
+def export_full(model, optimizer, rng_states, iter_num, best_val_loss, cfg, writer):
     """out_dir/ckpt.pt in train.py's format (rank 0 writes it in the background): every rank must call it."""
     model_sd, optim_sd = full_checkpoint_state(model, optimizer)
     if model_sd:
         path = os.path.join(cfg.out_dir, 'ckpt.pt')
         writer.save(train_checkpoint(model_sd, optim_sd, rng_states, vars(model.config), iter_num, best_val_loss,
-                                     vars(cfg), scaler.state_dict()), path)
+                                     vars(cfg)), path)
         print(f"exported {path} (train.py's format) at iter {iter_num}")
 
 
@@ -227,7 +231,7 @@ def load_sharded(model, optimizer, path):
     set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optimizer'])
 
 
-def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp, on_micro_step=None):
+def train_step(model, optimizer, batches, ctx, grad_clip, dp, on_micro_step=None):
     """train.py's iteration on this rank's micro-batches: FSDP2 gathers each block's parameters around its
     forward and backward and reduce-scatters the gradients in the last micro-step's backward. on_micro_step()
     runs after each backward (to measure). Returns the mean loss over the global batch."""
@@ -240,14 +244,12 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp, on_micro_s
             _, loss = model(x, y)
             loss = loss / len(batches)  # the gradient is the mean over the whole batch (FSDP averages ranks)
         loss_sum += loss.detach()
-        scaler.scale(loss).backward()
+        loss.backward()
         if on_micro_step is not None:
             on_micro_step()
     if grad_clip != 0.0:
-        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the norm of all ranks' shards
-    scaler.step(optimizer)
-    scaler.update()
+    optimizer.step()
     dp.all_reduce(loss_sum)
     return loss_sum.item() / dp.size
 
@@ -268,10 +270,7 @@ def main(argv):
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, 'float32')  # no autocast: the MixedPrecisionPolicy below casts instead
-    mesh = init_device_mesh(device_type, (dp_size,))
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.dtype == 'bfloat16' else MixedPrecisionPolicy()
+    ctx = autocast_context(device_type, 'float32')  # no autocast: the MixedPrecisionPolicy casts instead
 
     # data
     data, vocab_size = load_dataset(cfg.dataset)
@@ -284,8 +283,7 @@ def main(argv):
     model.to(cfg.device)
     if master_process:
         print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
-    model = shard_model(model, mesh, mp_policy)  # every rank built the same full model; now each keeps 1/N
-    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
+    model = shard_model(model, device_type, dp_size, cfg.dtype)  # every rank built the full model; now each keeps 1/N
     # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
@@ -294,7 +292,6 @@ def main(argv):
         else:
             optimizer.load_state_dict(checkpoint['optimizer'])
             shard_optimizer_state(optimizer)
-        scaler.load_state_dict(checkpoint['scaler'])
         restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
     else:
         seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
@@ -323,7 +320,7 @@ def main(argv):
                 best_val_loss = min(best_val_loss, losses['val'])
                 model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # this rank's shards, keyed by name
                 extras = train_checkpoint(None, None, gather_rng_states(dp), vars(raw_model.config), iter_num,
-                                          best_val_loss, vars(cfg), scaler.state_dict())
+                                          best_val_loss, vars(cfg))
                 save_sharded({'model': model_sd, 'optimizer': optim_sd}, extras, sharded_path, master_process)
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
@@ -331,7 +328,7 @@ def main(argv):
 
         # one iteration, then its log line (the first also logs what each rank holds)
         batches = micro_batches(data, cfg, iter_num, dp_rank, dp_size)
-        loss = train_step(model, optimizer, scaler, batches, ctx, cfg.grad_clip, dp,
+        loss = train_step(model, optimizer, batches, ctx, cfg.grad_clip, dp,
                           grad_peak.update if grad_peak else None)
         if grad_peak is not None:  # once, while the gradients and the AdamW state exist
             log_held_bytes(cfg.out_dir, iter_num, model, optimizer, grad_peak.peak, len(batches), master_process)
@@ -343,7 +340,7 @@ def main(argv):
     profiler.stop()
 
     if cfg.export:  # one train.py-format checkpoint of the state from which iteration iter_num starts
-        export_full(raw_model, optimizer, scaler, gather_rng_states(dp), iter_num, best_val_loss, cfg, writer)
+        export_full(raw_model, optimizer, gather_rng_states(dp), iter_num, best_val_loss, cfg, writer)
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (each forward gathers the shards)
         print_sample(raw_model, cfg, ctx, show=master_process)
     writer.wait()
