@@ -1020,7 +1020,7 @@ reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or dist.red
 # What a ring algorithm sends per rank, as a multiple of the full tensor's bytes (n ranks in the group): an
 # all-reduce is a reduce-scatter then an all-gather. A send moves the tensor once.
 RING_FACTOR = {'all_reduce': lambda n: 2 * (n - 1) / n, 'reduce_scatter': lambda n: (n - 1) / n,
-               'all_gather': lambda n: (n - 1) / n, 'send': lambda n: 1.0}
+               'all_gather': lambda n: (n - 1) / n, 'all_to_all': lambda n: (n - 1) / n, 'send': lambda n: 1.0}
 
 
 class Comm:
@@ -1070,20 +1070,45 @@ class Comm:
         self.count('all_gather', full)
         return all_gather_single(full, shard, group=self.group, async_op=async_op)
 
-    def send_recv(self, sends, recvs):
+    def all_to_all(self, out, inp):
+        """out's i-th 1/size slice (dim 0) = rank i's inp's slice for this rank: each rank sends (size-1)/size."""
+        if self.size == 1:
+            out.copy_(inp)
+            return None
+        self.count('all_to_all', inp)
+        return dist.all_to_all_single(out, inp, group=self.group)
+
+    def global_rank(self, group_rank):
+        """The global rank of this group's rank group_rank (point-to-point calls take global ranks)."""
+        if self.size == 1:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
+
+    def send_recv(self, sends, recvs, kind='send'):
         """Post sends [(tensor, global peer rank)] and receives [(buffer, peer)] together in one batch_isend_irecv
         (as Megatron does: two neighbours sending to each other at once cannot deadlock, on NCCL too).
         Returns (works of the sends, works of the receives); the caller waits for them."""
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
         for t, _ in sends:
-            self.count('send', t)
+            self.count(kind, t, 'send')
         if not ops:
             return [], []
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a backend that coalesces the batch into one work: it covers everything
             return [], works
         return works[:len(sends)], works[len(sends):]
+
+
+def average_gradients(params, comm):
+    """Data parallelism by hand: every gradient averaged over comm's ranks, in one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if comm.size > 1 and grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce(flat)
+        flat /= comm.size
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
 
 
 def comm_report(comms):

@@ -29,11 +29,11 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
-                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
-                   init_distributed, init_model, load_dataset, log_rank_rows, micro_batches, outputs_line,
-                   param_groups, process_grid, profiled, progress, rng_state, run_main, run_shape, save_checkpoint,
-                   saved_bytes_counter, seed_dropout, set_lr, set_rng_state, should_evaluate, should_save,
-                   world_size_from_env)
+                   average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
+                   finish_distributed, get_lr, init_distributed, init_model, load_dataset, log_rank_rows,
+                   micro_batches, outputs_line, param_groups, process_grid, profiled, progress, rng_state, run_main,
+                   run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
+                   should_evaluate, should_save, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -467,15 +467,6 @@ def sync_tp_grads(layout, tp):
             gr.copy_(new.view_as(gr))
 
 
-def sync_dp_grads(params, dp):
-    """Data parallelism: average every gradient over the dp ranks (one flat all-reduce)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if dp.size > 1 and grads:
-        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), dp) / dp.size
-        for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
-            gr.copy_(new.view_as(gr))
-
-
 def clip_grad_norm(layout, tp, max_norm):
     """torch.nn.utils.clip_grad_norm_ over the whole model: the split parameters' squares summed over the tp
     ranks, the replicated ones counted once."""
@@ -665,7 +656,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
         loss_sum += loss.detach()
         loss.backward()
     sync_tp_grads(layout, tp)
-    sync_dp_grads([p for p, _ in layout.values()], dp)
+    average_gradients([p for p, _ in layout.values()], dp)  # data parallelism over the replicas
     if grad_clip != 0.0:
         clip_grad_norm(layout, tp, grad_clip)
     optimizer.step()

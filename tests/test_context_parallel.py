@@ -1,0 +1,169 @@
+"""context_parallel.py: ring attention and Ulysses, each on cp = 2 and 4 ranks, equal dense causal attention (its
+output and the gradients of q, k, v) and the whole model (loss and every gradient) with learned positions and with
+RoPE + grouped-query attention; the bytes they hand to the ring or the all-to-alls are the formula's; the script
+trains train.py's curve for cp=2 and dp=2 x cp=2, resumes exactly, and rejects bad input on every rank.
+
+torch.distributed.tensor.experimental.context_parallel is not compared here: on a CPU it fails with "Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered" (torch
+2.14), so it has no CPU run to compare against."""
+import copy
+
+import pytest
+import torch
+
+from helpers import (TINY, assert_same_losses, check, eval_losses, read_log, run_script, spawn, train_losses,
+                     train_py_reference)
+
+TOL = 1e-5
+LAYOUTS = {
+    'gpt2': dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=40, bias=True),
+    'llama': dict(n_layer=2, n_head=8, n_kv_head=4, n_embd=32, block_size=16, vocab_size=40, bias=False,
+                  pos='rope', norm='rmsnorm', mlp='swiglu', tie_embeddings=False),
+}
+
+
+def _rel_err(a, b):
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+
+def _checks(rank, world_size):
+    """For cp = 2 (ranks {0, 1} and {2, 3}) and cp = 4, ring and Ulysses: one attention call and the whole model,
+    against the dense computation on the same inputs."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import context_parallel as cpm
+    from model import GPT, Comm, GPTConfig, average_gradients
+    groups = {2: [dist.new_group(r.tolist()) for r in torch.arange(4).view(2, 2)], 4: [None]}
+    results = {}
+    for C in (2, 4):
+        comm = Comm(groups[C][rank // C], 'cp')
+        for attention in ('ring', 'ulysses'):
+            cp = cpm.ContextParallel(comm, attention)
+            # one attention call: 8 query heads, 4 kv heads, 16 tokens
+            gen = torch.Generator().manual_seed(0)
+            q, k, v = torch.randn(2, 8, 16, 4, generator=gen), *torch.randn(2, 2, 4, 16, 4, generator=gen)
+            w = torch.randn(2, 8, 16, 4, generator=gen)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                 is_causal=True)
+            (ref * w).sum().backward()
+            cp.positions = pos = cpm.zigzag_positions(16, C, comm.rank)
+            local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+            attend = cpm.RingAttention.apply if attention == 'ring' else cpm.ulysses_attention
+            out = attend(*local, cp)
+            (out * w[:, :, pos]).sum().backward()
+            attn_err = max(_rel_err(out, ref[:, :, pos]),
+                           *(_rel_err(mine.grad, full.grad[:, :, pos]) for mine, full in zip(local, (q, k, v))))
+            # the whole model
+            for name, layout in LAYOUTS.items():
+                config = GPTConfig(**layout)
+                torch.manual_seed(0)
+                dense = GPT(config)
+                gen = torch.Generator().manual_seed(1)
+                x, y = torch.randint(0, 40, (2, 16), generator=gen), torch.randint(0, 40, (2, 16), generator=gen)
+                _, dense_loss = dense(x, y)
+                dense_loss.backward()
+                model = copy.deepcopy(dense)
+                model.zero_grad(set_to_none=True)
+                cpm.shard_sequence(model, cp)
+                comm.clear()
+                _, loss = cpm.cp_forward(model, x, y, cp)
+                loss.backward()
+                sent = sum(v for kind, v in comm.wire_bytes_formula.items() if kind in ('kv', 'dkv', 'all_to_all'))
+                average_gradients(model.parameters(), comm)
+                mean_loss = loss.detach().clone()
+                comm.all_reduce(mean_loss)
+                results[(C, attention, name)] = dict(
+                    attn_err=attn_err, loss_err=_rel_err(mean_loss / C, dense_loss.detach()),
+                    grad_err=max(_rel_err(a.grad, b.grad) for a, b in zip(model.parameters(), dense.parameters())),
+                    sent=sent, sent_formula=config.n_layer * cpm.cp_comm_bytes_formula(
+                        16, 2, config.n_head, config.n_kv_head, config.n_embd // config.n_head, C, attention))
+    return results
+
+
+@pytest.fixture(scope='module')
+def spawned():
+    """One spawn of 4 gloo processes runs every in-process check."""
+    return spawn(_checks, 4)
+
+
+@pytest.mark.parametrize('C', [2, 4])
+@pytest.mark.parametrize('attention', ['ring', 'ulysses'])
+@pytest.mark.parametrize('layout', list(LAYOUTS))
+def test_equals_dense_attention_and_model(spawned, C, attention, layout):
+    for rank, results in enumerate(spawned):
+        r = results[(C, attention, layout)]
+        assert r['attn_err'] < TOL, (rank, r)  # the attention's output and the gradients of q, k and v
+        assert r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)  # the loss and every parameter's gradient
+        assert r['sent'] == pytest.approx(r['sent_formula']) and r['sent'] > 0, (rank, r)  # counted calls
+
+
+# --- the script -------------------------------------------------------------------------------------------------
+
+FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
+                '--learning_rate=1e-2', '--warmup_iters=1']
+LLAMA = ['--n_embd=32', '--n_head=4', '--n_kv_head=2', '--norm=rmsnorm', '--mlp=swiglu', '--pos=rope',
+         '--tie_embeddings=False']
+
+
+def test_ring_cp2_and_ulysses_dp2_x_cp2_train_train_py_curve(tmp_path, tmp_path_factory):
+    ref = train_py_reference(FLAGS + LLAMA, tmp_path_factory)
+    ring, ulysses = tmp_path / 'ring', tmp_path / 'ulysses'
+    check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', f'--out_dir={ring}'], nproc=2))
+    check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', '--cp_attention=ulysses',
+                                                             f'--out_dir={ulysses}'], nproc=4))
+    for out in (ring, ulysses):
+        assert_same_losses(train_losses(out), train_losses(ref), range(4))
+        assert_same_losses(eval_losses(out), eval_losses(ref), [0, 2, 4])
+    for out, attention in ((ring, 'ring'), (ulysses, 'ulysses')):
+        rows = [r for r in read_log(out) if 'rank' in r]
+        assert len(rows) == (2 if attention == 'ring' else 4)
+        for r in rows:
+            assert r['cp_attention'] == attention
+            assert r['cp_attention_bytes'] == pytest.approx(r['cp_attention_bytes_formula'])
+            # each rank keeps 1/cp of the sequence: its block's saved activations are near 1/cp of the formula's
+            # whole-sequence count (no s x s scores kept here; the ring keeps q, k, v, the output and its lse)
+            assert 0 < r['activation_bytes'] < 2 * r['activation_bytes_formula'], r
+            assert r['attention_compute_s'] > 0
+
+
+def test_resume_is_exact_and_train_py_continues(tmp_path, tmp_path_factory):
+    """cp=2 for 2 iterations, resumed to 4: train.py's curve; train.py continues from the same checkpoint too."""
+    ref = train_py_reference(FLAGS, tmp_path_factory)
+    split = tmp_path / 'split'
+    check(run_script('context_parallel.py', FLAGS + ['--cp=2', '--max_iters=2', f'--out_dir={split}'], nproc=2))
+    copy_dir = tmp_path / 'train_py'
+    copy_dir.mkdir()
+    for name in ('ckpt.pt', 'log.jsonl'):
+        (copy_dir / name).write_bytes((split / name).read_bytes())
+    check(run_script('context_parallel.py', FLAGS + ['--cp=2', '--init_from=resume', f'--out_dir={split}'], nproc=2))
+    check(run_script('train.py', FLAGS + ['--init_from=resume', f'--out_dir={copy_dir}']))
+    assert_same_losses(train_losses(split), train_losses(ref), range(4))
+    assert_same_losses(train_losses(copy_dir), train_losses(ref), range(4))
+
+
+BAD = [
+    (2, ['--cp=3'], 'world size 2 is not divisible by cp=3'),
+    (2, ['--cp=2', '--block_size=18'], 'block_size (18) must be divisible by 2 x cp = 4'),
+    (4, ['--cp=4', '--cp_attention=ulysses', '--n_head=4', '--n_kv_head=2'], 'n_kv_head (2) divisible by cp=4'),
+    (2, ['--cp=2', '--cp_attention=stripes'], "cp_attention must be 'ring' or 'ulysses'"),
+    (2, ['--cp=2', '--dropout=0.1'], 'needs dropout=0.0'),
+]
+
+
+@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'chunks', 'heads', 'kind', 'dropout'])
+def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
+    import context_parallel
+    monkeypatch.setenv('WORLD_SIZE', str(world))
+    with pytest.raises(SystemExit) as e:
+        context_parallel.main(TINY + [f'--out_dir={tmp_path}'] + args)
+    assert isinstance(e.value.code, str) and e.value.code.startswith('error:') and message in e.value.code
+    assert '\n' not in e.value.code
+
+
+def test_bad_config_exits_on_every_rank(tmp_path):
+    proc = run_script('context_parallel.py', TINY + [f'--out_dir={tmp_path}', '--cp=2', '--block_size=18'],
+                      nproc=2, timeout=60)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if 'error:' in line]
+    assert sorted(line.split(']')[0] for line in lines) == ['[rank 0', '[rank 1'], proc.stderr
