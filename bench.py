@@ -268,6 +268,8 @@ def bench_rows(world_size, n_microbatches):
         'tp_sp': ('tensor_parallel.py', [f'--tp={w}', '--sequence_parallel=True'], w),
         'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}'], w),
         'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}'], w),
+        'cp_ring': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ring'], w),
+        'cp_ulysses': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ulysses'], w),
     }
 
 
@@ -521,10 +523,10 @@ def run_bench(args):
         raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
     if args.world_size < 2 and any(rows[n][2] > 1 for n in selected):
         raise SystemExit("error: distributed rows need --world_size >= 2")
-    if any(n.startswith(('tp', 'pp')) for n in selected) and (args.n_head % args.world_size or
-                                                             args.n_layer % args.world_size):
+    if any(n.startswith(('tp', 'pp', 'cp')) for n in selected) and (args.n_head % args.world_size or
+                                                                   args.n_layer % args.world_size):
         raise SystemExit(f"error: n_head ({args.n_head}) and n_layer ({args.n_layer}) must be divisible by "
-                         f"--world_size={args.world_size} for the tp and pp rows")
+                         f"--world_size={args.world_size} for the tp, pp and cp rows")
     load_dataset('stdlib_char')  # prepare the data once, before the rows race to do it
     runs_dir = os.path.join(args.out, 'runs')
     os.makedirs(runs_dir, exist_ok=True)

@@ -509,7 +509,9 @@ def check_config(cfg, world_size):
 class FirstStepReport:
     """Activation bytes one layer saves for backward, measured (on this rank's tokens of the first micro-batch)
     beside 1/cp of Korthikanti et al.'s count for the whole sequence; the bytes sent in the step by kind (counted
-    at the calls, the formula, the wire); and the attention's time split into computing and waiting."""
+    at the calls, the formula, the wire); and the attention's time split into computing and waiting on
+    communication. Ring: its block math forward and backward, and the waits for the ring's exchanges. Ulysses:
+    its forward attention (the backward runs inside autograd, untimed) and the all-to-alls, forward and back."""
 
     def __init__(self, model, cp, dp_cp, cfg, first_iter, ctx):
         self.model, self.cp, self.dp_cp, self.cfg, self.ctx = model, cp, dp_cp, cfg, ctx
