@@ -268,6 +268,8 @@ def bench_rows(world_size, n_microbatches):
         'tp_sp': ('tensor_parallel.py', [f'--tp={w}', '--sequence_parallel=True'], w),
         'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}'], w),
         'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}'], w),
+        'pp_interleaved': ('pipeline.py', [f'--pp={w}', '--schedule=interleaved', '--virtual_stages=2',
+                                           f'--n_microbatches={n_microbatches}'], w),
         'cp_ring': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ring'], w),
         'cp_ulysses': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ulysses'], w),
     }

@@ -1085,12 +1085,12 @@ class Comm:
         return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
 
     def send_recv(self, sends, recvs, kind='send'):
-        """Post sends [(tensor, global peer rank)] and receives [(buffer, peer)] together in one batch_isend_irecv
-        (as Megatron does: two neighbours sending to each other at once cannot deadlock, on NCCL too).
-        Returns (works of the sends, works of the receives); the caller waits for them."""
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        for t, _ in sends:
+        """Post sends [(tensor, global peer rank[, tag])] and receives [(buffer, peer[, tag])] together in one
+        batch_isend_irecv (as Megatron does: two neighbours sending to each other at once cannot deadlock, on NCCL
+        too). Returns (works of the sends, works of the receives); the caller waits for them."""
+        ops = [dist.P2POp(dist.isend, t, peer, tag=rest[0] if rest else 0) for t, peer, *rest in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=rest[0] if rest else 0) for t, peer, *rest in recvs]
+        for t, *_ in sends:
             self.count(kind, t, 'send')
         if not ops:
             return [], []

@@ -71,7 +71,8 @@ profile = 0                     # trace this many steps with torch.profiler: out
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 # pipeline
 pp = 2                          # pipeline stages; world size = dp * pp
-schedule = '1f1b'               # 'gpipe' or '1f1b'
+schedule = '1f1b'               # 'gpipe', '1f1b' or 'interleaved' (Megatron's interleaved 1F1B)
+virtual_stages = 1              # interleaved: model chunks per rank (each rank holds v non-adjacent groups of layers)
 n_microbatches = 4              # microbatches per micro-step: batch_size sequences cut into this many
 consolidate = ''                # a directory: write out_dir's stage checkpoints there as one train.py ckpt.pt, exit
 config = config_defaults(globals())
@@ -85,37 +86,48 @@ def bubble_fraction_formula(p, m, v=1):
     return (p - 1) / (v * m + p - 1)
 
 
-def peak_microbatches_formula(schedule_name, p, m, stage):
-    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m)."""
-    return m if schedule_name == 'gpipe' else min(p - stage, m)
+def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
+    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m);
+    interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a chunk's worth."""
+    if schedule_name == 'gpipe':
+        return m
+    if schedule_name == 'interleaved':
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return min(p - stage, m)
 
 
-def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None):
+def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
     """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b, s, h)
-    to the next stage (every stage but the last) and its gradient back (every stage but the first).
+    out of each of its v chunks (but the model's last) and its gradient back into each (but the model's first).
     stage=None: the busiest stage (a middle one when p > 2)."""
     if p == 1:
         return 0
-    directions = (2 if p > 2 else 1) if stage is None else int(stage < p - 1) + int(stage > 0)
-    return directions * m * b * s * h * bytes_per_elem
+    if stage is None:
+        return (2 * v if p > 2 else 2 * v - 1) * m * b * s * h * bytes_per_elem
+    return (2 * v - int(stage == p - 1) - int(stage == 0)) * m * b * s * h * bytes_per_elem
 
 
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
-    if cfg.schedule not in ('gpipe', '1f1b'):
-        raise SystemExit(f"error: schedule must be 'gpipe' or '1f1b', got {cfg.schedule!r}")
+    if cfg.schedule not in ('gpipe', '1f1b', 'interleaved'):
+        raise SystemExit(f"error: schedule must be 'gpipe', '1f1b' or 'interleaved', got {cfg.schedule!r}")
+    if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
+        raise SystemExit(f"error: virtual_stages={cfg.virtual_stages} needs schedule='interleaved' (and >= 1)")
     if cfg.pp < 1 or world_size % cfg.pp != 0:
         raise SystemExit(f"error: world size {world_size} is not divisible by pp={cfg.pp} (world = dp x pp)")
     check_batch(cfg, world_size // cfg.pp, world_size)
-    if cfg.n_layer % cfg.pp != 0:
-        raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp ({cfg.pp}): each stage gets "
-                         f"n_layer/pp blocks")
+    if cfg.n_layer % (cfg.pp * cfg.virtual_stages) != 0:
+        raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp ({cfg.pp}) x virtual_stages "
+                         f"({cfg.virtual_stages}): each stage gets n_layer/pp blocks, in virtual_stages chunks")
     if cfg.n_microbatches < 1 or cfg.batch_size % cfg.n_microbatches != 0:
         raise SystemExit(f"error: batch_size ({cfg.batch_size}) must be divisible into n_microbatches "
                          f"({cfg.n_microbatches}) equal microbatches")
     if cfg.schedule == '1f1b' and cfg.n_microbatches < cfg.pp:
         raise SystemExit(f"error: 1f1b needs n_microbatches ({cfg.n_microbatches}) >= pp ({cfg.pp}) to fill the "
                          f"pipeline")
+    if cfg.schedule == 'interleaved' and cfg.n_microbatches % cfg.pp:
+        raise SystemExit(f"error: interleaved needs n_microbatches ({cfg.n_microbatches}) to be a multiple of pp "
+                         f"({cfg.pp}): the microbatches go through the chunks in groups of pp")
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: pipeline.py trains in float32 or bfloat16, got dtype={cfg.dtype!r} (float16 would "
                          f"need one loss scale agreed by every stage)")
@@ -137,15 +149,17 @@ def embed_comm(grid, rank, tied):
     return comm
 
 
-def keep_stage(model, stage, pp_size):
+def keep_stage(model, stage, pp_size, virtual_stages=1):
     """Cut the full GPT down to this stage's part, in place: its n_layer/pp blocks (the others become Identity, so
     parameter names stay the full model's and the stage checkpoints merge by name), the embedding on the first
     stage, ln_f and lm_head on the last. With tied embeddings and pp > 1 the first stage's wte and the last stage's
-    lm_head are two copies of the one weight, kept equal by summing their gradients (as Megatron does)."""
-    n = model.config.n_layer // pp_size
-    layers = range(stage * n, (stage + 1) * n)
+    lm_head are two copies of the one weight, kept equal by summing their gradients (as Megatron does).
+    Returns the stage's chunks of layers: one, or with virtual stages v, the v non-adjacent chunks of the
+    interleaved schedule (chunk c of stage r is virtual stage c·pp + r)."""
+    n = model.config.n_layer // (pp_size * virtual_stages)
+    chunks = [range((c * pp_size + stage) * n, (c * pp_size + stage + 1) * n) for c in range(virtual_stages)]
     for i in range(model.config.n_layer):
-        if i not in layers:
+        if not any(i in chunk for chunk in chunks):
             model.transformer.h[i] = torch.nn.Identity()
     if stage != 0:
         model.transformer['wte'] = None
@@ -153,7 +167,7 @@ def keep_stage(model, stage, pp_size):
     if stage != pp_size - 1:
         model.transformer['ln_f'] = None
         model.lm_head = None
-    return layers
+    return chunks
 
 
 class Clock:
@@ -183,15 +197,17 @@ class Stage:
     """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
     boundary, and the record of what it executed and held during the last schedule."""
 
-    def __init__(self, model, layers, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
-        self.model, self.layers, self.index, self.pp = model, layers, index, pp_size
-        self.is_first, self.is_last = index == 0, index == pp_size - 1
-        self.prev_rank = None if self.is_first else int(grid_row[index - 1])
-        self.next_rank = None if self.is_last else int(grid_row[index + 1])
+    def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
+        self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
+        self.is_first, self.is_last = index == 0, index == pp_size - 1  # holds the embedding / the head and loss
+        # neighbours: with chunks, a ring (the last stage's chunk c feeds the first stage's chunk c + 1)
+        ring = len(chunks) > 1
+        self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
+        self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
         self.clock = Clock(device)
-        self.held = {}            # microbatch -> (input, output): the activations whose graph is alive
-        self.held_bytes = {}      # microbatch -> bytes autograd saved for its backward, measured
+        self.held = {}            # microbatch (and chunk) -> (input, output): activations whose graph is alive
+        self.held_bytes = {}      # microbatch (and chunk) -> bytes autograd saved for its backward, measured
         self.pending_sends = []   # sends not yet complete: each holds its tensor until it is
         self.splits = []          # every schedule's time split (compute, send/recv, other, bubble)
         self.loss_sum = torch.zeros((), device=device)
@@ -216,15 +232,18 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
     so there is no shape handshake. Returns (from_prev, from_next); the time spent is recorded as W."""
     start = stage.clock.mark()
     finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
-    sends = [(t.detach().contiguous(), peer) for t, peer in ((send_next, stage.next_rank), (send_prev, stage.prev_rank))
-             if t is not None]
+    # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two stages both
+    # go to the same peer, and the tags keep them apart
+    sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
+             ((send_next, stage.next_rank, 0), (send_prev, stage.prev_rank, 1)) if t is not None]
     from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
     from_next = torch.empty(stage.act_shape, device=stage.device) if recv_next else None
-    recvs = [(t, peer) for t, peer in ((from_prev, stage.prev_rank), (from_next, stage.next_rank)) if t is not None]
+    recvs = [(t, peer, tag) for t, peer, tag in ((from_prev, stage.prev_rank, 0), (from_next, stage.next_rank, 1))
+             if t is not None]
     send_works, recv_works = stage.comm.send_recv(sends, recvs)
     for w in recv_works:
         w.wait()
-    stage.pending_sends += [(w, t) for w, (t, _) in zip(send_works, sends)]
+    stage.pending_sends += [(w, t) for w, (t, _, _) in zip(send_works, sends)]
     stage.peak_pending_sends = max(stage.peak_pending_sends, len(stage.pending_sends))
     stage.records.append(('W', None, start, stage.clock.mark()))
     return from_prev, from_next
@@ -271,23 +290,25 @@ def send_backward_recv_forward(stage, dx):
 # one microbatch's forward and backward on this stage
 
 
-def forward_step(stage, i, x, idx, targets, loss_scale):
-    """F of microbatch i: embed (first stage) or take the received activation, run this stage's blocks, and on the
-    last stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
+def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
+    """F of microbatch i (with chunks: of chunk `chunk`, and i is (microbatch, chunk)): embed (the first chunk of
+    the first stage) or take the received activation, run the chunk's blocks, and after the last chunk of the last
+    stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
     start = stage.clock.mark()
-    model = stage.model
+    model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
+    first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
     hooks, saved = saved_bytes_counter(model)
     with stage.ctx, hooks:
-        if stage.is_first:
+        if first:
             x = None
-            h = model.embed(idx[i])
+            h = model.embed(idx[microbatch])
         else:
             x.requires_grad_(True)
             h = x
-        for layer in stage.layers:
+        for layer in stage.chunks[chunk]:
             h = model.run_block(model.transformer.h[layer], h)
-        if stage.is_last:
-            _, loss = model.head(h, targets[i])
+        if last:
+            _, loss = model.head(h, targets[microbatch])
             h = loss * loss_scale  # the gradient is the mean over the global batch
             stage.loss_sum += h.detach()
     # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
@@ -298,25 +319,25 @@ def forward_step(stage, i, x, idx, targets, loss_scale):
     stage.peak_held = max(stage.peak_held, len(stage.held))
     stage.peak_held_bytes = max(stage.peak_held_bytes, sum(stage.held_bytes.values()))
     stage.records.append(('F', i, start, stage.clock.mark()))
-    return None if stage.is_last else h
+    return None if last else h
 
 
-def backward_step(stage, i, grad_output):
-    """B of microbatch i: backpropagate from its loss (last stage) or from the received gradient of its output,
-    free its activations, return the gradient of its input (to send to the previous stage)."""
+def backward_step(stage, i, grad_output, chunk=0):
+    """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or from
+    the received gradient of its output, free its activations, return the gradient of its input (to send back)."""
     start = stage.clock.mark()
     x, out = stage.held.pop(i)
     stage.held_bytes.pop(i)
-    if stage.is_last:
+    if stage.is_last and chunk == len(stage.chunks) - 1:
         out.backward()
     else:
         torch.autograd.backward(out, grad_output)
     stage.records.append(('B', i, start, stage.clock.mark()))
-    return None if stage.is_first else x.grad
+    return None if stage.is_first and chunk == 0 else x.grad
 
 
 # -----------------------------------------------------------------------------
-# the two schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
+# the schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
 def gpipe(stage, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
     activations before the first backward; the bubble is (p-1) forward slots at the start plus (p-1) backward
@@ -359,7 +380,87 @@ def one_f_one_b(stage, m, idx, targets, loss_scale):
         send_backward(stage, dx)
 
 
-SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b}
+def interleaved_1f1b(stage, m, idx, targets, loss_scale):
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021). Each stage holds v chunks of layers; chunk c of stage r
+    is virtual stage c·p + r, so a microbatch goes around the ring of stages v times. The k-th forward of a stage
+    works on chunk (k mod p·v) // p and microbatch (k // p·v)·p + k mod p: groups of p microbatches through one
+    chunk, then the next chunk. Warm-up is 2(p-r-1) + (v-1)·p forwards, then one forward one backward, then the
+    remaining backwards; every exchange posts the sends and receives of that moment together, and received
+    tensors wait in a queue per chunk until their forward or backward comes. The bubble shrinks v times."""
+    p, v, r = stage.pp, len(stage.chunks), stage.index
+    total = m * v
+    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+
+    def chunk_of(k, forward=True):
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def microbatch_of(k):
+        return (k // (p * v)) * p + k % p
+
+    def is_first(c):  # the embedding's chunk
+        return r == 0 and c == 0
+
+    def is_last(c):  # the loss's chunk
+        return r == p - 1 and c == v - 1
+
+    inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # received, waiting for their F / B
+
+    def forward(k):
+        c = chunk_of(k)
+        x = None if is_first(c) else inputs[c].pop(0)
+        y = forward_step(stage, (microbatch_of(k), c), x, idx, targets, loss_scale, c)
+        return None if is_last(c) else y
+
+    def backward(k):
+        c = chunk_of(k, forward=False)
+        dy = None if is_last(c) else grads[c].pop(0)
+        dx = backward_step(stage, (microbatch_of(k), c), dy, c)
+        return None if is_first(c) else dx
+
+    if r != 0:
+        inputs[0].append(communicate(stage, recv_prev=True)[0])
+    # warm-up: forwards only (the last one also receives the first gradient)
+    for k in range(warmup):
+        y = forward(k)
+        recv_prev = not (r == 0 and chunk_of(k + 1) == 0) and k != total - 1
+        recv_next = k == warmup - 1 and warmup < total and r != p - 1
+        x, dy = communicate(stage, send_next=y, recv_prev=recv_prev, recv_next=recv_next)
+        if recv_prev:
+            inputs[chunk_of(k + 1)].append(x)
+        if recv_next:
+            grads[v - 1].append(dy)
+    # steady state: forward k + warmup, backward k, one exchange both ways
+    for k in range(total - warmup):
+        y, dx = forward(k + warmup), backward(k)
+        if r == 0:  # the first stage's next input comes from the last stage, p - 1 forwards behind
+            next_f = chunk_of(k + warmup - (p - 1)) + 1
+            recv_prev = next_f != v
+        else:
+            next_f, recv_prev = chunk_of(k + warmup + 1), True
+        if r == p - 1:  # the last stage's next gradient comes from the first stage, p - 1 backwards behind
+            next_b = chunk_of(k - (p - 1), forward=False) - 1
+            recv_next = next_b != -1
+        else:
+            next_b, recv_next = chunk_of(k + 1, forward=False), True
+        recv_prev = recv_prev and k != total - warmup - 1
+        x, dy = communicate(stage, send_next=y, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next)
+        if recv_prev:
+            inputs[next_f].append(x)
+        if recv_next:
+            grads[next_b].append(dy)
+    # cool-down: the remaining backwards
+    if warmup == total and r != p - 1:
+        grads[v - 1].append(communicate(stage, recv_next=True)[1])
+    for k in range(total - warmup, total):
+        dx = backward(k)
+        recv_next = not (r == p - 1 and chunk_of(k + 1, forward=False) == v - 1) and k != total - 1
+        _, dy = communicate(stage, send_prev=dx, recv_next=recv_next)
+        if recv_next:
+            grads[chunk_of(k + 1, forward=False)].append(dy)
+
+
+SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1b}
 
 
 def run_schedule(stage, name, m, x, y, loss_scale):
@@ -383,14 +484,19 @@ def run_schedule(stage, name, m, x, y, loss_scale):
 def forward_loss(stage, x, y):
     """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every rank."""
     stage.act_shape = (x.size(0), x.size(1), stage.model.config.n_embd)
-    model, h = stage.model, recv_forward(stage)
-    with stage.ctx:
-        if stage.is_first:
-            h = model.embed(x)
-        for layer in stage.layers:
-            h = model.run_block(model.transformer.h[layer], h)
-        loss = model.head(h, y)[1].float() if stage.is_last else torch.zeros((), device=stage.device)
-    send_forward(stage, h)
+    model, last_chunk = stage.model, len(stage.chunks) - 1
+    for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of every stage
+        first, last = stage.is_first and chunk == 0, stage.is_last and chunk == last_chunk
+        h = model.embed(x) if first else communicate(stage, recv_prev=True)[0]
+        with stage.ctx:
+            for layer in layers:
+                h = model.run_block(model.transformer.h[layer], h)
+            if last:
+                loss = model.head(h, y)[1].float()
+        if not last:
+            communicate(stage, send_next=h)
+    if not stage.is_last:
+        loss = torch.zeros((), device=stage.device)
     finish_sends(stage)
     stage.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
     return loss
@@ -416,13 +522,18 @@ def time_split(records, total):
             'bubble_fraction': 1 - compute / total}
 
 
+def op_label(op, i):
+    """F3 / B3: forward / backward of microbatch 3; with chunks, F3.1: of microbatch 3 on chunk 1."""
+    return f"{op}{i[0]}.{i[1]}" if isinstance(i, (tuple, list)) else f"{op}{i}"
+
+
 def timeline(records, total, n_slots, width):
     """One line of the stage's step: n_slots equal slices of the clock, each showing the op running at its middle
     (F3 = forward of microbatch 3, B3 its backward) or '.' when the stage was not computing."""
     cells = []
     for s in range(n_slots):
         t = (s + 0.5) * total / n_slots
-        label = next((f"{op}{i}" for op, i, t0, t1 in records if op in 'FB' and t0 <= t < t1), '.')
+        label = next((op_label(op, i) for op, i, t0, t1 in records if op in 'FB' and t0 <= t < t1), '.')
         cells.append(label.ljust(width))
     return ' '.join(cells)
 
@@ -434,7 +545,7 @@ def write_schedule_trace(stages, total, path):
     for r in stages:
         track = {'pid': 0, 'tid': r['stage']}
         events.append(dict(track, ph='M', name='thread_name', args={'name': f"stage {r['stage']}"}))
-        busy = sorted((t0, t1, f"{op}{i}" if op in 'FB' else 'send/recv') for op, i, t0, t1 in r['records'])
+        busy = sorted((t0, t1, op_label(op, i) if op in 'FB' else 'send/recv') for op, i, t0, t1 in r['records'])
         edges = [(0.0, 0.0, None)] + busy + [(total, total, None)]
         for (_, prev_end, _), (start, _, _) in zip(edges, edges[1:]):
             if start > prev_end:
@@ -494,31 +605,33 @@ def report_schedule(stage, cfg, rank, dp_rank, iter_num, micro_steps, comms, wir
     if rank != 0:
         return
     stages = sorted((r for r in everyone if r['dp_rank'] == 0), key=lambda r: r['stage'])
-    n_slots = 3 * (m + p - 1)  # about one forward per slot when a backward costs two forwards
-    width = len(str(m - 1)) + 1
+    v = cfg.virtual_stages
+    n_slots = 3 * (v * m + p - 1)  # about one forward per slot when a backward costs two forwards
+    width = len(str(m - 1)) + (3 if v > 1 else 1)
     clock = 'CUDA events' if stage.clock.cuda else 'host clock'
-    print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, iter {iter_num}, step {1000 * total:.1f} ms "
-          f"({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = forward/backward of microbatch 3, "
-          f". = not computing)")
+    print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches{f', v={v} chunks per stage' if v > 1 else ''}, "
+          f"iter {iter_num}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; "
+          f"F3/B3 = forward/backward of microbatch 3{', F3.1 on chunk 1' if v > 1 else ''}, . = not computing)")
     for r in stages:
         print(f"stage {r['stage']} | {timeline(r['records'], total, n_slots, width)}")
     for r in stages:
-        order = ' '.join(f"{op}{i}" for op, i, _, _ in r['records'] if op in 'FB')
+        order = ' '.join(op_label(op, i) for op, i, _, _ in r['records'] if op in 'FB')
         print(f"stage {r['stage']} executed: {order}")
     trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
     write_schedule_trace(stages, total, trace)
     print(f"the same schedule as a trace, one track per stage: {trace} (open it at ui.perfetto.dev)")
-    formula = bubble_fraction_formula(p, m)
+    formula = bubble_fraction_formula(p, m, v)
     b, h = cfg.batch_size // m, stage.model.config.n_embd
     for r in stages:
-        held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'])
-        bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'])
+        held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'], v)
+        bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'], v)
         wire = r['wire_bytes_note'] if r['wire_bytes'] is None else f"{r['wire_bytes']:,.0f}"
         print(f"stage {r['stage']} (median of {r['n_schedules']} schedules): compute {r['compute']:.1%}, in send/recv "
               f"{r['send_recv']:.1%}, other "
-              f"{r['other']:.1%}: bubble (not computing) {r['bubble_fraction']:.3f}, formula (p-1)/(m+p-1) = "
-              f"{formula:.3f}; activations held at peak {r['peak_activation_bytes']:,} B = "
-              f"{r['peak_microbatches_held']} microbatches (formula {'m' if cfg.schedule == 'gpipe' else 'p-r'} = "
+              f"{r['other']:.1%}: bubble (not computing) {r['bubble_fraction']:.3f}, formula (p-1)/(v·m+p-1) = "
+              f"{formula:.3f} (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute); activations held at "
+              f"peak {r['peak_activation_bytes']:,} B = {r['peak_microbatches_held']} microbatches (formula "
+              f"{ {'gpipe': 'm', '1f1b': 'p-r'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')} = "
               f"{held_formula} x {r['activation_bytes_per_microbatch']:,} B); p2p bytes sent {r['p2p_bytes']:,} "
               f"(formula {bytes_formula:,}); all sent: collective bytes {r['collective_bytes']:,}, wire "
               f"{r['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback, mean per rank)")
@@ -657,13 +770,14 @@ def main(argv):
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
                                                             gpt2=False)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
-    layers = keep_stage(model, pp_comm.rank, cfg.pp)
+    chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
     model.to(cfg.device)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
-                        f"per stage, {cfg.schedule} over {cfg.n_microbatches} microbatches of "
+                        f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
+                        f"microbatches of "
                         f"{cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
@@ -672,7 +786,7 @@ def main(argv):
     else:
         seed_dropout(cfg.seed, dp.rank, pp_comm.rank)  # each replica, and each stage (as Megatron), its own masks
     checkpoint = None  # free it
-    stage = Stage(model, layers, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
+    stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device, ctx, pp_comm)
 
     def loss_of(x, y):

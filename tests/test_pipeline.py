@@ -1,5 +1,5 @@
-"""pipeline.py: GPipe and 1F1B by hand equal the sequential model, torch.distributed.pipelining's schedules and
-train.py's loss curve; dp x pp equals one process; stage checkpoints resume and consolidate exactly; bad
+"""pipeline.py: GPipe, 1F1B and interleaved 1F1B by hand equal the sequential model, torch.distributed.pipelining's
+schedules and train.py's loss curve; dp x pp equals one process; stage checkpoints resume and consolidate exactly; bad
 configs are one line and a non-zero exit on every rank."""
 import copy
 
@@ -15,7 +15,9 @@ LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
     'llama': dict(norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head=2, tie_embeddings=False),
 }
-CASES = [(p, s, layout) for p in (2, 4) for s in ('gpipe', '1f1b') for layout in LAYOUTS]
+CASES = [(p, s, layout) for p in (2, 4) for s in ('gpipe', '1f1b') for layout in LAYOUTS] + [
+    (2, 'interleaved', layout) for layout in LAYOUTS]  # 2 chunks of 1 layer per stage
+V = {'gpipe': 1, '1f1b': 1, 'interleaved': 2}  # chunks per stage
 M = 4  # microbatches in the in-process checks (8 sequences: 2 per microbatch)
 
 
@@ -30,7 +32,16 @@ class _TorchStageModule(torch.nn.Module):
 
     def __init__(self, model, layers, first, last):
         super().__init__()
-        self.model, self.layers, self.first, self.last = model, list(layers), first, last
+        self.layers, self.first, self.last = list(layers), first, last
+        # the GPT is not a submodule: only the parts this stage runs are, so that two chunks of one rank do not
+        # both claim every parameter (torch's schedule scales each stage's gradients once)
+        self.__dict__['model'] = model
+        parts = [model.transformer.h[i] for i in self.layers]
+        if first:
+            parts += [m for m in (model.transformer.wte, model.transformer.wpe) if m is not None]
+        if last:
+            parts += [model.transformer.ln_f, model.lm_head]
+        self.parts = torch.nn.ModuleList(parts)
 
     def forward(self, x):
         h = self.model.embed(x) if self.first else x
@@ -50,7 +61,7 @@ def _one_case(rank, world_size, p, schedule, layout):
     sequential model's loss and gradients, plus the executed order's checks."""
     import pipeline
     from model import GPT, GPTConfig, process_grid
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
                        **LAYOUTS[layout])
     torch.manual_seed(1337)
@@ -70,9 +81,10 @@ def _one_case(rank, world_size, p, schedule, layout):
     out = {}
 
     # pipeline.py
+    v = V[schedule]
     model = copy.deepcopy(full)
-    layers = pipeline.keep_stage(model, stage, p)
-    st = pipeline.Stage(model, layers, stage, p, grid[dp_rank, :, 0, 0], (8 // M, 16, 16), 'cpu',
+    chunks = pipeline.keep_stage(model, stage, p, v)
+    st = pipeline.Stage(model, chunks, stage, p, grid[dp_rank, :, 0, 0], (8 // M, 16, 16), 'cpu',
                         torch.autocast('cpu', enabled=False), comms['pp'])
     pipeline.run_schedule(st, schedule, M, x, y, 1.0 / M)
     _sync_tied(model, st, embed_group)
@@ -81,24 +93,29 @@ def _one_case(rank, world_size, p, schedule, layout):
     out['n_grads'] = len(mine)
     out['loss_err'] = _rel_err(st.loss_sum, ref_loss.detach()) if st.is_last else 0.0
     ops = [(op, i) for op, i, _, _ in st.records if op in 'FB']
-    out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in 'FB' for i in range(M)])
-    out['b_after_f'] = all(ops.index(('F', i)) < ops.index(('B', i)) for i in range(M))
+    keys = [(i, c) for i in range(M) for c in range(v)] if v > 1 else list(range(M))
+    out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in 'FB' for i in keys])
+    out['b_after_f'] = all(ops.index(('F', i)) < ops.index(('B', i)) for i in keys)
     out['peak_held'] = st.peak_held
     out['peak_held_bytes'], out['microbatch_bytes'] = st.peak_held_bytes, st.microbatch_bytes
     out['peak_pending_sends'] = st.peak_pending_sends
-    out['peak_held_formula'] = pipeline.peak_microbatches_formula(schedule, p, M, stage)
+    out['peak_held_formula'] = pipeline.peak_microbatches_formula(schedule, p, M, stage, v)
     out['ops'] = ops
 
     # torch.distributed.pipelining on the same weights and batch
     model = copy.deepcopy(full)
-    layers = pipeline.keep_stage(model, stage, p)
-    module = _TorchStageModule(model, layers, stage == 0, stage == p - 1)
-    pstage = PipelineStage(module, stage, p, torch.device('cpu'), group=pp_group)
+    chunks = pipeline.keep_stage(model, stage, p, v)
+    pstages = [PipelineStage(_TorchStageModule(model, layers, stage == 0 and c == 0, stage == p - 1 and c == v - 1),
+                             c * p + stage, p * v, torch.device('cpu'), group=pp_group)
+               for c, layers in enumerate(chunks)]
 
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    sched = (ScheduleGPipe if schedule == 'gpipe' else Schedule1F1B)(pstage, M, loss_fn=loss_fn)
+    if schedule == 'interleaved':
+        sched = ScheduleInterleaved1F1B(pstages, M, loss_fn=loss_fn)
+    else:
+        sched = (ScheduleGPipe if schedule == 'gpipe' else Schedule1F1B)(pstages[0], M, loss_fn=loss_fn)
     losses = []
     if stage == 0:
         sched.step(x)
@@ -139,17 +156,36 @@ def test_executed_order_is_a_valid_schedule(spawned, case):
         r = results[case]
         assert r['each_op_once'] and r['b_after_f'], (rank, r['ops'])
         assert r['peak_held'] == r['peak_held_formula'], (rank, r['peak_held'], r['ops'])
-        # measured from the tensors autograd saved: the peak is that many microbatches' activations
-        assert r['peak_held_bytes'] == r['peak_held_formula'] * r['microbatch_bytes'] > 0, (rank, r)
+        # measured from the tensors autograd saved: the peak is that many microbatches' activations (with chunks,
+        # that many chunk-microbatches, of which the embedding's and the loss's chunks hold a little more)
+        if schedule == 'interleaved':
+            assert 0 < r['peak_held_bytes'] <= r['peak_held_formula'] * r['microbatch_bytes'], (rank, r)
+        else:
+            assert r['peak_held_bytes'] == r['peak_held_formula'] * r['microbatch_bytes'] > 0, (rank, r)
         # a send's buffer is let go one exchange later, not kept to the end of the schedule
         assert r['peak_pending_sends'] <= 2, (rank, r['peak_pending_sends'])
         stage = rank % p
         if schedule == 'gpipe':  # all forwards, then all backwards
             assert [op for op, _ in r['ops']] == ['F'] * M + ['B'] * M
+        elif schedule == 'interleaved':  # Megatron's order: 2(p-r-1) + (v-1)p warm-up forwards, then 1F1B
+            assert r['ops'] == _megatron_interleaved_order(p, 2, M, stage), (rank, r['ops'])
         else:  # p-r-1 warm-up forwards, then F and B alternate, then the cool-down backwards
             warmup = p - stage - 1
             ops = [op for op, _ in r['ops']]
             assert ops == ['F'] * warmup + ['F', 'B'] * (M - warmup) + ['B'] * warmup, (rank, r['ops'])
+
+
+def _megatron_interleaved_order(p, v, m, r):
+    """The (op, (microbatch, chunk)) sequence of Megatron's interleaved schedule on stage r, from its warm-up count
+    and its chunk and microbatch ids (megatron/core/pipeline_parallel/schedules.py)."""
+    total, warmup = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
+
+    def op(kind, k):
+        chunk = (k % (p * v)) // p
+        return kind, ((k // (p * v)) * p + k % p, chunk if kind == 'F' else v - 1 - chunk)
+
+    steady = [o for k in range(total - warmup) for o in (op('F', k + warmup), op('B', k))]
+    return [op('F', k) for k in range(warmup)] + steady + [op('B', k) for k in range(total - warmup, total)]
 
 
 # -----------------------------------------------------------------------------
@@ -199,6 +235,18 @@ def test_resume_with_dropout_is_exact(tmp_path):
     check(run_script('pipeline.py', flags + ['--max_iters=2', f'--out_dir={split}'], nproc=2))
     check(run_script('pipeline.py', flags + ['--init_from=resume', f'--out_dir={split}'], nproc=2))
     assert train_losses(split) == train_losses(whole)
+
+
+def test_interleaved_loss_curve_equals_train_py(baseline, tmp_path):
+    """pp=2, 2 chunks of one layer per stage (layers 0 and 2 on stage 0, 1 and 3 on stage 1), dp=2 beside."""
+    out = str(tmp_path)
+    check(run_script('pipeline.py', ARGS + ['--pp=2', '--schedule=interleaved', '--virtual_stages=2',
+                                            '--n_microbatches=2', f'--out_dir={out}', '--max_iters=6'], nproc=4))
+    assert_same_losses(train_losses(out), train_losses(baseline), range(6))
+    assert_same_losses(eval_losses(out), eval_losses(baseline), [0, 3, 6])
+    for r in [r for r in read_log(out) if 'rank' in r]:
+        assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'], r
+        assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0, r
 
 
 def test_pp4_gpipe_loss_curve_equals_train_py(baseline, tmp_path):
