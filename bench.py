@@ -272,6 +272,9 @@ def bench_rows(world_size, n_microbatches):
                                            f'--n_microbatches={n_microbatches}'], w),
         'cp_ring': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ring'], w),
         'cp_ulysses': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ulysses'], w),
+        # the grid: dp = world_size again, times 2 x 2 more processes (8 for the default world_size of 2)
+        'grid_dp_pp_tp': ('parallel_4d.py', ['--pp=2', '--tp=2'], 4 * w),
+        'grid_dp_cp_tp': ('parallel_4d.py', ['--cp=2', '--tp=2'], 4 * w),
     }
 
 
@@ -525,7 +528,7 @@ def run_bench(args):
         raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
     if args.world_size < 2 and any(rows[n][2] > 1 for n in selected):
         raise SystemExit("error: distributed rows need --world_size >= 2")
-    if any(n.startswith(('tp', 'pp', 'cp')) for n in selected) and (args.n_head % args.world_size or
+    if any(n.startswith(('tp', 'pp', 'cp', 'grid')) for n in selected) and (args.n_head % args.world_size or
                                                                    args.n_layer % args.world_size):
         raise SystemExit(f"error: n_head ({args.n_head}) and n_layer ({args.n_layer}) must be divisible by "
                          f"--world_size={args.world_size} for the tp, pp and cp rows")

@@ -330,7 +330,8 @@ def shard_sequence(model, cp):
     """Every block's attention runs across the cp group; the parameters (and their names) stay the dense model's,
     so checkpoints are train.py's. GPT.forward would treat this rank's tokens as a whole sequence: it raises."""
     for block in model.transformer.h:
-        block.attn.forward = functools.partial(cp_attention_forward, block.attn, cp)
+        if hasattr(block, 'attn'):  # (a pipeline stage keeps only its own blocks)
+            block.attn.forward = functools.partial(cp_attention_forward, block.attn, cp)
     model.forward = forward_needs_cp_forward
 
 

@@ -205,6 +205,9 @@ class Stage:
         self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
+        # the first chunk's embedding and the last chunk's head and loss: the model's own, unless another
+        # parallelism brings its own (parallel_4d.py: vocabulary-parallel, on this rank's part of the sequence)
+        self.embed, self.head = model.embed, model.head
         self.clock = Clock(device)
         self.held = {}            # microbatch (and chunk) -> (input, output): activations whose graph is alive
         self.held_bytes = {}      # microbatch (and chunk) -> bytes autograd saved for its backward, measured
@@ -301,14 +304,14 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
     with stage.ctx, hooks:
         if first:
             x = None
-            h = model.embed(idx[microbatch])
+            h = stage.embed(idx[microbatch])
         else:
             x.requires_grad_(True)
             h = x
         for layer in stage.chunks[chunk]:
             h = model.run_block(model.transformer.h[layer], h)
         if last:
-            _, loss = model.head(h, targets[microbatch])
+            _, loss = stage.head(h, targets[microbatch])
             h = loss * loss_scale  # the gradient is the mean over the global batch
             stage.loss_sum += h.detach()
     # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
@@ -483,16 +486,16 @@ def run_schedule(stage, name, m, x, y, loss_scale):
 @torch.no_grad()
 def forward_loss(stage, x, y):
     """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every rank."""
-    stage.act_shape = (x.size(0), x.size(1), stage.model.config.n_embd)
+    stage.act_shape = (x.size(0),) + tuple(stage.act_shape[1:])  # whole batches: more rows, same tokens
     model, last_chunk = stage.model, len(stage.chunks) - 1
     for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of every stage
         first, last = stage.is_first and chunk == 0, stage.is_last and chunk == last_chunk
-        h = model.embed(x) if first else communicate(stage, recv_prev=True)[0]
+        h = stage.embed(x) if first else communicate(stage, recv_prev=True)[0]
         with stage.ctx:
             for layer in layers:
                 h = model.run_block(model.transformer.h[layer], h)
             if last:
-                loss = model.head(h, y)[1].float()
+                loss = stage.head(h, y)[1].float()
         if not last:
             communicate(stage, send_next=h)
     if not stage.is_last:

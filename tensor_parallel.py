@@ -440,20 +440,33 @@ def forward_needs_tp_forward(*args, **kwargs):
                        "loss is vocabulary-parallel); to sample, consolidate it into a train.py checkpoint first")
 
 
-def tp_forward(model, idx, targets, tp):
-    """GPT.forward with the vocabulary-parallel embedding, head and loss. Returns (this rank's vocabulary slice
-    of the logits, the mean loss)."""
-    x = model.transformer.wte(idx)  # summed over the ranks (and, with SP, this rank's chunk of the sequence)
+def tp_embed(model, idx, tp, positions=None):
+    """The vocabulary-parallel embedding (summed over the tp ranks; with sequence parallelism, this rank's chunk
+    of the sequence) plus the learned positions of the tokens it holds (positions: given by context parallelism)."""
+    x = model.transformer.wte(idx)
     if model.transformer.wpe is not None:
-        T = x.size(1)
-        first = tp.group.rank * T if tp.sequence_parallel and tp.group.size > 1 else 0
-        x = x + model.transformer.wpe(torch.arange(first, first + T, dtype=torch.long, device=idx.device))
-    x = model.transformer.drop(x)
-    for block in model.transformer.h:
-        x = model.run_block(block, x)
+        if positions is None:
+            T = x.size(1)
+            first = tp.group.rank * T if tp.sequence_parallel and tp.group.size > 1 else 0
+            positions = torch.arange(first, first + T, dtype=torch.long, device=idx.device)
+        x = x + model.transformer.wpe(positions)
+    return model.transformer.drop(x)
+
+
+def tp_head(model, x, targets, tp):
+    """The final norm, the vocabulary-parallel head and loss: (this rank's vocabulary slice of the logits, loss)."""
     logits = model.lm_head(model.transformer.ln_f(x))
     loss = None if targets is None else vocab_parallel_cross_entropy(logits, targets, model.lm_head.vocab_start, tp)
     return logits, loss
+
+
+def tp_forward(model, idx, targets, tp):
+    """GPT.forward with the vocabulary-parallel embedding, head and loss. Returns (this rank's vocabulary slice
+    of the logits, the mean loss)."""
+    x = tp_embed(model, idx, tp)
+    for block in model.transformer.h:
+        x = model.run_block(block, x)
+    return tp_head(model, x, targets, tp)
 
 
 def sync_tp_grads(layout, tp):

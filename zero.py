@@ -379,12 +379,21 @@ class Zero:
         """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise."""
         return [b.grad_flat if self.stage == 0 else b.grad_shard for b in self.buckets]
 
-    def clip_grad_norm(self, max_norm):
+    def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
         """torch.nn.utils.clip_grad_norm_ over the whole model: each rank sums the squares of its chunks, one
-        all-reduce of that scalar gives the global norm (padding is zero and adds nothing)."""
-        sq = sum(g.float().pow(2).sum() for g in self.grads())
-        if self.stage >= 1:
-            self.comm.all_reduce(sq, kind='scalars')
+        all-reduce of that scalar gives the global norm (padding is zero and adds nothing). Inside a larger grid
+        (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the model), and
+        weights {id(parameter): w} count a parameter that several of them hold w times each (1/tp, or 0)."""
+        sq = torch.zeros((), device=self.device)
+        for b, g in zip(self.buckets, self.grads()):
+            g2 = g.float().pow(2)
+            for p in b.params:
+                if weights is not None and weights.get(id(p), 1.0) != 1.0:
+                    for start, end in b.owned_ranges([q is p for q in b.params]):
+                        g2[start:end] *= weights[id(p)]
+            sq += g2.sum()
+        for comm in ([self.comm] if self.stage >= 1 else []) + list(other_comms):
+            comm.all_reduce(sq, kind='scalars')
         norm = sq.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in self.grads():

@@ -1,0 +1,346 @@
+"""
+All the dimensions at once: data x pipeline x context x tensor parallelism on one grid, torch.arange(world).view(dp,
+pp, cp, tp), the capstone that follows the four single-idea files. Nothing here is new: it imports each piece
+from its file and composes them.
+
+    torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --tp=2 --gradient_accumulation_steps=2   # dp=2
+    torchrun --standalone --nproc_per_node=8 parallel_4d.py --cp=2 --tp=2 --gradient_accumulation_steps=2   # dp=2
+    torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --cp=2 --tp=2
+
+tp  tensor_parallel.py: every block's layers split over the tp ranks (Megatron's f and g; --sequence_parallel)
+cp  context_parallel.py: every sequence split over the cp ranks; attention across them (ring or Ulysses)
+pp  pipeline.py: the blocks split into stages, microbatches scheduled through them (GPipe, 1F1B, interleaved)
+dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW state
+    (Megatron's distributed optimizer shards over the same group)
+
+For the same config and seed the loss curve is train.py's. At the start rank 0 prints the grid and every rank the
+groups it belongs to; after the first iteration every rank prints what it holds and what it sent along each
+dimension, measured beside the formulas.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from context_parallel import ContextParallel, shard_sequence, zigzag_positions
+from model import (GRID_DIMS, CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context,
+                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
+                   init_distributed, init_model, load_dataset, log_rank_rows, micro_batches, outputs_line,
+                   process_grid, profiled, rng_state, run_main, run_shape, seed_dropout, set_rng_state,
+                   should_evaluate, should_save, world_size_from_env)
+from pipeline import LastStepReport, Stage, embed_comm, forward_loss, keep_stage, run_schedule
+from tensor_parallel import TensorParallel, give_tp_ranks_their_dropout, shard_gpt, sync_tp_grads, tp_embed, tp_head
+from zero import Zero, held_bytes, model_state_bytes_formula
+
+# -----------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
+# config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
+out_dir = 'out'
+eval_interval = 250
+log_interval = 25
+eval_iters = 20
+eval_only = False
+always_save_checkpoint = True   # save at every eval, not only when val loss improves
+init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_4d_rank{r}.pt, the same grid)
+sample_at_end = False           # (no sampling here: the model is in pieces)
+# data
+dataset = 'stdlib_char'
+gradient_accumulation_steps = 2  # micro-steps per iteration, summed over all data-parallel ranks
+batch_size = 8                   # sequences per micro-step per data-parallel rank
+block_size = 128
+# model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 2e-3
+max_iters = 1250                # ~0.12 s per iteration on an idle 2-core CPU: under 3 minutes
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
+# learning rate schedule
+decay_lr = True
+warmup_iters = 50
+lr_decay_iters = 1250           # usually equal to max_iters
+min_lr = 2e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+compile = False
+seed = 1337
+peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
+# the grid: world = dp x pp x cp x tp (dp is what is left)
+dist_timeout = 60               # seconds a rank waits for the others before failing
+pp = 1                          # pipeline stages
+cp = 1                          # context-parallel ranks per sequence
+tp = 1                          # tensor-parallel ranks per layer
+sequence_parallel = False       # tp: shard norms and dropout along the sequence (not with cp > 1)
+cp_attention = 'ring'           # cp: 'ring' or 'ulysses'
+schedule = '1f1b'               # pp: 'gpipe', '1f1b' or 'interleaved'
+virtual_stages = 1              # pp, interleaved: chunks per stage
+n_microbatches = 2              # pp: microbatches per micro-step
+bucket_size = 100_000           # dp (ZeRO-1): elements per flat bucket
+adam_eps = 1e-8
+config = config_defaults(globals())
+# -----------------------------------------------------------------------------
+
+
+def dp_cp_comm(grid, rank):
+    """The ranks that hold the same weights (same pp and tp coordinates): every dp and cp rank of them. Their
+    gradients are averaged together, and ZeRO-1 shards the optimizer state over them."""
+    comm = None
+    for pp_rank in range(grid.size(1)):
+        for tp_rank in range(grid.size(3)):
+            members = grid[:, pp_rank, :, tp_rank].flatten().tolist()
+            group = dist.new_group(members) if len(members) < grid.numel() else None
+            if rank in members:
+                comm = Comm(group, 'dp_cp', alone=len(members) == 1)
+    return comm
+
+
+def build_stage(model, cfg, grid, coords, comms, ctx):
+    """This rank's part of train.py's GPT: its tp slice of every layer (tensor_parallel.shard_gpt), then its
+    pipeline stage's blocks (pipeline.keep_stage), with context-parallel attention (context_parallel), as a
+    pipeline Stage whose embedding and loss are the vocabulary-parallel ones, on this rank's tokens."""
+    tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
+    cp = ContextParallel(comms['cp'], cfg.cp_attention)
+    layout = shard_gpt(model, tp)
+    give_tp_ranks_their_dropout(model, tp)
+    chunks = keep_stage(model, coords['pp'], cfg.pp, cfg.virtual_stages)
+    if cp.group.size > 1:
+        shard_sequence(model, cp)
+        cp.positions = zigzag_positions(cfg.block_size, cp.group.size, cp.group.rank, cfg.device)
+    tokens = cfg.block_size // cp.group.size // (tp.group.size if cfg.sequence_parallel else 1)
+    stage = Stage(model, chunks, coords['pp'], cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
+                  (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device, ctx, comms['pp'])
+    mine = (lambda t: t) if cp.positions is None else (lambda t: t[:, cp.positions])  # this rank's tokens
+    stage.embed = lambda idx: tp_embed(model, mine(idx), tp, cp.positions)
+    stage.head = lambda h, targets: tp_head(model, h, mine(targets), tp)
+    return stage, tp, cp, layout
+
+
+def clip_weights(model, layout, tp, embed, stage):
+    """How many times the gradient norm must count each parameter this rank holds: a parameter replicated on the
+    tp ranks 1/tp times on each; the last stage's copy of a tied embedding not at all (the first stage counts it)."""
+    here = {id(p) for p in model.parameters()}
+    weights = {id(p): 1 / tp.group.size for p, kind in layout.values() if kind == 'replicated' and id(p) in here}
+    if embed is not None and stage.is_last:
+        weights[id(model.lm_head.weight)] = 0.0
+    return weights
+
+
+def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
+    """train.py's iteration on the grid: the pipeline schedule over each micro-step's microbatches (tensor- and
+    context-parallel inside every block), then the gradient syncs each dimension adds: tp (the replicated
+    parameters under sequence parallelism), pp (the tied embedding's two copies), dp x cp (ZeRO-1: reduce-scatter,
+    the clip over the whole model, AdamW on this rank's chunk, all-gather). Returns the mean loss."""
+    stage.loss_sum = torch.zeros((), device=cfg.device)
+    stage.act_shape = (cfg.batch_size // cfg.n_microbatches,) + tuple(stage.act_shape[1:])
+    zero.sync = False  # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
+    for x, y in batches:
+        run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
+    sync_tp_grads(layout, tp)
+    if embed is not None:
+        model = stage.model
+        embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
+    zero.sync = True
+    zero.finish_backward()
+    if cfg.grad_clip != 0.0:
+        zero.clip_grad_norm(cfg.grad_clip, weights, [tp.group, stage.comm])
+    zero.step(lr)
+    loss_sum = stage.loss_sum.clone()  # nonzero on the last stage: summed over the stages, then dp x cp
+    stage.comm.all_reduce(loss_sum, kind='scalars')
+    zero.comm.all_reduce(loss_sum, kind='scalars')
+    return loss_sum.item() / zero.comm.size
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    check_config(cfg, world_size_from_env())
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    dp_size = world_size // (cfg.pp * cfg.cp * cfg.tp)
+    grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
+    dp_cp, embed = dp_cp_comm(grid, rank), embed_comm(grid, rank, cfg.tie_embeddings)
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    print_grid(grid, coords, comms, dp_cp, embed, rank, cfg.out_dir)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model: train.py's GPT, cut along every dimension of the grid; ZeRO-1 holds its weights and AdamW state
+    ckpt_path = os.path.join(cfg.out_dir, f'ckpt_4d_rank{rank}.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
+                                                            gpt2=False)
+    n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
+    stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, ctx)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint['model'])
+    model.to(cfg.device)
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
+                        n_params))
+    zero = Zero(model, 1, dp_cp.rank, dp_cp.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp_cp)
+    if checkpoint is not None:
+        zero.load_state_dict(checkpoint['zero'])
+        set_rng_state(checkpoint['rng'])
+    else:
+        seed_dropout(cfg.seed, coords['dp'], coords['pp'])  # each replica and stage its own masks, as pipeline.py
+    checkpoint = None  # free it
+    weights = clip_weights(model, layout, tp, embed, stage)
+
+    def loss_of(x, y):  # the mean over the whole batch: through the stages, then the mean of the cp ranks'
+        loss = forward_loss(stage, x, y)
+        cp.group.all_reduce(loss, kind='scalars')
+        return loss / cp.group.size
+
+    # training loop
+    writer = CheckpointWriter()  # every rank writes its own file in the background
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
+    logger = StepLogger(cfg, flops_per_token, n_devices=world_size)
+    report = GridReport(stage, zero, [dp_cp, comms['pp'], comms['cp'], comms['tp']] + ([embed] if embed else []),
+                        cfg, coords, iter_num)
+    while True:
+        lr = get_lr(iter_num, cfg)
+
+        # evaluate, and checkpoint the state from which iteration iter_num starts
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, comms['dp'])
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
+                best_val_loss = min(best_val_loss, losses['val'])
+                writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
+                             'coords': coords, 'model_args': vars(model.config), 'iter_num': iter_num,
+                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
+            logger.restart()
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+
+        # one iteration, then its log line
+        report.start(iter_num)
+        batches = micro_batches(data, cfg, iter_num, coords['dp'], dp_size)
+        loss = train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr)
+        report.finish(iter_num)
+        logger.step(iter_num, loss, lr)
+        profiler.step()
+        iter_num += 1
+    profiler.stop()
+    writer.wait()
+
+    if rank == 0:
+        print(outputs_line(cfg.out_dir, "ckpt_4d_rank*.pt (each rank's part: resume on the same grid)",
+                           *profiled(cfg)))
+    finish_distributed()
+
+
+def check_config(cfg, world_size):
+    """Every bad combination, before any work: one line, the same on every rank."""
+    cells = cfg.pp * cfg.cp * cfg.tp
+    if min(cfg.pp, cfg.cp, cfg.tp) < 1 or world_size % cells:
+        raise SystemExit(f"error: world size {world_size} is not divisible by pp x cp x tp = {cfg.pp} x {cfg.cp} x "
+                         f"{cfg.tp} (world = dp x pp x cp x tp)")
+    check_batch(cfg, world_size // cells, world_size)
+    n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
+    if cfg.n_head % heads or n_kv_head % heads:
+        raise SystemExit(f"error: n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) must be divisible by tp"
+                         f"{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole heads")
+    if cfg.n_layer % (cfg.pp * cfg.virtual_stages):
+        raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp x virtual_stages = "
+                         f"{cfg.pp * cfg.virtual_stages}")
+    if cfg.batch_size % cfg.n_microbatches or (cfg.schedule != 'gpipe' and cfg.n_microbatches < cfg.pp) or \
+            (cfg.schedule == 'interleaved' and cfg.n_microbatches % cfg.pp):
+        raise SystemExit(f"error: batch_size ({cfg.batch_size}) must split into n_microbatches "
+                         f"({cfg.n_microbatches}), at least pp ({cfg.pp}) of them for 1f1b (a multiple: interleaved)")
+    if cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)):
+        raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with "
+                         f"sequence_parallel)")
+    if cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel):
+        raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (context_parallel.py's "
+                         "ring cannot replay dropout; sequence parallelism inside a cp chunk is not composed here)")
+    if cfg.dtype not in ('float32', 'bfloat16') or cfg.compile:
+        raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16 without compile, got dtype="
+                         f"{cfg.dtype!r}, compile={cfg.compile}")
+    if cfg.init_from == 'resume' and not os.path.exists(os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt')):
+        raise SystemExit(f"error: init_from=resume but there is no checkpoint at "
+                         f"{os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt')} (resume needs the same grid)")
+
+
+# -----------------------------------------------------------------------------
+# What the grid is, and what each rank holds and sends along each dimension
+
+
+def print_grid(grid, coords, comms, dp_cp, embed, rank, out_dir):
+    """Rank 0 prints the grid; every rank prints (and logs) its coordinates and the global ranks of each of its
+    groups: the ones it talks to."""
+    if rank == 0:
+        print(f"process grid: torch.arange({grid.numel()}).view(dp={grid.size(0)}, pp={grid.size(1)}, "
+              f"cp={grid.size(2)}, tp={grid.size(3)})\n{grid}")
+    groups = {dim: group_members(comms[dim]) for dim in GRID_DIMS}
+    groups['dp_cp'] = group_members(dp_cp)
+    if embed is not None:
+        groups['embed'] = group_members(embed)
+    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in GRID_DIMS) + '; groups: ' +
+          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
+    log_rank_rows(out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
+
+
+def group_members(comm):
+    return [comm.global_rank(r) for r in range(comm.size)]
+
+
+class GridReport(LastStepReport):
+    """The first iteration, measured: the model states this rank holds (ZeRO-1's buffers) beside the ZeRO formula
+    for its slice, the activations its stage held at the peak of a schedule, and the bytes it sent along each
+    dimension: counted at the calls, the ring formula, the wire. One printed line and one log row per rank."""
+
+    def __init__(self, stage, zero, comms, cfg, coords, first_iter):
+        self.stage, self.zero, self.comms, self.cfg, self.coords = stage, zero, comms, cfg, coords
+        self.first_iter, self.wire = first_iter, WireMeter()
+
+    def start(self, iter_num):
+        if iter_num == self.first_iter:
+            for comm in self.comms:
+                comm.clear()
+            self.wire.start()
+
+    def finish(self, iter_num):
+        if iter_num != self.first_iter:
+            return
+        wire_bytes = self.wire.stop()
+        z, cfg = self.zero, self.cfg
+        held, formula = held_bytes(z), model_state_bytes_formula(z.numel, z.world_size, 1, cfg.dtype == 'bfloat16')
+        sent = comm_report(self.comms)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        row = {'rank': rank, 'iter': iter_num, **{f'{d}_rank': self.coords[d] for d in GRID_DIMS}, 'numel': z.numel,
+               **held, **{k + '_formula': v for k, v in formula.items()},
+               'peak_activation_bytes': self.stage.peak_held_bytes,
+               'collective_bytes_by_kind': sent['collective_bytes'],
+               'wire_bytes_formula_by_kind': sent['wire_bytes_formula'],
+               'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes': wire_bytes,
+               'wire_bytes_note': self.wire.why_not}
+        by_dim = {}
+        for kind, value in sent['wire_bytes_formula'].items():
+            by_dim[kind.split()[0]] = by_dim.get(kind.split()[0], 0) + value
+        wire = self.wire.why_not if wire_bytes is None else f"{wire_bytes:,.0f}"
+        print(f"[rank {rank}] holds (measured / ZeRO-1 formula for its slice of {z.numel:,} parameters): params "
+              f"{held['param_bytes']:,} / {formula['param_bytes']:,}, grads {held['grad_bytes']:,} / "
+              f"{formula['grad_bytes']:,}, AdamW {held['optim_bytes']:,} / {formula['optim_bytes']:,}; activations "
+              f"at the schedule's peak {self.stage.peak_held_bytes:,}; sent (ring formula, by dimension): "
+              + ', '.join(f"{d} {v:,.0f}" for d, v in by_dim.items()) + f"; on the wire {wire} (measured)\n",
+              end='', flush=True)
+        log_rank_rows(cfg.out_dir, row)
+
+
+if __name__ == '__main__':
+    run_main(main)

@@ -1,0 +1,80 @@
+"""parallel_4d.py: the pieces of tensor_parallel.py, context_parallel.py, pipeline.py and zero.py composed on one
+dp x pp x cp x tp grid of 8 gloo processes train train.py's loss curve; every rank's groups are the grid's rows
+along each dimension; a run resumes exactly on the same grid; bad input is one line."""
+import pytest
+import torch
+
+from helpers import TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses, train_py_reference
+
+FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
+                '--learning_rate=1e-2', '--warmup_iters=1']
+LLAMA = ['--n_embd=32', '--n_head=4', '--n_kv_head=2', '--norm=rmsnorm', '--mlp=swiglu', '--pos=rope',
+         '--tie_embeddings=False']
+
+
+def assert_groups_are_the_grids_rows(out_dir, shape):
+    """Each rank logged its coordinates and the global ranks of its groups: they must be the grid's rows along each
+    dimension, torch.arange(8).view(dp, pp, cp, tp), and dp_cp the ranks with its pp and tp coordinates."""
+    grid = torch.arange(8).view(*shape)
+    rows = [r for r in read_log(out_dir) if 'groups' in r]
+    assert sorted(r['rank'] for r in rows) == list(range(8))
+    for r in rows:
+        c = r['coords']
+        assert int(grid[c['dp'], c['pp'], c['cp'], c['tp']]) == r['rank']
+        g = r['groups']
+        assert g['dp'] == grid[:, c['pp'], c['cp'], c['tp']].tolist()
+        assert g['pp'] == grid[c['dp'], :, c['cp'], c['tp']].tolist()
+        assert g['cp'] == grid[c['dp'], c['pp'], :, c['tp']].tolist()
+        assert g['tp'] == grid[c['dp'], c['pp'], c['cp'], :].tolist()
+        assert g['dp_cp'] == grid[:, c['pp'], :, c['tp']].flatten().tolist()
+
+
+def test_dp2_pp2_tp2_with_sequence_parallelism_trains_train_py_curve(tmp_path, tmp_path_factory):
+    """LLaMA layout (RoPE, GQA, untied), 1F1B over 2 stages, Megatron TP with sequence parallelism, ZeRO-1 over dp."""
+    ref = train_py_reference(FLAGS + LLAMA, tmp_path_factory)
+    check(run_script('parallel_4d.py', FLAGS + LLAMA + ['--pp=2', '--tp=2', '--sequence_parallel=True',
+                                                        f'--out_dir={tmp_path}'], nproc=8, timeout=400))
+    assert_same_losses(train_losses(tmp_path), train_losses(ref), range(4))
+    assert_same_losses(eval_losses(tmp_path), eval_losses(ref), [0, 2, 4])
+    assert_groups_are_the_grids_rows(tmp_path, (2, 2, 1, 2))
+    for r in [r for r in read_log(tmp_path) if 'numel' in r]:  # ZeRO-1 over dp: its formula for the rank's slice
+        for k in ('param_bytes', 'grad_bytes'):
+            assert r[k] == r[k + '_formula'], r
+        assert r['optim_bytes_formula'] <= r['optim_bytes'] <= r['optim_bytes_formula'] + 16 * 2 * 8, r
+
+
+def test_dp2_cp2_tp2_trains_train_py_curve(tmp_path, tmp_path_factory):
+    """GPT-2 layout (learned positions, tied), ring attention across 2 cp ranks inside tensor-parallel blocks."""
+    ref = train_py_reference(FLAGS, tmp_path_factory)
+    check(run_script('parallel_4d.py', FLAGS + ['--cp=2', '--tp=2', f'--out_dir={tmp_path}'], nproc=8, timeout=400))
+    assert_same_losses(train_losses(tmp_path), train_losses(ref), range(4))
+    assert_same_losses(eval_losses(tmp_path), eval_losses(ref), [0, 2, 4])
+    assert_groups_are_the_grids_rows(tmp_path, (2, 1, 2, 2))
+
+
+def test_pp2_cp2_tp2_resumes_exactly(tmp_path):
+    """Ulysses, 2 stages, 2 iterations then resumed to 4: the uninterrupted run's curve."""
+    flags = FLAGS + ['--pp=2', '--cp=2', '--tp=2', '--cp_attention=ulysses', '--n_head=8', '--n_embd=32']
+    whole, split = tmp_path / 'whole', tmp_path / 'split'
+    check(run_script('parallel_4d.py', flags + [f'--out_dir={whole}'], nproc=8, timeout=400))
+    check(run_script('parallel_4d.py', flags + ['--max_iters=2', f'--out_dir={split}'], nproc=8, timeout=400))
+    check(run_script('parallel_4d.py', flags + ['--init_from=resume', f'--out_dir={split}'], nproc=8, timeout=400))
+    assert train_losses(split) == train_losses(whole)
+
+
+BAD = [
+    (8, ['--pp=3'], 'world size 8 is not divisible by pp x cp x tp'),
+    (8, ['--tp=2', '--cp=2', '--cp_attention=ulysses', '--n_head=2'], 'must be divisible by tp x cp = 4'),
+    (8, ['--cp=2', '--sequence_parallel=True', '--tp=2'], 'sequence_parallel False'),
+    (8, ['--pp=2', '--n_layer=3'], 'n_layer (3) must be divisible by pp x virtual_stages = 2'),
+]
+
+
+@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'heads', 'sp-with-cp', 'layers'])
+def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
+    import parallel_4d
+    monkeypatch.setenv('WORLD_SIZE', str(world))
+    with pytest.raises(SystemExit) as e:
+        parallel_4d.main(TINY + ['--gradient_accumulation_steps=8', f'--out_dir={tmp_path}'] + args)
+    assert isinstance(e.value.code, str) and e.value.code.startswith('error:') and message in e.value.code
+    assert '\n' not in e.value.code
