@@ -914,6 +914,23 @@ def train_checkpoint(model_sd, optimizer_sd, rng_states, model_args, iter_num, b
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
 
 
+def adamw_state_dict(model_args, state_by_name, cfg):
+    """torch AdamW's state_dict for train.py's model (configure_optimizers' groups and parameter order), from the
+    per-parameter states {name: {'step', 'exp_avg', 'exp_avg_sq'}} a consolidation has put back together. The model
+    is built on the meta device: its names and order, none of its memory."""
+    with torch.device('meta'):
+        dense = GPT(GPTConfig(**model_args))
+    optimizer = dense.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']),
+                                           'cpu')
+    name_of = {id(p): n for n, p in dense.named_parameters()}
+    order = [name_of[id(p)] for group in optimizer.param_groups for p in group['params']]
+    sd = optimizer.state_dict()
+    sd['state'] = {i: state_by_name[n] for i, n in enumerate(order) if n in state_by_name}
+    for group in sd['param_groups']:
+        group['eps'] = cfg.get('adam_eps', group['eps'])
+    return sd
+
+
 def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
     """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch rule)."""
     global_rows = cfg.batch_size * cfg.gradient_accumulation_steps

@@ -725,6 +725,22 @@ def check_shard(checkpoint, path, world_size, cfg):
                          f"zero.py --consolidate={cfg.out_dir}, delete the zero_rank*.pt files, then resume")
 
 
+def unflatten_shards(shards):
+    """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}: the
+    chunks of ranks 0, 1, ... laid end to end are each bucket, cut back into its parameters."""
+    full, n_buckets = {}, len(shards[0]['layout'])
+    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
+        full[key] = {}
+        for i, layout in enumerate(shards[0]['layout']):
+            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (weights, m, v)")
+            flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
+            offset = 0
+            for name, shape in zip(layout['names'], layout['shapes']):
+                full[key][name] = flat[offset:offset + math.prod(shape)].view(shape).clone()
+                offset += math.prod(shape)
+    return full
+
+
 def consolidate_shards(out_dir):
     """The rank shards of out_dir -> out_dir/ckpt.pt in train.py's format: the full model, and torch AdamW's
     state_dict for model.configure_optimizers' parameter order, so any script can go on from it."""
@@ -739,17 +755,7 @@ def consolidate_shards(out_dir):
     shards = [ck0] + [torch.load(p, map_location='cpu', weights_only=False) for p in paths[1:]]
     if len({(s['iter_num'], s['zero']['stage']) for s in shards}) != 1:
         raise SystemExit(f"error: the shards in {out_dir} are from different iterations or stages")
-    full, n_buckets = {}, len(ck0['zero']['layout'])
-    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
-        full[key] = {}
-        for i, layout in enumerate(ck0['zero']['layout']):
-            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {n} shards (buckets of weights, m, v)")
-            flat = shards[0]['zero'][key][i] if ck0['zero']['stage'] == 0 else torch.cat(
-                [s['zero'][key][i] for s in shards])  # the chunks of rank 0, 1, ... in order are the bucket
-            offset = 0
-            for name, shape in zip(layout['names'], layout['shapes']):
-                full[key][name] = flat[offset:offset + math.prod(shape)].view(shape).clone()
-                offset += math.prod(shape)
+    full = unflatten_shards([s['zero'] for s in shards])
     cfg = ck0['config']
     model = GPT(GPTConfig(**ck0['model_args']))
     with torch.no_grad():

@@ -1,10 +1,13 @@
 """parallel_4d.py: the pieces of tensor_parallel.py, context_parallel.py, pipeline.py and zero.py composed on one
 dp x pp x cp x tp grid of 8 gloo processes train train.py's loss curve; every rank's groups are the grid's rows
 along each dimension; a run resumes exactly on the same grid; bad input is one line."""
+from pathlib import Path
+
 import pytest
 import torch
 
-from helpers import TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses, train_py_reference
+from helpers import (TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, read_log, run_script,
+                     train_losses, train_py_reference)
 
 FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
                 '--learning_rate=1e-2', '--warmup_iters=1']
@@ -52,14 +55,19 @@ def test_dp2_cp2_tp2_trains_train_py_curve(tmp_path, tmp_path_factory):
     assert_groups_are_the_grids_rows(tmp_path, (2, 1, 2, 2))
 
 
-def test_pp2_cp2_tp2_resumes_exactly(tmp_path):
-    """Ulysses, 2 stages, 2 iterations then resumed to 4: the uninterrupted run's curve."""
-    flags = FLAGS + ['--pp=2', '--cp=2', '--tp=2', '--cp_attention=ulysses', '--n_head=8', '--n_embd=32']
+def test_pp2_cp2_tp2_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_path_factory):
+    """Ulysses, 2 stages: 2 iterations then resumed to 4 give the uninterrupted run's curve; consolidated (ZeRO-1
+    chunks, tp slices and stages put back together), the checkpoint is the one train.py writes after 4 iterations:
+    the same parameters and AdamW moments."""
+    model = ['--n_head=8', '--n_embd=32']
+    flags = FLAGS + model + ['--pp=2', '--cp=2', '--tp=2', '--cp_attention=ulysses']
     whole, split = tmp_path / 'whole', tmp_path / 'split'
     check(run_script('parallel_4d.py', flags + [f'--out_dir={whole}'], nproc=8, timeout=400))
     check(run_script('parallel_4d.py', flags + ['--max_iters=2', f'--out_dir={split}'], nproc=8, timeout=400))
     check(run_script('parallel_4d.py', flags + ['--init_from=resume', f'--out_dir={split}'], nproc=8, timeout=400))
     assert train_losses(split) == train_losses(whole)
+    check(run_script('parallel_4d.py', [f'--consolidate={whole}']))
+    assert_same_checkpoint(whole / 'ckpt.pt', Path(train_py_reference(FLAGS + model, tmp_path_factory)) / 'ckpt.pt')
 
 
 BAD = [
