@@ -86,15 +86,12 @@ def _mixed_precision_worker(rank, world_size):
     """bf16 MixedPrecisionPolicy: blocks compute with bf16 weights while the stored shards, their gradients and
     the reduction stay fp32; and with gradient sync off the sharded gradients are not produced (no
     reduce-scatter) until the last micro-step."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
     from model import GPT, GPTConfig
     from train_fsdp import shard_model
     torch.manual_seed(0)
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, bias=False)
-    model = shard_model(GPT(config), init_device_mesh('cpu', (world_size,)),
-                        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model = shard_model(GPT(config), 'cpu', world_size, 'bfloat16')
     seen = []
     model.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
     x = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(rank))
