@@ -86,6 +86,11 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
         self.eps = eps
 
+    def reset_parameters(self):  # (what __init__ set: init_params replays it on a model built on the meta device)
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
     def forward(self, x):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
@@ -97,6 +102,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(ndim))
         self.eps = eps
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
 
     def forward(self, x):
         x32 = x.float()
@@ -360,6 +368,71 @@ class GPT(nn.Module):
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
         return cls.from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
+
+
+@torch.no_grad()
+def init_params(config, seed, keep):
+    """train.py's initialization of GPT(config) after torch.manual_seed(seed), without ever holding the model: the
+    same random draws in the same order (each module's default init as the constructor builds it, then
+    _init_weights, then the scaled residual projections), each into a temporary full-size tensor of one module,
+    and keep(name, values) called with every parameter's final values (under each of its names, a tied weight
+    under both), for the caller to copy out the share its rank holds. A sharded script builds its part on the
+    meta device and fills it here: the peak is its share plus one module. The random stream ends where GPT(config)
+    leaves it."""
+    torch.manual_seed(seed)
+    with torch.device('meta'):
+        skeleton = GPT(config)  # (on meta nothing is drawn: it only gives the modules, their order and shapes)
+    leaves = [m for m in skeleton.modules() if hasattr(m, 'reset_parameters') and next(m.parameters(), None) is not
+              None and not any(True for _ in m.children())]
+    # each parameter by its identity in the skeleton (a tied weight is one, in two modules), before to_empty
+    # replaces them: its names, the (module, attribute) pairs that hold it, and the op that writes it last
+    names, holder, last_write = {}, {}, {}
+    for name, p in skeleton.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for i, module in enumerate(leaves):
+        for attr, p in module.named_parameters(recurse=False):
+            holder[(i, attr)] = id(p)
+            last_write[id(p)] = ('construct', i)
+    for i, module in enumerate(leaves):
+        if isinstance(module, (nn.Linear, nn.Embedding)):  # what _init_weights draws again
+            for attr, p in module.named_parameters(recurse=False):
+                last_write[id(p)] = ('init', i)
+    scaled = [(id(p), p.shape) for name, p in skeleton.named_parameters() if name.endswith('c_proj.weight')]
+    for pid, _ in scaled:
+        last_write[pid] = ('scale', pid)
+
+    def draw_on_cpu(i, draw, op):
+        module = leaves[i]
+        module.to_empty(device='cpu')  # this module's parameters, full size, for as long as the draw
+        draw(module)
+        for attr, p in module.named_parameters(recurse=False):
+            if last_write[holder[(i, attr)]] == op:
+                for name in names[holder[(i, attr)]]:
+                    keep(name, p.detach())
+        module.to_empty(device='meta')
+
+    for i in range(len(leaves)):  # the constructors' draws (nn.Linear's kaiming_uniform_, nn.Embedding's normal_)
+        draw_on_cpu(i, lambda module: module.reset_parameters(), ('construct', i))
+    for i in range(len(leaves)):  # self.apply(self._init_weights): children before parents, leaves in order
+        draw_on_cpu(i, skeleton._init_weights, ('init', i))
+    for pid, shape in scaled:  # GPT-2's scaled residual projections
+        full = torch.empty(shape)
+        nn.init.normal_(full, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for name in names[pid]:
+            keep(name, full)
+
+
+def materialize(model, device):
+    """Storage on device for a model built on the meta device (values still to be written), in place: every
+    Parameter stays the same object (so what a script holds, its layout of slices, its optimizer, still points at
+    it, and a tied weight stays tied), its meta tensor swapped for an empty one."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # (to_empty would otherwise make new Parameters)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    return model
 
 
 def hf_rope_theta(hf_cfg):
@@ -852,18 +925,23 @@ def check_batch(cfg, dp_size, world_size):
                          f"divide it")
 
 
-def init_model(cfg, vocab_size, ckpt_path=None, load_weights=True, gpt2=True):
+def init_model(cfg, vocab_size, ckpt_path=None, load_weights=True, gpt2=True, meta=False):
     """The model init_from names: 'scratch' (train.py's initialization from cfg.seed), 'resume' (ckpt_path, a
-    checkpoint with 'model_args'; its 'model' loaded when load_weights) or a GPT-2 name (when gpt2). On the CPU.
+    checkpoint with 'model_args'; its 'model' loaded when load_weights) or a GPT-2 name (when gpt2). On the CPU;
+    with meta (and not load_weights), on the meta device: shapes only, for a sharded script to cut before it
+    materializes its share (init_params, or its own checkpoint). A GPT-2 model is always loaded whole.
     Returns (model, the checkpoint or None, iter_num, best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
+    on_meta = torch.device('meta') if meta and not load_weights else contextlib.nullcontext()
     if cfg.init_from == 'scratch':
-        model = GPT(model_config(cfg, vocab_size))
+        with on_meta:
+            model = GPT(model_config(cfg, vocab_size))
     elif cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
+        with on_meta:
+            model = GPT(GPTConfig(**checkpoint['model_args']))
         if load_weights:
             model.load_state_dict(checkpoint['model'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']

@@ -30,9 +30,9 @@ from torch.nn import functional as F
 
 from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
                    average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
-                   finish_distributed, get_lr, init_distributed, init_model, load_dataset, log_rank_rows,
-                   micro_batches, outputs_line, param_groups, process_grid, profiled, progress, rng_state, run_main,
-                   run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
+                   finish_distributed, get_lr, init_distributed, init_model, init_params, load_dataset, log_rank_rows,
+                   materialize, micro_batches, outputs_line, param_groups, process_grid, profiled, progress, rng_state,
+                   run_main, run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
                    should_evaluate, should_save, world_size_from_env)
 
 # -----------------------------------------------------------------------------
@@ -435,6 +435,18 @@ def shard_gpt(model, tp):
     return layout
 
 
+def keep_slices(layout, tp, config):
+    """For init_params: copy this rank's slice of each dense parameter's values into its local parameter."""
+    hd = config.n_embd // config.n_head
+    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+
+    def keep(name, full):
+        if name in layout:
+            local, kind = layout[name]
+            local.data.copy_(take_slice(full, kind, tp.group, qkv_sizes))
+    return keep
+
+
 def forward_needs_tp_forward(*args, **kwargs):
     raise RuntimeError("this GPT is one tensor-parallel rank's slice: run it with tensor_parallel.tp_forward (its "
                        "loss is vocabulary-parallel); to sample, consolidate it into a train.py checkpoint first")
@@ -700,17 +712,23 @@ def main(argv):
 
     # model: the full GPT, exactly as train.py builds it, then this rank's slice of it
     ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False, meta=True)
     dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
-    layout = shard_gpt(model, tp)
+    on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
+    layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
     give_tp_ranks_their_dropout(model, tp)
+    if on_meta:
+        materialize(model, cfg.device)  # storage for the slices; their values come below
+    else:
+        model.to(cfg.device)
     if checkpoint is not None:
         check_rank_checkpoint(checkpoint, cfg, world_size)
         model.load_state_dict(checkpoint['model'])
         set_rng_state(checkpoint['rng'])  # this rank's own streams
     else:
+        if on_meta:  # train.py's values, one dense tensor at a time, of which this rank keeps its slice
+            init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
         seed_dropout(cfg.seed, dp.rank)  # the tp ranks of a replica share the stream; each replica its own
-    model.to(cfg.device)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp.size} x tp {cfg.tp}"
                         f"{' with sequence parallelism' if cfg.sequence_parallel else ''}", cfg, dense_params))
