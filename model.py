@@ -422,6 +422,17 @@ def init_params(config, seed, keep):
             keep(name, full)
 
 
+def keep_own(model):
+    """For init_params: the parameters the (cut) model still holds, by name, take their values; the rest is not
+    kept anywhere."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def keep(name, full):
+        if name in params:
+            params[name].data.copy_(full)
+    return keep
+
+
 def materialize(model, device):
     """Storage on device for a model built on the meta device (values still to be written), in place: every
     Parameter stays the same object (so what a script holds, its layout of slices, its optimizer, still points at

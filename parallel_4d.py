@@ -27,13 +27,13 @@ import torch.distributed as dist
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from model import (GRID_DIMS, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, adamw_state_dict,
                    autocast_context, check_batch, comm_report, config_defaults, configure, evaluate,
-                   finish_distributed, get_lr, init_distributed, init_model, load_dataset, log_rank_rows,
-                   micro_batches, outputs_line, process_grid, profiled, rng_state, run_main, run_shape,
+                   finish_distributed, get_lr, init_distributed, init_model, init_params, load_dataset, log_rank_rows,
+                   materialize, micro_batches, outputs_line, process_grid, profiled, rng_state, run_main, run_shape,
                    save_checkpoint, seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint,
                    world_size_from_env)
 from pipeline import LastStepReport, Stage, embed_comm, forward_loss, keep_stage, run_schedule
-from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, shard_gpt, sync_tp_grads,
-                             tp_embed, tp_head)
+from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, shard_gpt,
+                             sync_tp_grads, tp_embed, tp_head)
 from zero import Zero, held_bytes, model_state_bytes_formula, unflatten_shards
 
 # -----------------------------------------------------------------------------
@@ -185,17 +185,20 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: train.py's GPT, cut along every dimension of the grid; ZeRO-1 holds its weights and AdamW state
+    # model: train.py's GPT on the meta device, cut along every dimension of the grid, then only this rank's part
+    # materialized with train.py's values; ZeRO-1 holds its weights and AdamW state
     ckpt_path = os.path.join(cfg.out_dir, f'ckpt_4d_rank{rank}.pt')
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
-                                                            gpt2=False)
+                                                            gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
-    stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, ctx)
+    stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, ctx)  # cut on the meta device
+    materialize(model, cfg.device)  # storage for this rank's part alone
     local_name = {id(p): n for n, p in model.named_parameters()}  # where each dense parameter's slice is here
     dense_names = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items() if id(p) in local_name}
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
-    model.to(cfg.device)
+    else:  # train.py's values, one dense tensor at a time, of which this rank keeps its slice
+        init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
                         n_params))

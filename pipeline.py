@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
                    check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed,
-                   gather_rng_states, get_lr, init_distributed, init_model, load_dataset, log_row, micro_batches,
-                   outputs_line, process_grid, profiled, progress, restore_rng, run_main, run_shape, save_checkpoint,
-                   saved_bytes_counter, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
-                   world_size_from_env)
+                   gather_rng_states, get_lr, init_distributed, init_model, init_params, keep_own, load_dataset,
+                   log_row, materialize, micro_batches, outputs_line, process_grid, profiled, progress, restore_rng,
+                   run_main, run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, should_evaluate,
+                   should_save, train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -768,15 +768,17 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: every rank builds train.py's full GPT from the same seed, then keeps its stage's part
+    # model: train.py's GPT on the meta device, cut to this stage's part, which alone gets storage and values
     ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
-                                                            gpt2=False)
+                                                            gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
-    chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)
+    chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
+    materialize(model, cfg.device)  # storage for this stage's part alone
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
-    model.to(cfg.device)
+    else:  # train.py's values, one tensor at a time; this stage keeps its own
+        init_params(model.config, cfg.seed, keep_own(model))
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
                         f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
