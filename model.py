@@ -401,22 +401,28 @@ def init_params(config, seed, keep):
     for pid, _ in scaled:
         last_write[pid] = ('scale', pid)
 
+    # one module's parameters at a time, drawn into one scratch buffer (reused: the allocator never fragments)
+    scratch = torch.empty(max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves))
+
     def draw_on_cpu(i, draw, op):
         module = leaves[i]
-        module.to_empty(device='cpu')  # this module's parameters, full size, for as long as the draw
+        on_meta, offset = dict(module.named_parameters(recurse=False)), 0
+        for attr, p in on_meta.items():
+            module._parameters[attr] = nn.Parameter(scratch[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
         draw(module)
-        for attr, p in module.named_parameters(recurse=False):
+        for attr in on_meta:
             if last_write[holder[(i, attr)]] == op:
                 for name in names[holder[(i, attr)]]:
-                    keep(name, p.detach())
-        module.to_empty(device='meta')
+                    keep(name, module._parameters[attr].detach())
+        module._parameters.update(on_meta)  # back to shapes only
 
     for i in range(len(leaves)):  # the constructors' draws (nn.Linear's kaiming_uniform_, nn.Embedding's normal_)
         draw_on_cpu(i, lambda module: module.reset_parameters(), ('construct', i))
     for i in range(len(leaves)):  # self.apply(self._init_weights): children before parents, leaves in order
         draw_on_cpu(i, skeleton._init_weights, ('init', i))
     for pid, shape in scaled:  # GPT-2's scaled residual projections
-        full = torch.empty(shape)
+        full = scratch[:math.prod(shape)].view(shape)
         nn.init.normal_(full, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         for name in names[pid]:
             keep(name, full)

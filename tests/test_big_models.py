@@ -1,0 +1,60 @@
+"""Models bigger than one rank: tensor_parallel.py, pipeline.py and parallel_4d.py build train.py's GPT on the meta
+device, cut it there and give storage and train.py's values to their own part only (model.init_params replays the
+initialization one module at a time). Shown on a 50M-parameter model (200 MB in fp32) cut four ways, each in a
+fresh process: the peak resident memory rises by about a quarter of the model, where building it whole (the
+control, so that the measurement can fail) raises it by the whole model. That the values are train.py's is what
+every equivalence test of those scripts checks."""
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+BUILD = r'''
+import resource, sys, types, torch
+from model import GPT, GPTConfig, init_params, keep_own, materialize
+import pipeline, tensor_parallel as tpm
+config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
+tiny = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=8)
+with torch.device('meta'):  # warm-up: the meta device's kernels load on first use (150 MB of code, not data)
+    materialize(GPT(tiny), 'cpu')
+init_params(tiny, 0, lambda name, values: None)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+way = sys.argv[1]
+if way == 'whole':
+    torch.manual_seed(0)
+    model = GPT(config)
+else:
+    with torch.device('meta'):
+        model = GPT(config)
+    if way == 'tp':  # rank 1 of 4 tensor-parallel ranks (shard_gpt reads only the group's size and rank)
+        tp = tpm.TensorParallel(types.SimpleNamespace(size=4, rank=1))
+        layout = tpm.shard_gpt(model, tp)
+        keep = tpm.keep_slices(layout, tp, config)
+    else:  # stage 1 of 4 pipeline stages
+        pipeline.keep_stage(model, 1, 4)
+        keep = keep_own(model)
+    materialize(model, 'cpu')
+    init_params(config, 0, keep)
+held = sum(p.numel() * p.element_size() for p in model.parameters())
+rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(held, rise)
+'''
+
+
+def peak_rise(way):
+    proc = subprocess.run([sys.executable, '-c', BUILD, way], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held, rise = map(int, proc.stdout.split()[-2:])
+    return held, rise
+
+
+@pytest.mark.parametrize('way', ['tp', 'pp'])
+def test_a_rank_never_holds_the_whole_model(way):
+    whole, whole_rise = peak_rise('whole')
+    assert whole_rise > 0.9 * whole  # the control: building it whole shows up in the measurement
+    held, rise = peak_rise(way)
+    assert held < 0.3 * whole  # its share: a quarter of the blocks (plus, for tp, the replicated norms)
+    # the share, plus one module's full-size draw (the MLP's 4h x h) and allocator slack: far from the whole
+    assert rise < held + 0.25 * whole, (way, held, rise, whole)
