@@ -221,3 +221,23 @@ def test_to_hf_rejects_a_layout_hugging_face_has_no_class_for():
     pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
     with pytest.raises(ValueError, match='GPT-2 layout'):
         build(**dict(GPT2_LAYOUT, pos='rope')).to_hf()
+
+
+@pytest.mark.parametrize('layout', ['gpt2', 'gpt2_bias', 'llama'])
+def test_init_params_replays_train_py_initialization_exactly(layout):
+    """init_params draws what GPT(config) draws after torch.manual_seed(seed), one module at a time: every
+    parameter (a tied weight under both names) bitwise equal, and the random stream left where GPT leaves it."""
+    from model import init_params
+    extra = {'gpt2': {}, 'gpt2_bias': dict(bias=True),
+             'llama': dict(pos='rope', norm='rmsnorm', mlp='swiglu', n_kv_head=2, tie_embeddings=False)}[layout]
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=40, **extra)
+    torch.manual_seed(7)
+    ref = GPT(config)
+    ref_next = torch.rand(3)
+    got = {}
+    init_params(config, 7, lambda name, values: got.__setitem__(name, values.clone()))
+    assert torch.equal(torch.rand(3), ref_next)
+    named = dict(ref.named_parameters(remove_duplicate=False))
+    assert sorted(got) == sorted(named)
+    for name, p in named.items():
+        assert torch.equal(got[name], p.detach()), name
