@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
                    configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
-                   load_dataset, micro_batches, outputs_line, print_sample, profiled, restore_rng, run_main,
-                   run_shape, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
-                   world_size_from_env)
+                   init_params, load_dataset, materialize, micro_batches, outputs_line, print_sample, profiled,
+                   restore_rng, run_main, run_shape, seed_dropout, set_lr, should_evaluate, should_save,
+                   train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -91,6 +91,19 @@ def shard_model(model, device_type, dp_size, dtype):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+def keep_shards(model):
+    """For init_params: each parameter's values cut as FSDP2 cut it (a DTensor's placements on its mesh), this
+    rank's piece copied into its local shard; no communication."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def keep(name, full):
+        if name in params:
+            p = params[name]
+            p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
+                                                 src_data_rank=None).to_local())
+    return keep
 
 
 def nbytes(tensors):
@@ -275,15 +288,23 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: resume from our sharded checkpoint if there is one, else from a train.py-format ckpt.pt (any script's)
+    # model: on the meta device, sharded, then only this rank's shards materialized; resume from our sharded
+    # checkpoint if there is one, else from a train.py-format ckpt.pt (any script's)
     sharded_path = os.path.join(cfg.out_dir, 'ckpt_dcp')
     sharded = os.path.exists(sharded_path)
     ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not sharded)
-    model.to(cfg.device)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not sharded,
+                                                            meta=True)
+    on_meta = next(model.parameters()).is_meta  # (a train.py-format ckpt.pt, or GPT-2, comes whole)
     if master_process:
         print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
-    model = shard_model(model, device_type, dp_size, cfg.dtype)  # every rank built the full model; now each keeps 1/N
+    if not on_meta:
+        model.to(cfg.device)
+    model = shard_model(model, device_type, dp_size, cfg.dtype)  # (on meta: each rank's 1/N, shapes only)
+    if on_meta:  # each rank's 1/N of every parameter gets storage, then train.py's values (or, below, its shards)
+        materialize(model, cfg.device)
+        if checkpoint is None:
+            init_params(model.config, cfg.seed, keep_shards(model))
     # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
