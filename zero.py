@@ -30,12 +30,13 @@ import os
 from collections import defaultdict
 
 import torch
+import torch.nn as nn
 
 from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
                    check_batch, config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed,
-                   init_model, load_dataset, log_rank_rows, micro_batches, outputs_line, param_groups, print_sample,
-                   profiled, progress, restore_rng, rng_state, run_main, run_shape, save_checkpoint, seed_dropout,
-                   set_rng_state, should_evaluate, should_save, train_checkpoint, world_size_from_env)
+                   init_model, init_params, load_dataset, log_rank_rows, micro_batches, outputs_line, param_groups,
+                   print_sample, profiled, progress, restore_rng, rng_state, run_main, run_shape, save_checkpoint,
+                   seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -118,12 +119,17 @@ class Bucket:
         self.padded = math.ceil(self.numel / world_size) * world_size if sharded else self.numel
         self.shard_numel = self.padded // world_size if sharded else self.numel
         self.lo = rank * self.shard_numel if sharded else 0
-        flat32 = self.flatten([p.detach().float() for p in params], device)
+        on_meta = params[0].is_meta  # built on the meta device: the values come later (Zero.set_param_values)
+        flat32 = torch.zeros(self.padded, device=device) if on_meta else self.flatten([p.detach().float() for p in
+                                                                                       params], device)
         # a chunk spans both AdamW groups (and padding): the decayed parameters are ranges of this rank's chunk
         self.decay_ranges = self.owned_ranges([id(p) in decay for p in params])
         self.flat = flat32.to(dtype)  # (flat32 itself in fp32)
         for p, view in zip(params, self.views(self.flat)):
-            p.data = view
+            if on_meta:  # (a meta tensor's .data cannot be set: the Parameter is swapped, in place, for the view)
+                torch.utils.swap_tensors(p, nn.Parameter(view))
+            else:
+                p.data = view
         self.shard = self.owned(self.flat).clone() if stage == 3 else self.owned(self.flat)
         self.master = self.owned(flat32) if dtype == torch.float32 else self.owned(flat32).clone()
         if stage == 3 and dtype == torch.float32:
@@ -138,6 +144,8 @@ class Bucket:
         self.ready = 0              # parameters whose gradient backward has produced this micro-step
         self.gathered = True        # stage 3: whether flat holds the parameters now
         self.in_backward = False    # stage 3: the block's backward has begun (a recompute must not free it)
+        if stage == 3:
+            free(self)  # at rest a rank keeps only its chunk: the full buffer exists for one bucket at a time
 
     def flatten(self, tensors, device):
         flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=device)
@@ -323,23 +331,23 @@ def install_stage_3_hooks(z, model):
 class Zero:
     """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ between stages."""
 
-    def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm):
+    def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
+                 device=None):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
-        self.dtype, self.device = dtype, next(model.parameters()).device
+        self.dtype, self.device = dtype, device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
         self.publish = (publish_stage_0, publish_stage_1, publish_stage_2, publish_stage_3)[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
         self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage, dtype,
                                self.device) for group in bucket_groups(model, stage, bucket_size)]
         self.numel = sum(b.numel for b in self.buckets)
+        self.where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self.grad_ready(b, i, p))
         self.optimizer = ShardedAdamW([b.master for b in self.buckets], [b.decay_ranges for b in self.buckets],
                                       weight_decay, betas, eps)
         if stage == 3:
-            for b in self.buckets:
-                free(b)  # at rest a rank keeps only its chunk of the parameters
             install_stage_3_hooks(self, model)
         self.sync = True           # stages 0-1 reduce only at the last micro-step (gradients accumulate locally)
         self.next_bucket = 0       # buckets are reduced in order, so every rank issues the same collectives
@@ -414,6 +422,23 @@ class Zero:
                 b.grad_shard = None
             if self.stage >= 2:
                 b.grad_shard.zero_()
+
+    @torch.no_grad()
+    def set_param_values(self, name, values):
+        """The values of one whole parameter (init_params calls it with each in turn, for a model built on the meta
+        device): the part in this rank's chunk goes to the fp32 master (and in stage 3 the shard), and in stages
+        0-2, where every rank holds all the parameters, the whole of it to the model's flat buffer."""
+        if name not in self.where:
+            return  # (a second name of a tied weight)
+        b, i = self.where[name]
+        off, values = b.offsets[i], values.reshape(-1).to(self.device)
+        if self.stage < 3:
+            b.flat[off:off + values.numel()].copy_(values)
+        lo, hi = max(off, b.lo), min(off + values.numel(), b.lo + b.shard_numel)
+        if lo < hi:
+            b.master[lo - b.lo:hi - b.lo].copy_(values[lo - off:hi - off])
+            if self.stage == 3 and b.shard is not b.master:
+                b.shard[lo - b.lo:hi - b.lo].copy_(values[lo - off:hi - off])
 
     # checkpoints: this rank's chunks of the fp32 weights and AdamW's moments, and where they sit in the model
     def state_dict(self):
@@ -513,17 +538,23 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: every rank builds the same full model as train.py, then keeps its part; resume from this rank's
-    # shard, else from a train.py-format ckpt.pt (any script's, any world size)
+    # model: on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one block at a
+    # time), then train.py's values fill it; resume from this rank's shard, else from a train.py-format ckpt.pt
+    # (any script's, any world size: that one is loaded whole)
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
     ckpt_path = shard_file if from_shard else full_file
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not from_shard)
-    model.to(cfg.device)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not from_shard,
+                                                            meta=True)
+    on_meta = next(model.parameters()).is_meta
+    if not on_meta:
+        model.to(cfg.device)
     if rank == 0:
         print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp)
+                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device)
+    if checkpoint is None and on_meta:
+        init_params(model.config, cfg.seed, zero.set_param_values)  # one tensor at a time; each rank its part
     if checkpoint is not None and from_shard:
         check_shard(checkpoint, ckpt_path, world_size, cfg)
         zero.load_state_dict(checkpoint['zero'])
