@@ -81,6 +81,7 @@ profile = 0                     # trace this many steps with torch.profiler: out
 # ZeRO
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
+offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state in host memory, updated there
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
 print_ds_config = False         # print the DeepSpeed JSON config of this run (to take it to DeepSpeed), then exit
@@ -110,7 +111,7 @@ class Bucket:
       grad_shard(W) -                    S, from the reduce   S, sums the micro-steps S, sums the micro-steps
     """
 
-    def __init__(self, names, params, decay, rank, world_size, stage, dtype, device):
+    def __init__(self, names, params, decay, rank, world_size, stage, dtype, device, offload=False):
         self.names, self.params, self.stage = names, params, stage
         self.shapes = [tuple(p.shape) for p in params]
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
@@ -134,6 +135,8 @@ class Bucket:
         self.master = self.owned(flat32) if dtype == torch.float32 else self.owned(flat32).clone()
         if stage == 3 and dtype == torch.float32:
             self.master = self.shard
+        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) in host memory
+            self.master = host_copy(self.master)
         self.grad_flat = self.filling = self.grad_shard = None
         if stage <= 1:
             self.grad_flat = torch.zeros(self.padded, dtype=dtype, device=device)
@@ -169,6 +172,12 @@ class Bucket:
         return ranges
 
 
+def host_copy(t):
+    """A copy of t in host memory, pinned when there is a GPU (so the copies to and from it run asynchronously)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(t)
+
+
 class ShardedAdamW:
     """torch.optim.AdamW's update (decoupled weight decay, bias correction, eps added after the square root),
     written once for any flat fp32 tensors: here, this rank's chunks. Element for element what torch computes."""
@@ -186,6 +195,9 @@ class ShardedAdamW:
         self.step_count += 1
         bias_correction1 = 1 - beta1 ** self.step_count
         bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
+        grads = [g.to(p.device, non_blocking=True) for p, g in zip(self.masters, grads)]  # (offload: to the host)
+        if torch.cuda.is_available() and self.masters[0].device.type == 'cpu':
+            torch.cuda.synchronize()  # the copies above must land before the host reads them
         for p, g, m, v, ranges in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
             g = g.float()
             for start, end in ranges:
@@ -251,7 +263,7 @@ def publish_stage_0(z, b):
 def publish_stage_1(z, b):
     """Every rank updated only its chunk: an all-gather gives everyone everyone's (a copy: the chunk is inside
     the output). Returns the work, waited for after every bucket's gather is posted."""
-    return z.comm.all_gather(b.flat, b.master.to(z.dtype, copy=True), async_op=True)
+    return z.comm.all_gather(b.flat, b.master.to(z.device, z.dtype, copy=True), async_op=True)
 
 
 publish_stage_2 = publish_stage_1
@@ -332,14 +344,14 @@ class Zero:
     """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ between stages."""
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
-                 device=None):
+                 device=None, offload=False):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
         self.dtype, self.device = dtype, device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
         self.publish = (publish_stage_0, publish_stage_1, publish_stage_2, publish_stage_3)[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
         self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage, dtype,
-                               self.device) for group in bucket_groups(model, stage, bucket_size)]
+                               self.device, offload) for group in bucket_groups(model, stage, bucket_size)]
         self.numel = sum(b.numel for b in self.buckets)
         self.where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         for b in self.buckets:
@@ -552,7 +564,8 @@ def main(argv):
     if rank == 0:
         print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device)
+                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
+                cfg.offload_optimizer)
     if checkpoint is None and on_meta:
         init_params(model.config, cfg.seed, zero.set_param_values)  # one tensor at a time; each rank its part
     if checkpoint is not None and from_shard:
@@ -813,8 +826,9 @@ def consolidate_shards(out_dir):
 # DeepSpeed's JSON config: the common subset, read and written
 
 
-DS_KEYS = {'zero_optimization': {'stage'}, 'train_micro_batch_size_per_gpu': None, 'gradient_accumulation_steps': None,
-           'gradient_clipping': None, 'bf16': {'enabled'}, 'optimizer': {'type', 'params'}, 'train_batch_size': None}
+DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer'}, 'train_micro_batch_size_per_gpu': None,
+           'gradient_accumulation_steps': None, 'gradient_clipping': None, 'bf16': {'enabled'},
+           'optimizer': {'type', 'params'}, 'train_batch_size': None}
 DS_OPTIMIZER_PARAMS = {'lr', 'betas', 'eps', 'weight_decay'}
 
 
@@ -826,7 +840,8 @@ def deepspeed_config_of(cfg, world_size):
             'gradient_accumulation_steps': cfg.gradient_accumulation_steps // world_size,
             'gradient_clipping': cfg.grad_clip,
             'bf16': {'enabled': cfg.dtype == 'bfloat16'},
-            'zero_optimization': {'stage': cfg.stage},
+            'zero_optimization': dict({'stage': cfg.stage}, **({'offload_optimizer': {
+                'device': 'cpu', 'pin_memory': True}} if cfg.offload_optimizer else {})),
             'optimizer': {'type': 'AdamW', 'params': {'lr': cfg.learning_rate, 'betas': [cfg.beta1, cfg.beta2],
                                                       'eps': cfg.adam_eps, 'weight_decay': cfg.weight_decay}}}
 
@@ -857,7 +872,13 @@ def apply_deepspeed_config(cfg, path, world_size):
             raise SystemExit(f"error: deepspeed_config key 'optimizer.params.{sub}' is not supported by zero.py; "
                              f"supported: {', '.join(sorted(DS_OPTIMIZER_PARAMS))}")
     params = opt.get('params', {})
-    updates = {'stage': ds.get('zero_optimization', {}).get('stage'),
+    zero_opt = ds.get('zero_optimization', {})
+    offload = zero_opt.get('offload_optimizer', {}).get('device', 'none')
+    if offload not in ('cpu', 'none'):
+        raise SystemExit(f"error: deepspeed_config zero_optimization.offload_optimizer.device '{offload}' is not "
+                         f"supported by zero.py: 'cpu' or 'none'")
+    updates = {'stage': zero_opt.get('stage'),
+               'offload_optimizer': offload == 'cpu' if 'offload_optimizer' in zero_opt else None,
                'batch_size': ds.get('train_micro_batch_size_per_gpu'),
                'gradient_accumulation_steps': (ds['gradient_accumulation_steps'] * world_size
                                                if 'gradient_accumulation_steps' in ds else None),

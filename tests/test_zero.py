@@ -183,6 +183,7 @@ def split_runs(tmp_path_factory):
         argvs += [zero_args(tmp / f'whole{stage}', stage, 3, drop), zero_args(tmp / f'split{stage}', stage, 2, drop),
                   zero_args(tmp / f'split{stage}', stage, 3, '--init_from=resume', '--eval_interval=2', drop)]
     argvs.append(zero_args(tmp / 'half2', 2, 2))
+    argvs += [zero_args(tmp / f'offload{stage}', stage, 3, '--offload_optimizer=True') for stage in (1, 3)]
     argvs += [zero_args(tmp / f'bf16_{stage}', stage, 1, '--dtype=bfloat16') for stage in range(4)]
     spawn(run_mains, 2, 'zero', argvs)
     return tmp
@@ -198,6 +199,16 @@ def test_shard_checkpoint_resume_is_identical(split_runs):
             assert a['step'] == b['step'] == 3
             for key in ('master', 'exp_avg', 'exp_avg_sq'):
                 assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (stage, rank, key)
+
+
+def test_offload_optimizer_trains_the_same_numbers(split_runs, reference):
+    """ZeRO-Offload (the master chunk and AdamW's state in host memory, updated there): on a CPU the same numbers as
+    train.py, stages 1 and 3 (on a GPU the device's optimizer bytes would drop by 12Ψ/N in bf16)."""
+    ref_dir, ref = reference
+    for stage in (1, 3):
+        out = str(split_runs / f'offload{stage}')
+        assert_same_losses(train_losses(out), train_losses(ref_dir))
+        assert_same_checkpoint(torch.load(zero.consolidate_shards(out), weights_only=False), ref)
 
 
 def test_bfloat16_holds_the_papers_2_2_12_bytes(split_runs):
@@ -243,8 +254,13 @@ def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
         assert zero.apply_deepspeed_config(configure(zero.config, []),
                                            os.path.join(REPO, f'config/ds_zero{s}.json'), 1).stage == s
     bad = tmp_path / 'ds.json'
-    bad.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
-    with pytest.raises(SystemExit, match='zero_optimization.offload_optimizer'):
+    bad.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}')
+    assert zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1).offload_optimizer is True
+    bad.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}')
+    with pytest.raises(SystemExit, match="offload_optimizer.device 'nvme'"):
+        zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+    bad.write_text('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}')
+    with pytest.raises(SystemExit, match='zero_optimization.offload_param'):
         zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
     bad.write_text('{"fp16": {"enabled": true}}')
     with pytest.raises(SystemExit, match="'fp16'"):
