@@ -107,10 +107,12 @@ def dp_cp_comm(grid, rank):
     return comm
 
 
-def build_stage(model, cfg, grid, coords, comms, ctx):
-    """This rank's part of train.py's GPT: its tp slice of every layer (tensor_parallel.shard_gpt), then its
-    pipeline stage's blocks (pipeline.keep_stage), with context-parallel attention (context_parallel), as a
-    pipeline Stage whose embedding and loss are the vocabulary-parallel ones, on this rank's tokens."""
+def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
+    """This rank's part of train.py's GPT (built on the meta device): its tp slice of every layer
+    (tensor_parallel.shard_gpt), then its pipeline stage's blocks (pipeline.keep_stage), with context-parallel
+    attention (context_parallel), as a pipeline Stage whose embedding and loss are the vocabulary-parallel ones, on
+    this rank's tokens. Only that part gets storage, then train.py's values (init_params, one dense tensor at a
+    time) or this rank's checkpoint. Returns (stage, tp, cp, layout, {dense name: (local name, kind)})."""
     tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
     cp = ContextParallel(comms['cp'], cfg.cp_attention)
     layout = shard_gpt(model, tp)
@@ -125,7 +127,14 @@ def build_stage(model, cfg, grid, coords, comms, ctx):
     mine = (lambda t: t) if cp.positions is None else (lambda t: t[:, cp.positions])  # this rank's tokens
     stage.embed = lambda idx: tp_embed(model, mine(idx), tp, cp.positions)
     stage.head = lambda h, targets: tp_head(model, h, mine(targets), tp)
-    return stage, tp, cp, layout
+    materialize(model, cfg.device)  # storage for this rank's part alone
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint['model'])
+    else:
+        init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
+    local_name = {id(p): n for n, p in model.named_parameters()}  # where each dense parameter's slice is here
+    dense_names = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items() if id(p) in local_name}
+    return stage, tp, cp, layout, dense_names
 
 
 def clip_weights(model, layout, tp, embed, stage):
@@ -191,14 +200,7 @@ def main(argv):
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
                                                             gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
-    stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, ctx)  # cut on the meta device
-    materialize(model, cfg.device)  # storage for this rank's part alone
-    local_name = {id(p): n for n, p in model.named_parameters()}  # where each dense parameter's slice is here
-    dense_names = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items() if id(p) in local_name}
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint['model'])
-    else:  # train.py's values, one dense tensor at a time, of which this rank keeps its slice
-        init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
+    stage, tp, cp, layout, dense_names = build_stage(model, cfg, grid, coords, comms, ctx, checkpoint)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
                         n_params))

@@ -743,6 +743,22 @@ def clip_grad_norm(stage, grads, max_norm, embed):
         grad.mul_(clip_coef)
 
 
+def build_stage_model(cfg, vocab_size, pp_rank, ckpt_path):
+    """train.py's GPT on the meta device, cut to this stage's blocks (keep_stage), which alone get storage and then
+    values: train.py's (init_params, one tensor at a time) or this stage's checkpoint. Returns (model, its chunks of
+    layers, the checkpoint or None, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
+                                                            gpt2=False, meta=True)
+    n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
+    chunks = keep_stage(model, pp_rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
+    materialize(model, cfg.device)  # storage for this stage's part alone
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint['model'])
+    else:  # train.py's values, one tensor at a time; this stage keeps its own
+        init_params(model.config, cfg.seed, keep_own(model))
+    return model, chunks, checkpoint, iter_num, best_val_loss, n_params, flops_per_token
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.consolidate:
@@ -768,17 +784,10 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: train.py's GPT on the meta device, cut to this stage's part, which alone gets storage and values
+    # model: this stage's part of train.py's GPT (build_stage_model)
     ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
-                                                            gpt2=False, meta=True)
-    n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
-    chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
-    materialize(model, cfg.device)  # storage for this stage's part alone
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint['model'])
-    else:  # train.py's values, one tensor at a time; this stage keeps its own
-        init_params(model.config, cfg.seed, keep_own(model))
+    model, chunks, checkpoint, iter_num, best_val_loss, n_params, flops_per_token = build_stage_model(
+        cfg, vocab_size, pp_comm.rank, ckpt_path)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
                         f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "

@@ -689,6 +689,31 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
     return all_reduce(loss_sum, dp, 'scalars').item() / dp.size
 
 
+def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, ckpt_path):
+    """train.py's GPT on the meta device (shapes only), cut to this rank's slices (shard_gpt), which alone get
+    storage and then values: train.py's (init_params, one dense tensor at a time) or this rank's checkpoint. A
+    GPT-2 model (init_from=gpt2) comes whole and is cut from its values. Returns (model, layout, the checkpoint or
+    None, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False, meta=True)
+    dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
+    on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
+    layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
+    give_tp_ranks_their_dropout(model, tp)
+    if on_meta:
+        materialize(model, cfg.device)  # storage for the slices; their values come below
+    else:
+        model.to(cfg.device)
+    if checkpoint is not None:
+        check_rank_checkpoint(checkpoint, cfg, world_size)
+        model.load_state_dict(checkpoint['model'])
+        set_rng_state(checkpoint['rng'])  # this rank's own streams
+    else:
+        if on_meta:  # train.py's values, one dense tensor at a time, of which this rank keeps its slice
+            init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
+        seed_dropout(cfg.seed, dp_rank)  # the tp ranks of a replica share the stream; each replica its own
+    return model, layout, checkpoint, iter_num, best_val_loss, dense_params, flops_per_token
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.consolidate:
@@ -710,25 +735,10 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: the full GPT, exactly as train.py builds it, then this rank's slice of it
+    # model: this rank's slices of train.py's GPT (build_sharded)
     ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False, meta=True)
-    dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
-    on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
-    layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
-    give_tp_ranks_their_dropout(model, tp)
-    if on_meta:
-        materialize(model, cfg.device)  # storage for the slices; their values come below
-    else:
-        model.to(cfg.device)
-    if checkpoint is not None:
-        check_rank_checkpoint(checkpoint, cfg, world_size)
-        model.load_state_dict(checkpoint['model'])
-        set_rng_state(checkpoint['rng'])  # this rank's own streams
-    else:
-        if on_meta:  # train.py's values, one dense tensor at a time, of which this rank keeps its slice
-            init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
-        seed_dropout(cfg.seed, dp.rank)  # the tp ranks of a replica share the stream; each replica its own
+    model, layout, checkpoint, iter_num, best_val_loss, dense_params, flops_per_token = build_sharded(
+        cfg, vocab_size, tp, dp.rank, world_size, ckpt_path)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp.size} x tp {cfg.tp}"
                         f"{' with sequence parallelism' if cfg.sequence_parallel else ''}", cfg, dense_params))

@@ -267,6 +267,40 @@ def train_step(model, optimizer, batches, ctx, grad_clip, dp, on_micro_step=None
     return loss_sum.item() / dp.size
 
 
+def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
+    """train.py's GPT on the meta device, sharded there (shard_model), then each rank's 1/N of every parameter gets
+    storage and train.py's values (init_params), or its shards of our sharded checkpoint; a train.py-format
+    ckpt.pt (any script's) or GPT-2 comes whole and is sharded from its values. AdamW is built over the shards:
+    each rank updates and stores only its own. Returns (model, optimizer, iter_num, best_val_loss)."""
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    sharded = os.path.exists(sharded_path)
+    ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not sharded,
+                                                            meta=True)
+    on_meta = next(model.parameters()).is_meta  # (a train.py-format ckpt.pt, or GPT-2, comes whole)
+    if dp_rank == 0:
+        print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
+    if not on_meta:
+        model.to(cfg.device)
+    model = shard_model(model, device_type, dp_size, cfg.dtype)  # (on meta: each rank's 1/N, shapes only)
+    if on_meta:  # each rank's 1/N of every parameter gets storage, then train.py's values (or, below, its shards)
+        materialize(model, cfg.device)
+        if checkpoint is None:
+            init_params(model.config, cfg.seed, keep_shards(model))
+    # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        if sharded:
+            load_sharded(model, optimizer, sharded_path)
+        else:
+            optimizer.load_state_dict(checkpoint['optimizer'])
+            shard_optimizer_state(optimizer)
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
+    return model, optimizer, iter_num, best_val_loss
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16'):
@@ -288,35 +322,9 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: on the meta device, sharded, then only this rank's shards materialized; resume from our sharded
-    # checkpoint if there is one, else from a train.py-format ckpt.pt (any script's)
+    # model: this rank's shards of train.py's GPT, and its AdamW over them (build_fsdp)
     sharded_path = os.path.join(cfg.out_dir, 'ckpt_dcp')
-    sharded = os.path.exists(sharded_path)
-    ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not sharded,
-                                                            meta=True)
-    on_meta = next(model.parameters()).is_meta  # (a train.py-format ckpt.pt, or GPT-2, comes whole)
-    if master_process:
-        print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
-    if not on_meta:
-        model.to(cfg.device)
-    model = shard_model(model, device_type, dp_size, cfg.dtype)  # (on meta: each rank's 1/N, shapes only)
-    if on_meta:  # each rank's 1/N of every parameter gets storage, then train.py's values (or, below, its shards)
-        materialize(model, cfg.device)
-        if checkpoint is None:
-            init_params(model.config, cfg.seed, keep_shards(model))
-    # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        if sharded:
-            load_sharded(model, optimizer, sharded_path)
-        else:
-            optimizer.load_state_dict(checkpoint['optimizer'])
-            shard_optimizer_state(optimizer)
-        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
-    else:
-        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
-    checkpoint = None  # free it
+    model, optimizer, iter_num, best_val_loss = build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path)
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)

@@ -527,32 +527,11 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
     return loss_sum.item() / dp.size
 
 
-def main(argv):
-    cfg = configure(config, argv)
-    if cfg.consolidate:
-        consolidate_shards(cfg.consolidate)
-        return
-    world = world_size_from_env()
-    cfg = check_config(cfg, world)
-    if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
-        print(json.dumps(deepspeed_config_of(cfg, world), indent=2))
-        return
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
-    dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
-
-    # setup
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
-
-    # data
-    data, vocab_size = load_dataset(cfg.dataset)
-
-    # model: on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one block at a
-    # time), then train.py's values fill it; resume from this rank's shard, else from a train.py-format ckpt.pt
-    # (any script's, any world size: that one is loaded whole)
+def build_zero(cfg, vocab_size, rank, world_size, dp):
+    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one
+    block's full buffer at a time), then train.py's values fill it. Resume from this rank's shard, else from a
+    train.py-format ckpt.pt (any script's, any world size: that one is loaded whole).
+    Returns (model, zero, this rank's shard file, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
     ckpt_path = shard_file if from_shard else full_file
@@ -577,7 +556,34 @@ def main(argv):
         restore_rng(checkpoint, rank, world_size, cfg.seed, rank)
     else:
         seed_dropout(cfg.seed, rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py draw
-    checkpoint = None  # free it
+    return model, zero, shard_file, iter_num, best_val_loss
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    if cfg.consolidate:
+        consolidate_shards(cfg.consolidate)
+        return
+    world = world_size_from_env()
+    cfg = check_config(cfg, world)
+    if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
+        print(json.dumps(deepspeed_config_of(cfg, world), indent=2))
+        return
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model: this rank's part of train.py's GPT, in ZeRO's buckets (build_zero)
+    model, zero, shard_file, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
