@@ -79,34 +79,6 @@ config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
 
-def bubble_fraction_formula(p, m, v=1):
-    """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
-    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the
-    ideal)."""
-    return (p - 1) / (v * m + p - 1)
-
-
-def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
-    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m);
-    interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a chunk's worth."""
-    if schedule_name == 'gpipe':
-        return m
-    if schedule_name == 'interleaved':
-        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-    return min(p - stage, m)
-
-
-def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
-    """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b, s, h)
-    out of each of its v chunks (but the model's last) and its gradient back into each (but the model's first).
-    stage=None: the busiest stage (a middle one when p > 2)."""
-    if p == 1:
-        return 0
-    if stage is None:
-        return (2 * v if p > 2 else 2 * v - 1) * m * b * s * h * bytes_per_elem
-    return (2 * v - int(stage == p - 1) - int(stage == 0)) * m * b * s * h * bytes_per_elem
-
-
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
     if cfg.schedule not in ('gpipe', '1f1b', 'interleaved'):
@@ -846,6 +818,38 @@ def main(argv):
                                         f"--out_dir={cfg.out_dir} --consolidate=DIR makes one ckpt.pt)",
                            "schedule_trace.json (the last schedule: open at ui.perfetto.dev)", *profiled(cfg)))
     finish_distributed()
+
+
+# -----------------------------------------------------------------------------
+# Modelled: the schedules' formulas, printed beside what was measured (bench.py --estimate imports them)
+
+
+def bubble_fraction_formula(p, m, v=1):
+    """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
+    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the
+    ideal)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
+    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m);
+    interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a chunk's worth."""
+    if schedule_name == 'gpipe':
+        return m
+    if schedule_name == 'interleaved':
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return min(p - stage, m)
+
+
+def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
+    """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b, s, h)
+    out of each of its v chunks (but the model's last) and its gradient back into each (but the model's first).
+    stage=None: the busiest stage (a middle one when p > 2)."""
+    if p == 1:
+        return 0
+    if stage is None:
+        return (2 * v if p > 2 else 2 * v - 1) * m * b * s * h * bytes_per_elem
+    return (2 * v - int(stage == p - 1) - int(stage == 0)) * m * b * s * h * bytes_per_elem
 
 
 if __name__ == '__main__':

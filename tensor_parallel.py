@@ -84,47 +84,6 @@ config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
 
-# The formulas printed beside the measurements (bench.py --estimate imports them too).
-
-def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, bytes_per_elem=2):
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, table 2; their
-    numbers are for 16-bit activations, scaled here by bytes_per_elem / 2). recompute: full activation
-    checkpointing, only the layer input is kept (sharded along the sequence under sequence parallelism)."""
-    scale = bytes_per_elem / 2
-    if recompute:
-        return 2 * s * b * h * scale / (t if sequence_parallel else 1)
-    if sequence_parallel:
-        return s * b * h * (34 + 5 * a * s / h) / t * scale
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
-
-
-def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
-    """Bytes one rank sends per transformer layer per micro-batch (forward + backward), ring algorithms:
-    4 all-reduces of the b*s*h activations, each 2(t-1)/t of it. Sequence parallelism turns each into an
-    all-gather + reduce-scatter of (t-1)/t each: the same total."""
-    return 4 * 2 * (t - 1) / t * s * b * h * bytes_per_elem
-
-
-def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
-    """The rest of a micro-batch: the vocabulary-parallel embedding (1 all-reduce forward) and head (1 backward)
-    of b*s*h each, and the vocabulary-parallel cross-entropy's 3 all-reduces of b*s fp32 numbers (max, sum of
-    exponentials, target logit)."""
-    return 2 * 2 * (t - 1) / t * s * b * h * bytes_per_elem + 3 * 2 * (t - 1) / t * s * b * 4
-
-
-def param_bytes_formula(config, t, bytes_per_elem=4):
-    """Parameter bytes on one tp rank: 1/t of the split layers (q/k/v, attention output, MLP, embedding, head)
-    plus every replicated one (norms, the row-parallel biases, learned positions)."""
-    h, L, hd, bias = config.n_embd, config.n_layer, config.n_embd // config.n_head, int(config.bias)
-    qkv = (config.n_head + 2 * config.n_kv_head) * hd
-    n_mlp_in = 2 if config.mlp == 'swiglu' else 1
-    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + config.n_hidden * (n_mlp_in * (h + bias) + h)
-    split = L * split_per_layer + config.vocab_size * h * (1 if config.tie_embeddings else 2)
-    norm = h * (1 + (bias if config.norm == 'layernorm' else 0))
-    replicated = L * (2 * norm + 2 * h * bias) + norm + (config.block_size * h if config.pos == 'learned' else 0)
-    return (split / t + replicated) * bytes_per_elem
-
-
 # -----------------------------------------------------------------------------
 # Collectives, each counting at the call the bytes this rank sends (ring algorithms).
 
@@ -802,6 +761,48 @@ def print_grid(grid, coords, rank):
         print(f"process grid (dp x tp) = torch.arange({grid.numel()}).view({grid.size(0)}, {grid.size(1)}):\n{grid}")
     print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
           f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Modelled: the formulas printed beside the measurements (bench.py --estimate imports them too)
+
+def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, bytes_per_elem=2):
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, table 2; their
+    numbers are for 16-bit activations, scaled here by bytes_per_elem / 2). recompute: full activation
+    checkpointing, only the layer input is kept (sharded along the sequence under sequence parallelism)."""
+    scale = bytes_per_elem / 2
+    if recompute:
+        return 2 * s * b * h * scale / (t if sequence_parallel else 1)
+    if sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t * scale
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+
+
+def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
+    """Bytes one rank sends per transformer layer per micro-batch (forward + backward), ring algorithms:
+    4 all-reduces of the b*s*h activations, each 2(t-1)/t of it. Sequence parallelism turns each into an
+    all-gather + reduce-scatter of (t-1)/t each: the same total."""
+    return 4 * 2 * (t - 1) / t * s * b * h * bytes_per_elem
+
+
+def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
+    """The rest of a micro-batch: the vocabulary-parallel embedding (1 all-reduce forward) and head (1 backward)
+    of b*s*h each, and the vocabulary-parallel cross-entropy's 3 all-reduces of b*s fp32 numbers (max, sum of
+    exponentials, target logit)."""
+    return 2 * 2 * (t - 1) / t * s * b * h * bytes_per_elem + 3 * 2 * (t - 1) / t * s * b * 4
+
+
+def param_bytes_formula(config, t, bytes_per_elem=4):
+    """Parameter bytes on one tp rank: 1/t of the split layers (q/k/v, attention output, MLP, embedding, head)
+    plus every replicated one (norms, the row-parallel biases, learned positions)."""
+    h, L, hd, bias = config.n_embd, config.n_layer, config.n_embd // config.n_head, int(config.bias)
+    qkv = (config.n_head + 2 * config.n_kv_head) * hd
+    n_mlp_in = 2 if config.mlp == 'swiglu' else 1
+    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + config.n_hidden * (n_mlp_in * (h + bias) + h)
+    split = L * split_per_layer + config.vocab_size * h * (1 if config.tie_embeddings else 2)
+    norm = h * (1 + (bias if config.norm == 'layernorm' else 0))
+    replicated = L * (2 * norm + 2 * h * bias) + norm + (config.block_size * h if config.pos == 'learned' else 0)
+    return (split / t + replicated) * bytes_per_elem
 
 
 if __name__ == '__main__':
