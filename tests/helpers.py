@@ -88,6 +88,16 @@ def assert_same_checkpoint(got, want, atol=1e-5):
         [len(g['params']) for g in want['optimizer']['param_groups']]
 
 
+def assert_config_error(main, argv, world_size, message, monkeypatch):
+    """main(argv) run as one of world_size ranks would run it, before any process group exists: it must stop with
+    one line that starts with 'error:' and says message."""
+    monkeypatch.setenv('WORLD_SIZE', str(world_size))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    code = e.value.code
+    assert isinstance(code, str) and code.startswith('error:') and message in code and '\n' not in code, code
+
+
 _TRAIN_PY_RUNS = {}
 
 

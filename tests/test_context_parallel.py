@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from helpers import (TINY, assert_same_losses, check, eval_losses, read_log, run_script, spawn, train_losses,
-                     train_py_reference)
+from helpers import (TINY, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
+                     train_losses, train_py_reference)
 
 TOL = 1e-5
 LAYOUTS = {
@@ -154,11 +154,7 @@ BAD = [
 @pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'chunks', 'heads', 'kind', 'dropout'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     import context_parallel
-    monkeypatch.setenv('WORLD_SIZE', str(world))
-    with pytest.raises(SystemExit) as e:
-        context_parallel.main(TINY + [f'--out_dir={tmp_path}'] + args)
-    assert isinstance(e.value.code, str) and e.value.code.startswith('error:') and message in e.value.code
-    assert '\n' not in e.value.code
+    assert_config_error(context_parallel.main, TINY + [f'--out_dir={tmp_path}'] + args, world, message, monkeypatch)
 
 
 def test_bad_config_exits_on_every_rank(tmp_path):

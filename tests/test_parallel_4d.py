@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, read_log, run_script,
-                     train_losses, train_py_reference)
+from helpers import (TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
+                     read_log, run_script, train_losses, train_py_reference)
 
 FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
                 '--learning_rate=1e-2', '--warmup_iters=1']
@@ -74,8 +74,5 @@ BAD = [
 @pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'heads', 'sp-with-cp', 'layers'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     import parallel_4d
-    monkeypatch.setenv('WORLD_SIZE', str(world))
-    with pytest.raises(SystemExit) as e:
-        parallel_4d.main(TINY + ['--gradient_accumulation_steps=8', f'--out_dir={tmp_path}'] + args)
-    assert isinstance(e.value.code, str) and e.value.code.startswith('error:') and message in e.value.code
-    assert '\n' not in e.value.code
+    argv = TINY + ['--gradient_accumulation_steps=8', f'--out_dir={tmp_path}'] + args
+    assert_config_error(parallel_4d.main, argv, world, message, monkeypatch)

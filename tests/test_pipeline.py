@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from helpers import (TINY, assert_same_losses, check, eval_losses, read_log, run_script, spawn, train_losses,
-                     train_py_reference)
+from helpers import (TINY, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
+                     train_losses, train_py_reference)
 
 LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
@@ -277,11 +277,7 @@ BAD = [
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     """Every check runs before the process group exists, from the world size torchrun sets."""
     import pipeline
-    monkeypatch.setenv('WORLD_SIZE', str(world))
-    with pytest.raises(SystemExit) as e:
-        pipeline.main(TINY + [f'--out_dir={tmp_path}'] + args)
-    assert isinstance(e.value.code, str) and e.value.code.startswith('error:') and message in e.value.code
-    assert '\n' not in e.value.code
+    assert_config_error(pipeline.main, TINY + [f'--out_dir={tmp_path}'] + args, world, message, monkeypatch)
 
 
 def test_bad_config_exits_on_every_rank(tmp_path):
