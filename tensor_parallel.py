@@ -28,12 +28,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
-                   average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
+from model import (CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, adamw_state_dict,
+                   autocast_context, average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
                    finish_distributed, get_lr, init_distributed, init_model, init_params, load_dataset, log_rank_rows,
-                   materialize, micro_batches, outputs_line, param_groups, process_grid, profiled, progress, rng_state,
-                   run_main, run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
-                   should_evaluate, should_save, world_size_from_env)
+                   materialize, micro_batches, outputs_line, process_grid, profiled, progress, rng_state, run_main,
+                   run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
+                   should_evaluate, should_save, train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -609,21 +609,10 @@ def consolidate_ranks(out_dir):
                                   for k, v in states[0].items()}
     if config.tie_embeddings:
         model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
-    with torch.device('meta'):  # the dense model's names and optimizer order, without its memory
-        dense_model = GPT(config)
-    name_of = {id(p): n for n, p in dense_model.named_parameters()}
-    groups, state, index = [], {}, 0
-    for saved, group in zip(first['optimizer']['param_groups'], param_groups(dense_model, 0.0)):
-        names = [name_of[id(p)] for p in group['params']]
-        groups.append(dict(saved, params=list(range(index, index + len(names)))))
-        state.update({index + i: optim_state[n] for i, n in enumerate(names) if n in optim_state})
-        index += len(names)
     path = os.path.join(out_dir, 'ckpt.pt')
-    save_checkpoint({'model': model_sd, 'optimizer': {'state': state, 'param_groups': groups}, 'scaler': {},
-                     'rng_state': first['rng']['cpu'], 'cuda_rng_state': first['rng']['cuda'],
-                     'model_args': first['model_args'], 'iter_num': first['iter_num'],
-                     'best_val_loss': first['best_val_loss'],
-                     'config': dict(first['config'], init_from='resume', consolidate='')}, path)
+    cfg = dict(first['config'], init_from='resume', consolidate='')
+    save_checkpoint(train_checkpoint(model_sd, adamw_state_dict(first['model_args'], optim_state, cfg), [first['rng']],
+                                     first['model_args'], first['iter_num'], first['best_val_loss'], cfg), path)
     print(f"wrote {path} (train.py's format) from {first['tp']} tensor-parallel ranks at iter {first['iter_num']}")
     return path
 
