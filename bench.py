@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from model import GPT, configure, load_dataset, model_config
+from model import GPT, GRID_DIMS, configure, load_dataset, model_config
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
@@ -94,80 +94,95 @@ def model_states(numel, dp, stage, mixed_precision):
     return zero.model_state_bytes_formula(numel, dp, stage, mixed_precision)
 
 
-def strategies(gpus, tp, pp, zero_stage):
-    """(name, dp, tp, pp, zero stage, sequence parallel, schedule) of each row of the estimate."""
-    rows = [('DDP', gpus, 1, 1, 0, False, None)]
-    rows += [(f'ZeRO-{s}', gpus, 1, 1, s, False, None) for s in (1, 2, 3)]
-    rows += [('FSDP (full shard = ZeRO-3)', gpus, 1, 1, 3, False, None)]
-    if tp > 1:
-        rows += [(f'TP={tp}', 1, tp, 1, 0, False, None), (f'TP={tp} + SP', 1, tp, 1, 0, True, None)]
-    if pp > 1:
-        rows += [(f'PP={pp} GPipe', 1, 1, pp, 0, False, 'gpipe'), (f'PP={pp} 1F1B', 1, 1, pp, 0, False, '1f1b')]
+def strategies(gpus, tp, pp, cp, zero_stage):
+    """(name, shape) of each strategy the estimate prices, from the least added cost to the most: communication
+    volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives), then the
+    pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
+    def shape(**k):
+        return dict(dict(dp=1, tp=1, pp=1, cp=1, stage=0, sp=False, schedule=None, offload=False), **k)
+    rows = [('DDP', shape(dp=gpus))] + [(f'ZeRO-{s}', shape(dp=gpus, stage=s)) for s in (1, 2, 3)]
+    rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
     if tp > 1 and gpus % tp == 0 and gpus > tp:
-        rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', gpus // tp, tp, 1, zero_stage, True, None)]
+        rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', shape(dp=gpus // tp, tp=tp, sp=True,
+                                                                         stage=zero_stage))]
+    if tp > 1:
+        rows += [(f'TP={tp}', shape(tp=tp)), (f'TP={tp} + SP', shape(tp=tp, sp=True))]
     if pp > 1 and gpus % pp == 0 and gpus > pp:
-        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}', gpus // pp, 1, pp, zero_stage, False, '1f1b')]
-    return rows
+        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}', shape(dp=gpus // pp, pp=pp, schedule='1f1b',
+                                                                          stage=zero_stage))]
+    if pp > 1:
+        rows += [(f'PP={pp} 1F1B', shape(pp=pp, schedule='1f1b')), (f'PP={pp} GPipe', shape(pp=pp, schedule='gpipe'))]
+    if cp > 1:
+        rows += [(f'CP={cp} ring', shape(dp=gpus // cp, cp=cp))]
+    return rows + [('ZeRO-3 + offload', shape(dp=gpus, stage=3, offload=True))]
 
 
-def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbatches, zero_stage, mixed_precision):
+def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, zero_stage,
+             mixed_precision):
     """One dict per strategy: model-state bytes, activation bytes with and without activation checkpointing,
-    bytes communicated per step, and whether it fits. Activations are the transformer layers' (Korthikanti et
-    al.'s table: it assumes multi-head attention and a 4h MLP, so GQA/SwiGLU models are approximate) for the
-    micro-batches a rank holds at once: 1 without a pipeline, else pipeline.peak_microbatches_formula for the first
-    stage (GPipe m, 1F1B min(p, m)).
-    With checkpointing a rank keeps each layer's input and recomputes one layer at a time (that layer's full
-    activations are added once). Communication per step: each dp rank runs n_microbatches micro-batches of
-    micro_batch sequences, then one gradient synchronisation."""
+    bytes communicated per step, and whether it fits. Activations are what this repo's blocks save for backward
+    (tensor_parallel.saved_bytes_formula, read off model.py's code and tested equal to the bytes measured) for
+    the micro-batches a rank holds at once: 1 without a pipeline, else pipeline.peak_microbatches_formula for the
+    first stage (GPipe m, 1F1B min(p, m)). With checkpointing a rank keeps each block's input and recomputes one
+    block at a time (that block's activations are added once). Communication per step: each dp rank runs
+    n_microbatches micro-batches of micro_batch sequences, then one gradient synchronisation."""
     tensor_parallel, tp_why = formula_module('tensor_parallel')
     pipeline, pp_why = formula_module('pipeline')
+    context_parallel, cp_why = formula_module('context_parallel')
     zero, zero_why = formula_module('zero')
-    if zero is None:
-        raise SystemExit(f"error: --estimate needs zero.py's formulas: {zero_why}")
+    if zero is None or tensor_parallel is None:
+        raise SystemExit(f"error: --estimate needs zero.py's and tensor_parallel.py's formulas: {zero_why or tp_why}")
     s, b, h, a, L = seq_len, micro_batch, gptconf.n_embd, gptconf.n_head, gptconf.n_layer
     act_bytes = 2 if mixed_precision else 4
     rows = []
-    for name, dp, t, p, stage, sp, schedule in strategies(gpus, tp, pp, zero_stage):
-        row = dict(strategy=name, dp=dp, tp=t, pp=p, zero_stage=stage, gpus_used=dp * t * p, notes=[])
+    for name, k in strategies(gpus, tp, pp, cp, zero_stage):
+        dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
+        row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
+                   schedule=k['schedule'], offload=k['offload'], notes=[], **{x: k[x] for x in GRID_DIMS})
         problems = [msg for bad, msg in [
-            (dp * t * p > gpus, f"needs {dp * t * p} GPUs"),
+            (row['gpus_used'] > gpus, f"needs {row['gpus_used']} GPUs"),
             (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
             (L % p, f"n_layer {L} not divisible by pp={p}"),
-            (p > 1 and pipeline is None, pp_why),
-            (tensor_parallel is None, tp_why)] if bad]
+            (s % (2 * c) if c > 1 else 0, f"seq_len {s} not divisible by 2 x cp={c} (the zig-zag split)"),
+            (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)"),
+            (p > 1 and pipeline is None, pp_why), (c > 1 and context_parallel is None, cp_why)] if bad]
         if problems:
-            row['error'] = problems[0]
-            rows.append(row)
+            rows.append(dict(row, error=problems[0]))
             continue
         counts = param_counts(gptconf, p)
         numel = (math.ceil(tensor_parallel.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
                  counts['pp_stage_max'] if p > 1 else counts['total'])
         row['params_per_rank'] = numel
-        row.update(zero.model_state_bytes_formula(numel, dp, stage, mixed_precision))
+        # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0 scripts
+        # keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
+        row.update(zero.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0))
+        if k['offload']:  # the fp32 master chunk and AdamW's m and v live in host memory
+            row['host_bytes'], row['optim_bytes'] = 12 * math.ceil(numel / (dp * c)), 0
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
 
-        layer = tensor_parallel.activation_bytes_formula(s, b, h, a, t, sp, recompute=False, bytes_per_elem=act_bytes)
-        layer_ckpt = tensor_parallel.activation_bytes_formula(s, b, h, a, t, sp, recompute=True,
-                                                              bytes_per_elem=act_bytes)
-        in_flight = 1 if p == 1 else pipeline.peak_microbatches_formula(schedule, p, n_microbatches, stage=0)
+        tokens = s // c  # context parallelism: each rank holds 1/cp of the sequence
+        # zero.py and FSDP2 compute with bf16 weights; the others autocast fp32 weights (a bf16 copy per layer)
+        layer = tensor_parallel.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0)
+        block_input = tokens * b * h * (4 if mixed_precision else act_bytes) // (t if k['sp'] else 1)
+        in_flight = 1 if p == 1 else pipeline.peak_microbatches_formula(k['schedule'], p, n_microbatches, stage=0)
         layers = L // p
+        row.update(activation_bytes_per_layer=layer, layers_per_rank=layers, microbatches_in_flight=in_flight)
         row['activation_bytes'] = layers * in_flight * layer
-        row['activation_bytes_ckpt'] = layers * in_flight * layer_ckpt + layer
+        row['activation_bytes_ckpt'] = layers * in_flight * block_input + layer
         if p > 1:
             row['bubble_fraction'] = pipeline.bubble_fraction_formula(p, n_microbatches)
 
-        comm = zero.comm_bytes_formula(numel, dp, stage, act_bytes, micro_steps=n_microbatches) if dp > 1 else 0
+        grad_bytes = act_bytes if stage > 0 else 4  # (the stage-0 scripts all-reduce fp32 gradients)
+        comm = zero.comm_bytes_formula(numel, dp * c, stage, grad_bytes, n_microbatches) if dp * c > 1 else 0
         if t > 1:
-            per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, sp, bytes_per_elem=act_bytes)
-            edges = tensor_parallel.tp_edge_comm_bytes_formula(s, b, h, t, sp, bytes_per_elem=act_bytes)
+            per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
+            edges = tensor_parallel.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
             comm += (per_layer * L + edges) * n_microbatches
         if p > 1:
-            p2p = getattr(pipeline, 'p2p_comm_bytes_formula', None)
-            if p2p is None:
-                row['comm_note'] = ' + p2p'
-                row['notes'].append('+ p2p: pipeline send/recv bytes not counted (pipeline.py has no formula for them)')
-            else:
-                comm += p2p(s, b, h, p, n_microbatches, bytes_per_elem=act_bytes)
+            comm += pipeline.p2p_comm_bytes_formula(s, b, h, p, n_microbatches, bytes_per_elem=act_bytes)
+        if c > 1:
+            comm += L * n_microbatches * context_parallel.cp_comm_bytes_formula(
+                s, b, a, gptconf.n_kv_head, h // a, c, 'ring', act_bytes)
         row['comm_bytes_per_step'] = comm
         row['total_bytes'] = row['model_state_bytes'] + row['activation_bytes']
         row['total_bytes_ckpt'] = row['model_state_bytes'] + row['activation_bytes_ckpt']
@@ -178,27 +193,79 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, n_microbat
     return rows
 
 
+def cheapest(rows, gpus):
+    """The first strategy, in the table's order of added cost, that fits on all the GPUs: without activation
+    checkpointing if any does (recomputing costs a third more compute), else with it. None if nothing fits."""
+    for fits in ('yes', 'with ckpt'):
+        for r in rows:
+            if r.get('fits') == fits and r['gpus_used'] == gpus:
+                return r['strategy'] + (' + ckpt' if fits == 'with ckpt' else '')
+    return None
+
+
+def estimate_json(rows):
+    """{name: {param_bytes, grad_bytes, optim_bytes, activation_bytes, total_bytes, fits, ...}}: each strategy
+    twice, as is and '+ ckpt' (full activation checkpointing)."""
+    out = {}
+    for r in rows:
+        for ckpt in (False, True):
+            name = r['strategy'] + (' + ckpt' if ckpt else '')
+            entry = {k: r.get(k) for k in ('param_bytes', 'grad_bytes', 'optim_bytes')}
+            entry.update({x: r[x] for x in GRID_DIMS + ('zero_stage', 'sequence_parallel', 'schedule', 'offload',
+                                                        'gpus_used')})
+            entry['activation_checkpointing'] = ckpt
+            if 'error' in r:
+                out[name] = dict(entry, activation_bytes=None, total_bytes=None, fits=False, error=r['error'])
+                continue
+            suffix = '_ckpt' if ckpt else ''
+            out[name] = dict(entry, activation_bytes=r['activation_bytes' + suffix],
+                             total_bytes=r['total_bytes' + suffix],
+                             fits=r['fits'] == 'yes' or (ckpt and r['fits'] == 'with ckpt'),
+                             host_bytes=r.get('host_bytes', 0), comm_bytes_per_step=r['comm_bytes_per_step'],
+                             activation_bytes_per_layer=r['activation_bytes_per_layer'],
+                             layers_per_rank=r['layers_per_rank'],
+                             microbatches_in_flight=r['microbatches_in_flight'],
+                             params_per_rank=r['params_per_rank'])
+    return out
+
+
+def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixed_precision):
+    """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision), as
+    zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
+    zero, _ = formula_module('zero')
+    cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
+    ranks = row['dp'] * row['cp']
+    cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
+    cfg.batch_size, cfg.gradient_accumulation_steps = micro_batch, n_microbatches * ranks
+    cfg.dtype = 'bfloat16' if mixed_precision else 'float32'
+    return zero.deepspeed_config_of(cfg, ranks)
+
+
 def estimate_markdown(rows, header):
     lines = [header, '',
-             '| strategy | GPUs (dp x tp x pp) | params | grads | optimizer | activations | act. (ckpt) | total | '
+             '| strategy | GPUs (dp x tp x pp x cp) | params | grads | optimizer | activations | act. (ckpt) | total | '
              'total (ckpt) | comm/step | fits |',
              '|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
-        grid = f"{r['gpus_used']} ({r['dp']} x {r['tp']} x {r['pp']})"
+        grid = f"{r['gpus_used']} ({r['dp']} x {r['tp']} x {r['pp']} x {r['cp']})"
         if 'error' in r:
             lines.append(f"| {r['strategy']} | {grid} | n/a: {r['error']} |" + ' |' * 8)
             continue
         extra = f" (bubble {100 * r['bubble_fraction']:.0f}%)" if 'bubble_fraction' in r else ''
+        optim = fmt_bytes(r['optim_bytes']) + (f" (+ {fmt_bytes(r['host_bytes'])} host)" if r['offload'] else '')
         lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | "
-                     f"{fmt_bytes(r['grad_bytes'])} | {fmt_bytes(r['optim_bytes'])} | "
+                     f"{fmt_bytes(r['grad_bytes'])} | {optim} | "
                      f"{fmt_bytes(r['activation_bytes'])} | "
                      f"{fmt_bytes(r['activation_bytes_ckpt'])} | {fmt_bytes(r['total_bytes'])} | "
-                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])}"
-                     f"{r.get('comm_note', '')} | {r['fits']} |")
+                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])} | {r['fits']} |")
     notes = sorted({n for r in rows for n in r.get('notes', [])}) + [
-        "activations: the transformer layers' (Korthikanti et al.), for the micro-batches a rank holds at once; "
-        "the logits (s x b x V), the embedding output and temporary buffers come on top",
-        "act. (ckpt): full activation checkpointing, each layer's input kept plus one layer recomputed at a time",
+        "activations: what this repo's blocks save for backward (tensor_parallel.saved_bytes_formula, equal to the "
+        "bytes measured), for the micro-batches a rank holds at once; the logits (s x b x V), the embedding "
+        "output and temporary buffers come on top",
+        "act. (ckpt): full activation checkpointing, each block's input kept plus one block recomputed at a time",
+        "bf16: the rows without ZeRO keep fp32 weights and gradients under autocast (4+4+8 bytes per parameter, and "
+        "a bf16 copy of each block's weights among its activations); the ZeRO rows hold bf16 weights and an fp32 "
+        "master (2+2+12 bytes, the ZeRO paper's count)",
         "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / no)"]
     return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
 
@@ -219,6 +286,10 @@ def model_state_markdown(numel, gpus, mixed_precision):
     return '\n'.join(lines)
 
 
+def largest_divisor(limit, *numbers):
+    return max(d for d in range(1, limit + 1) if all(n % d == 0 for n in numbers))
+
+
 def run_estimate(args, overrides):
     mixed = args.dtype != 'float32'
     if args.params:
@@ -229,25 +300,38 @@ def run_estimate(args, overrides):
     gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
     hinted = args.vocab_size or re.search(r'#\s*vocab_size:\s*\d+', open(args.estimate).read())
     vocab_note = '' if hinted else ' (the default: pass --vocab_size=N for another vocabulary)'
-    # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at most 4)
-    args.tp = args.tp or max(t for t in range(1, min(args.gpus, 8) + 1)
-                             if gptconf.n_head % t == 0 and gptconf.n_kv_head % t == 0)
-    args.pp = args.pp or max(p for p in range(1, min(args.gpus, 4) + 1) if gptconf.n_layer % p == 0)
     seq_len = args.seq_len or gptconf.block_size
+    # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at most 4;
+    # cp: the sequence in 2·cp zig-zag chunks, at most 4)
+    args.tp = args.tp or largest_divisor(min(args.gpus, 8), gptconf.n_head, gptconf.n_kv_head)
+    args.pp = args.pp or largest_divisor(min(args.gpus, 4), gptconf.n_layer)
+    args.cp = args.cp or largest_divisor(min(args.gpus, 4), seq_len // 2, args.gpus)
     numel = param_counts(gptconf)['total']
     n_micro = args.n_microbatches or max(1, 2 * args.pp)
+    rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
+                    n_micro, args.zero_stage, mixed)
+    best = cheapest(rows, args.gpus)
+    ds_path = None
+    if best:
+        best_row = next(r for r in rows if best.startswith(r['strategy']))
+        os.makedirs(args.out, exist_ok=True)
+        ds_path = os.path.join(args.out, 'ds_config.json')
+        with open(ds_path, 'w') as f:
+            json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f, indent=2)
+    if args.json:
+        print(json.dumps({'config': args.estimate, 'params': numel, 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
+                          'dtype': args.dtype, 'micro_batch': args.micro_batch, 'seq_len': seq_len,
+                          'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
+                          'ds_config': ds_path}, indent=1))
+        return
     header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
               f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}); {args.gpus} GPUs of "
               f"{args.gpu_mem_gb} GB; micro-batch {args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches "
               f"per step; {'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
     print(model_state_markdown(numel, args.gpus, mixed) + '\n')
-    rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, n_micro,
-                    args.zero_stage, mixed)
     print(estimate_markdown(rows, header))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, 'estimate.json'), 'w') as f:
-            json.dump({'config': args.estimate, 'params': numel, 'rows': rows}, f, indent=1)
+    print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; without "
+          f"recomputation if possible): {best or 'none'}" + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
 
 
 # -----------------------------------------------------------------------------
@@ -581,6 +665,8 @@ def parse_args(argv):
     p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")
     p.add_argument('--tp', type=int, default=None, help='tensor-parallel degree (default: the largest <= 8 that fits)')
     p.add_argument('--pp', type=int, default=None, help='pipeline stages (default: the largest <= 4 that fits)')
+    p.add_argument('--cp', type=int, default=None, help='context-parallel degree (default: the largest <= 4 that fits)')
+    p.add_argument('--json', action='store_true', help='--estimate: print the estimate as JSON')
     p.add_argument('--n_microbatches', type=int, default=None,
                    help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')

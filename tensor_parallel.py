@@ -468,13 +468,13 @@ def clip_grad_norm(layout, tp, max_norm):
 
 def measure_activation_bytes(model, idx, tp):
     """Bytes one layer saves for backward, measured: run the embedding and the first block on idx and add up
-    the distinct storages that autograd keeps (saved_tensors_hooks), parameters left out. Expect it below the
-    formula's numbers without sequence parallelism (no dropout masks at p=0, and PyTorch's attention keeps no
-    s x s matrix), and above its 1/t with it: the column-parallel layers here keep their all-gathered input,
-    where Megatron keeps the sequence chunk and all-gathers it again in backward."""
+    the distinct storages that autograd keeps (saved_tensors_hooks), parameters left out. saved_bytes_formula
+    reads the same off the code; Korthikanti's activation_bytes_formula is Megatron's (dropout masks, an s x s
+    attention matrix, the sequence chunk kept where this code keeps the all-gathered input)."""
     hooks, seen = saved_bytes_counter(model)
     with torch.enable_grad():
-        x = model.transformer.wte(idx).detach()  # the block's input as it sees it (with SP: this rank's chunk)
+        # the block's input as it sees it in a run: with SP this rank's chunk, and it requires grad
+        x = model.transformer.wte(idx).detach().requires_grad_()
         with hooks:
             model.run_block(model.transformer.h[0], x)
     return sum(seen.values())
@@ -509,7 +509,7 @@ class FirstStepReport:
         wire_bytes = self.wire.stop()
         cfg, config, tp_group, dp = self.cfg, self.model.config, self.tp.group, self.dp
         s, b, h, t, L = cfg.block_size, cfg.batch_size, config.n_embd, tp_group.size, config.n_layer
-        act_elem, micro_steps = (2 if cfg.dtype == 'bfloat16' else 4), cfg.gradient_accumulation_steps // dp.size
+        act_elem, micro_steps = (4 if cfg.dtype == 'float32' else 2), cfg.gradient_accumulation_steps // dp.size
         param_bytes = sum(p.numel() * p.element_size() for p, _ in self.layout.values())
         sent = comm_report([tp_group, dp])
         activations = {k: v for k, v in tp_group.wire_bytes_formula.items()
@@ -519,8 +519,9 @@ class FirstStepReport:
                'sequence_parallel': cfg.sequence_parallel,
                'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(config, t),
                'activation_bytes': self.activation_bytes,
-               'activation_bytes_formula': activation_bytes_formula(s, b, h, config.n_head, t, cfg.sequence_parallel,
-                                                                    bytes_per_elem=act_elem),
+               'activation_bytes_formula': saved_bytes_formula(config, s, b, t, cfg.sequence_parallel, act_elem),
+               'activation_bytes_korthikanti': activation_bytes_formula(s, b, h, config.n_head, t, cfg.sequence_parallel,
+                                                                        bytes_per_elem=act_elem),
                'collective_bytes': sum(sent['collective_bytes'].values()),
                'collective_bytes_by_kind': sent['collective_bytes'],
                'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
@@ -535,7 +536,8 @@ class FirstStepReport:
         wire = self.wire.why_not if wire_bytes is None else f"{wire_bytes:,.0f}"
         print(f"[rank {rank}] tp {tp_group.rank}/{t} dp {dp.rank}/{dp.size}: "
               f"param bytes {param_bytes:,} (formula {row['param_bytes_formula']:,.0f}); "
-              f"activation bytes/layer {self.activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}, "
+              f"activation bytes/layer {self.activation_bytes:,} (formula {row['activation_bytes_formula']:,.0f}; "
+              f"Megatron's, Korthikanti et al. {row['activation_bytes_korthikanti']:,.0f}, "
               f"{'with' if cfg.sequence_parallel else 'no'} SP); sent per step: collective bytes "
               f"{row['collective_bytes']:,} (counted: "
               + ', '.join(f"{k} {v:,}" for k, v in sent['collective_bytes'].items())
@@ -765,6 +767,46 @@ def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, 
     if sequence_parallel:
         return s * b * h * (34 + 5 * a * s / h) / t * scale
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+
+
+def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_elem=4, fp32_weights=True):
+    """Bytes one of this repo's blocks keeps for backward on one tp rank, read off model.py's code (dropout 0;
+    scaled_dot_product_attention's flash/efficient kernels keep no s x s matrix, only q, k, v, out and the
+    log-sum-exp). What saves what: each norm its input (the residual stream, fp32 under autocast) and fp32
+    statistics (RMSNorm also its fp32 normalised x); each Linear its input; SDPA q, k, v (views of c_attn's output
+    keep that whole output alive; RoPE and GQA's repeat make new tensors) and its output, which c_proj then saves
+    with no copy; GELU its input; SwiGLU its gate output, the SiLU and c_fc outputs and their product. Under
+    tensor parallelism the heads and the MLP's hidden width are 1/t per rank; sequence parallelism cuts the norms
+    and the residual stream to s/t, while the column-parallel Linears keep their all-gathered input (Megatron
+    keeps the chunk and all-gathers again in backward: that is Korthikanti's 34/t, activation_bytes_formula).
+    bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32 weights (train.py, DDP, tensor and
+    pipeline parallelism) the bf16 copy of each weight that autocast makes is saved for backward too; zero.py and
+    FSDP2 compute with bf16 weights (fp32_weights=False), so there is no copy."""
+    e, fp32 = bytes_per_elem, 4
+    residual = 4 if e == 2 else e  # bf16 autocast leaves the residual stream in fp32
+    hd = config.n_embd // config.n_head
+    heads, kv, hidden = config.n_head // t, config.n_kv_head // t, config.n_hidden // t
+    tokens, norm_tokens = s * b, s * b // (t if sequence_parallel else 1)
+    h = config.n_embd
+    per_norm = norm_tokens * (h * residual + fp32 * (2 if config.norm == 'layernorm' else 1))
+    if config.norm == 'rmsnorm':
+        per_norm += norm_tokens * h * fp32
+    linear_inputs = 2 * tokens * h * e  # c_attn's and c_fc's (full sequence: all-gathered under SP)
+    gqa, rope = config.n_kv_head != config.n_head, config.pos == 'rope'
+    qkv_output = tokens * (heads + 2 * kv) * hd * e
+    new_q = tokens * heads * hd * e if rope else 0
+    new_k = tokens * heads * hd * e if gqa else tokens * kv * hd * e if rope else 0
+    new_v = tokens * heads * hd * e if gqa else 0
+    views_kept = not new_q or not new_k or not new_v  # any of q, k, v still a view of c_attn's output
+    attention = new_q + new_k + new_v + (qkv_output if views_kept else 0) + tokens * heads * hd * e
+    attention += tokens * heads * fp32 + (2 * s * hd * fp32 if rope else 0)  # log-sum-exp; RoPE's cos, sin
+    mlp = tokens * hidden * e * (4 if config.mlp == 'swiglu' else 2)
+    n_mlp_in = 2 if config.mlp == 'swiglu' else 1
+    weights = h * (heads + 2 * kv) * hd + heads * hd * h + (n_mlp_in + 1) * h * hidden
+    autocast_copies = weights * e if e == 2 and fp32_weights else 0  # autocast's bf16 weights, kept for backward
+    if e == 2 and config.mlp == 'swiglu':  # and c_gate and c_fc each cast their input: two bf16 copies of it
+        autocast_copies += tokens * h * e
+    return 2 * per_norm + linear_inputs + attention + mlp + autocast_copies
 
 
 def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
