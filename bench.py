@@ -6,12 +6,15 @@ memory planner for models too large to run here.
     python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
     python bench.py --plot                            # and draw it: loss curves, memory, communication (matplotlib)
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
+    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # the same as JSON; the cheapest that fits
+    python bench.py --estimate config/train_stdlib_char.py --gpus=2 --tp=2 --pp=2 --vocab_size=96 --check
     python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's worked example (model states only)
 
 The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
 log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
 bench.py measures nothing itself and writes no formula: the estimate calls the formula functions of zero.py,
-tensor_parallel.py and pipeline.py, the very ones those scripts print beside what they measure.
+tensor_parallel.py and pipeline.py, the very ones those scripts print beside what they measure; --check runs three
+of the strategies here and prints what they measured beside the estimate.
 """
 
 import argparse
@@ -318,11 +321,12 @@ def run_estimate(args, overrides):
         ds_path = os.path.join(args.out, 'ds_config.json')
         with open(ds_path, 'w') as f:
             json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f, indent=2)
+    checked = check_estimate(args, overrides, rows, best, ds_path, n_micro) if args.check else None
     if args.json:
         print(json.dumps({'config': args.estimate, 'params': numel, 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
                           'dtype': args.dtype, 'micro_batch': args.micro_batch, 'seq_len': seq_len,
                           'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
-                          'ds_config': ds_path}, indent=1))
+                          'ds_config': ds_path, 'checked': checked}, indent=1))
         return
     header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
               f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}); {args.gpus} GPUs of "
@@ -332,6 +336,59 @@ def run_estimate(args, overrides):
     print(estimate_markdown(rows, header))
     print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; without "
           f"recomputation if possible): {best or 'none'}" + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
+    if checked:
+        print('\nThe estimate against what the scripts measured, run here on ' + f"{args.gpus} processes:\n")
+        print('| strategy | script | what | estimate | measured | measured / estimate |\n|---|---|---|---|---|---|')
+        for c in checked:
+            print(f"| {c['strategy']} | {c['script']} | {c['what']} | {c['estimate']:,} | {c['measured']:,} | "
+                  f"{c['measured'] / c['estimate']:.4f} |")
+
+
+CHECK_FLAGS = ['--dropout=0.0', '--compile=False', '--eval_iters=1', '--eval_interval=1000', '--max_iters=2',
+               '--log_interval=1', '--sample_at_end=False', '--always_save_checkpoint=False']
+
+
+def check_estimate(args, overrides, rows, best, ds_path, n_micro):
+    """--check: run three of the estimated strategies here, on --gpus processes with the estimate's shapes (so
+    only for a model that fits this machine), and read back what each script measured: the cheapest ZeRO stage
+    (zero.py with the ds_config.json just written) its model states, TP + SP one block's saved activations and its
+    parameters, PP 1F1B the first stage's peak of saved activations. Returns one dict per number."""
+    by_name = {r['strategy']: r for r in rows}
+    base = [args.estimate] + list(overrides) + CHECK_FLAGS + [f'--dtype={args.dtype}']
+    if args.seq_len:
+        base.append(f'--block_size={args.seq_len}')
+    runs = []
+    zero_row = by_name.get((best or '').replace(' + ckpt', ''))
+    if zero_row and zero_row['tp'] == zero_row['pp'] == zero_row['cp'] == 1 and 'FSDP' not in zero_row['strategy']:
+        runs.append((zero_row, 'zero.py', [f'--deepspeed_config={ds_path}'],
+                     [('param_bytes', 'param_bytes'), ('grad_bytes', 'grad_bytes'), ('optim_bytes', 'optim_bytes')]))
+    tp_row = by_name.get(f'TP={args.tp} + SP')
+    if tp_row and 'error' not in tp_row and args.gpus % args.tp == 0:
+        runs.append((tp_row, 'tensor_parallel.py', [f'--tp={args.tp}', '--sequence_parallel=True',
+                                                    f'--batch_size={args.micro_batch}',
+                                                    f'--gradient_accumulation_steps={args.gpus // args.tp}'],
+                     [('activation_bytes_per_layer', 'activation_bytes'), ('param_bytes', 'param_bytes')]))
+    pp_row = by_name.get(f'PP={args.pp} 1F1B')
+    if pp_row and 'error' not in pp_row and args.gpus % args.pp == 0:
+        runs.append((pp_row, 'pipeline.py', [f'--pp={args.pp}', '--schedule=1f1b', f'--n_microbatches={n_micro}',
+                                             f'--batch_size={args.micro_batch * n_micro}',
+                                             f'--gradient_accumulation_steps={args.gpus // args.pp}'],
+                     [('activation_bytes', 'peak_activation_bytes')]))
+    checked = []
+    for row, script, flags, pairs in runs:
+        out_dir = os.path.join(args.out, 'check_' + script[:-3])
+        shutil.rmtree(out_dir, ignore_errors=True)
+        cmd = command(script, base + flags + [f'--out_dir={out_dir}'], args.gpus)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout,
+                              env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        if proc.returncode != 0:
+            raise SystemExit(f"error: --check: {' '.join(cmd[1:])} failed:\n{proc.stderr[-2000:]}")
+        ranks = [r for r in read_log(out_dir) if 'rank' in r and (script != 'pipeline.py' or r.get('stage') == 0)]
+        for planned, measured in pairs:
+            values = [r[measured] for r in ranks if r.get(measured) is not None]
+            checked.append({'strategy': row['strategy'], 'script': script, 'what': measured,
+                            'estimate': row[planned], 'measured': max(values)})
+    return checked
 
 
 # -----------------------------------------------------------------------------
@@ -667,6 +724,8 @@ def parse_args(argv):
     p.add_argument('--pp', type=int, default=None, help='pipeline stages (default: the largest <= 4 that fits)')
     p.add_argument('--cp', type=int, default=None, help='context-parallel degree (default: the largest <= 4 that fits)')
     p.add_argument('--json', action='store_true', help='--estimate: print the estimate as JSON')
+    p.add_argument('--check', action='store_true',
+                   help='--estimate: run three of the strategies here (--gpus processes) and compare with the estimate')
     p.add_argument('--n_microbatches', type=int, default=None,
                    help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
