@@ -82,6 +82,7 @@ profile = 0                     # trace this many steps with torch.profiler: out
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
 offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state in host memory, updated there
+prefetch_blocks = 1             # stage 3: gather this many blocks ahead while a block computes (0: just in time)
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
 print_ds_config = False         # print the DeepSpeed JSON config of this run (to take it to DeepSpeed), then exit
@@ -146,6 +147,7 @@ class Bucket:
             self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         self.ready = 0              # parameters whose gradient backward has produced this micro-step
         self.gathered = True        # stage 3: whether flat holds the parameters now
+        self.gathering = None       # stage 3: the all-gather filling flat, posted and not yet waited for
         self.in_backward = False    # stage 3: the block's backward has begun (a recompute must not free it)
         if stage == 3:
             free(self)  # at rest a rank keeps only its chunk: the full buffer exists for one bucket at a time
@@ -276,21 +278,43 @@ def publish_stage_3(z, b):
 
 
 # -----------------------------------------------------------------------------
-# Stage 3: a block's parameters gathered just before it runs, freed just after
+# Stage 3: a block's parameters gathered just before it runs, freed just after. With prefetch_blocks = k the
+# gathers of the next k blocks (in forward order during forward, in backward order during backward) are posted
+# while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait moves off the critical path, and
+# k more blocks' parameters are held at the peak.
 
 
-def gather(z, b):
-    if b.gathered:
+def start_gather(z, b):
+    """Give the bucket its full storage back and post the all-gather into it (asynchronously)."""
+    if b.gathered or b.gathering is not None:
         return
     b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
     # write through .data: the gather is not an autograd in-place op on the views saved for backward
-    z.comm.all_gather(b.flat.data, b.shard)
+    b.gathering = z.comm.all_gather(b.flat.data, b.shard, async_op=True)
+
+
+def gather(z, b):
+    """The bucket's parameters, complete: posted now unless a prefetch already did, and waited for."""
+    start_gather(z, b)
+    if b.gathering is not None:
+        b.gathering.wait()
+        b.gathering = None
     b.gathered = True
+
+
+def prefetch(z, order, b):
+    """Post the gathers of the prefetch_blocks buckets that come after b in `order`."""
+    i = order.index(b)
+    for nxt in order[i + 1:i + 1 + z.prefetch_blocks]:
+        start_gather(z, nxt)
 
 
 def free(b):
     # the views (p.data) and the tensors autograd saved keep pointing at this storage; it just holds no bytes
     # until the next gather refills it
+    if b.gathering is not None:
+        b.gathering.wait()
+        b.gathering = None
     b.flat.untyped_storage().resize_(0)
     b.gathered = False
 
@@ -306,9 +330,18 @@ class GatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.bucket.in_backward = True
-        gather(ctx.z, ctx.bucket)
+        z, b = ctx.z, ctx.bucket
+        b.in_backward = True
+        gather(z, b)
+        if b in z.block_buckets:  # the blocks run backward in the buckets' order
+            prefetch(z, z.block_buckets, b)
         return grad, None, None
+
+
+def before_forward(z, b):
+    gather(z, b)
+    if not b.in_backward:  # (not a recomputation inside backward: the blocks after this one come next)
+        prefetch(z, z.block_buckets[::-1], b)
 
 
 def after_forward(z, b, out):
@@ -323,9 +356,9 @@ def after_forward(z, b, out):
 def install_stage_3_hooks(z, model):
     """Each block gathers its bucket before its forward and frees it after; the root bucket (embeddings, final
     norm, head) is gathered for the whole model's forward."""
-    *block_buckets, root = z.buckets
-    for block, b in zip(model.transformer.h, block_buckets[::-1]):
-        block.register_forward_pre_hook(lambda m, args, b=b: gather(z, b))
+    *z.block_buckets, root = z.buckets  # in backward order: the last block's first
+    for block, b in zip(model.transformer.h, z.block_buckets[::-1]):
+        block.register_forward_pre_hook(lambda m, args, b=b: before_forward(z, b))
         block.register_forward_hook(lambda m, args, out, b=b: after_forward(z, b, out))
 
     def after_model_forward(m, args, out):
@@ -344,8 +377,9 @@ class Zero:
     """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ between stages."""
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
-                 device=None, offload=False):
+                 device=None, offload=False, prefetch_blocks=0):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
+        self.prefetch_blocks = prefetch_blocks
         self.dtype, self.device = dtype, device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
         self.publish = (publish_stage_0, publish_stage_1, publish_stage_2, publish_stage_3)[stage]
@@ -544,7 +578,7 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
         print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
-                cfg.offload_optimizer)
+                cfg.offload_optimizer, cfg.prefetch_blocks)
     if checkpoint is None and on_meta:
         init_params(model.config, cfg.seed, zero.set_param_values)  # one tensor at a time; each rank its part
     if checkpoint is not None and from_shard:
@@ -647,6 +681,8 @@ def check_config(cfg, world_size):
         raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
     if cfg.bucket_size < 1:
         raise SystemExit(f"error: bucket_size must be positive, got {cfg.bucket_size}")
+    if cfg.prefetch_blocks < 0:
+        raise SystemExit(f"error: prefetch_blocks must be 0 or more, got {cfg.prefetch_blocks}")
     return cfg
 
 

@@ -57,7 +57,17 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, reference, world_si
     """Params and AdamW state after 3 steps (accumulation, clipping) equal train.py's to 1e-5, the loss curves to
     1e-5; the per-rank bytes equal the formulas up to padding; stages 2/3 never hold a full-size gradient."""
     ref_dir, ref = reference
-    spawn(run_mains, world_size, 'zero', [zero_args(tmp_path / f's{s}', s) for s in range(4)])
+    prefetching = [zero_args(tmp_path / f'prefetch{k}', 3, 3, f'--prefetch_blocks={k}') for k in (0, 2)]
+    spawn(run_mains, world_size, 'zero', [zero_args(tmp_path / f's{s}', s) for s in range(4)] + prefetching)
+    # stage 3 gathering 0, 1 (the default) or 2 blocks ahead: the same numbers; each block ahead is one more
+    # block's full parameters held at the peak, measured
+    peaks = {}
+    for k, out in ((0, tmp_path / 'prefetch0'), (1, tmp_path / 's3'), (2, tmp_path / 'prefetch2')):
+        assert_same_losses(train_losses(out), train_losses(ref_dir))
+        peaks[k] = max(r['peak_param_bytes'] for r in read_log(out) if 'rank' in r)
+    block = sum(p.numel() for p in torch.nn.Module.get_submodule(meta_model(), 'transformer.h.0').parameters())
+    block_bytes = 4 * world_size * -(-block // world_size)  # its bucket, padded to a multiple of N
+    assert peaks[1] - peaks[0] == peaks[2] - peaks[1] == block_bytes, (peaks, block_bytes)
     for stage in range(4):
         out = str(tmp_path / f's{stage}')
         assert_same_losses(train_losses(out), train_losses(ref_dir))
@@ -83,6 +93,12 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, reference, world_si
                 assert r['peak_grad_bytes'] >= full_grads
             if stage == 3:
                 assert r['peak_param_bytes'] < 4 * r['numel']
+
+
+def meta_model():
+    from model import GPT, GPTConfig
+    with torch.device('meta'):
+        return GPT(GPTConfig(n_layer=8, n_head=4, n_embd=16, block_size=16, vocab_size=96, bias=False))
 
 
 def test_comm_bytes_per_step_are_the_theory():
