@@ -238,7 +238,8 @@ def reduce_stage_2(z, b):
     b.filling = None  # (zeros: a bucket whose parameters got no gradient)
     full.div_(z.world_size)
     out = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
-    z.in_flight.append((z.comm.reduce_scatter(out, full, async_op=True), full, out, b))
+    z.in_flight.append((None, full, out, b))  # listed before the call, so a memory sample taken there sees them
+    z.in_flight[-1] = (z.comm.reduce_scatter(out, full, async_op=True), full, out, b)
 
 
 def reduce_stage_3(z, b):
