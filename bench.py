@@ -158,9 +158,7 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         row['params_per_rank'] = numel
         # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0 scripts
         # keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
-        row.update(zero.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0))
-        if k['offload']:  # the fp32 master chunk and AdamW's m and v live in host memory
-            row['host_bytes'], row['optim_bytes'] = 12 * math.ceil(numel / (dp * c)), 0
+        row.update(zero.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0, k['offload']))
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
 
         tokens = s // c  # context parallelism: each rank holds 1/cp of the sequence

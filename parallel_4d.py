@@ -154,14 +154,14 @@ def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
     the clip over the whole model, AdamW on this rank's chunk, all-gather). Returns the mean loss."""
     stage.loss_sum = torch.zeros((), device=cfg.device)
     stage.act_shape = (cfg.batch_size // cfg.n_microbatches,) + tuple(stage.act_shape[1:])
-    zero.sync = False  # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
+    zero.last_micro_step = False  # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
     for x, y in batches:
         run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
     sync_tp_grads(layout, tp)
     if embed is not None:
         model = stage.model
         embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
-    zero.sync = True
+    zero.last_micro_step = True
     zero.finish_backward()
     if cfg.grad_clip != 0.0:
         zero.clip_grad_norm(cfg.grad_clip, weights, [tp.group, stage.comm])

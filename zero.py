@@ -136,8 +136,10 @@ class Bucket:
         self.master = self.owned(flat32) if dtype == torch.float32 else self.owned(flat32).clone()
         if stage == 3 and dtype == torch.float32:
             self.master = self.shard
-        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) in host memory
-            self.master = host_copy(self.master)
+        self.grad_host = None
+        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) in host memory, and a
+            self.master = host_copy(self.master)  # host buffer that receives the reduced gradients chunk
+            self.grad_host = host_copy(torch.zeros(self.shard_numel, dtype=dtype))
         self.grad_flat = self.filling = self.grad_shard = None
         if stage <= 1:
             self.grad_flat = torch.zeros(self.padded, dtype=dtype, device=device)
@@ -197,9 +199,6 @@ class ShardedAdamW:
         self.step_count += 1
         bias_correction1 = 1 - beta1 ** self.step_count
         bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
-        grads = [g.to(p.device, non_blocking=True) for p, g in zip(self.masters, grads)]  # (offload: to the host)
-        if torch.cuda.is_available() and self.masters[0].device.type == 'cpu':
-            torch.cuda.synchronize()  # the copies above must land before the host reads them
         for p, g, m, v, ranges in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
             g = g.float()
             for start, end in ranges:
@@ -254,6 +253,10 @@ def finish_in_flight(z):
             work.wait()
         if out is not None:
             b.grad_shard.add_(out)
+        if b.grad_host is not None and z.last_micro_step:
+            # ZeRO-Offload: this bucket's reduced gradients go to the host now, while backward goes on with the
+            # next buckets (an asynchronous copy into pinned memory on a GPU), not all at once in the step
+            b.grad_host.copy_(b.grad_flat if z.stage == 0 else b.grad_shard, non_blocking=True)
     z.in_flight = []
 
 
@@ -396,13 +399,13 @@ class Zero:
                                       weight_decay, betas, eps)
         if stage == 3:
             install_stage_3_hooks(self, model)
-        self.sync = True           # stages 0-1 reduce only at the last micro-step (gradients accumulate locally)
+        self.last_micro_step = True  # stages 0-1 reduce only then (gradients accumulate locally); 2-3 at every one
         self.next_bucket = 0       # buckets are reduced in order, so every rank issues the same collectives
         self.in_flight = []        # (work, full buffer, output, bucket) of reductions not yet waited for
 
     def grad_ready(self, b, i, p):
         """post_accumulate_grad hook: p.grad now holds this micro-step's full gradient of p."""
-        if not self.sync:
+        if self.stage < 2 and not self.last_micro_step:
             return
         b.ready += 1
         if self.stage >= 2:  # into the bucket's buffer, and freed at once: no full-size gradients outside it
@@ -419,10 +422,12 @@ class Zero:
     def finish_backward(self):
         """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients), then
         wait for every collective still running, as the step needs their results."""
-        if self.sync:
+        if self.stage >= 2 or self.last_micro_step:
             for b in self.buckets[self.next_bucket:]:
                 self.reduce(self, b)
             finish_in_flight(self)
+            if self.buckets[0].grad_host is not None and torch.cuda.is_available():
+                torch.cuda.synchronize()  # offload: the gradients' copies must land before the host reads them
         for b in self.buckets:
             b.ready = 0
             if self.stage == 3:
@@ -431,8 +436,10 @@ class Zero:
         self.next_bucket = 0
 
     def grads(self):
-        """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise."""
-        return [b.grad_flat if self.stage == 0 else b.grad_shard for b in self.buckets]
+        """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise; with offload their
+        copies on the host."""
+        return [b.grad_host if b.grad_host is not None else b.grad_flat if self.stage == 0 else b.grad_shard
+                for b in self.buckets]
 
     def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
         """torch.nn.utils.clip_grad_norm_ over the whole model: each rank sums the squares of its chunks, one
@@ -452,7 +459,7 @@ class Zero:
         norm = sq.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in self.grads():
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
         return norm
 
     @torch.no_grad()
@@ -548,7 +555,7 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
     them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss over the global batch."""
     loss_sum = 0.0
     for micro_step, (x, y) in enumerate(batches):
-        zero.sync = zero.stage >= 2 or micro_step == len(batches) - 1
+        zero.last_micro_step = micro_step == len(batches) - 1
         with ctx:
             _, loss = model(x, y)
             loss = loss / len(batches)  # the mean over this rank's rows; the reduction averages the ranks
@@ -711,8 +718,12 @@ def held_bytes(zero):
                              [t for b in buckets for t in (b.grad_flat, b.grad_shard, b.filling)] +
                              [t for _, full, out, _ in zero.in_flight for t in (full, out)])
     opt = zero.optimizer
-    optim, _ = storage_bytes(opt.masters + opt.exp_avg + opt.exp_avg_sq, skip=param_ids)  # fp32 0-2: master is flat
-    return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim}
+    optimizer_state = opt.masters + opt.exp_avg + opt.exp_avg_sq
+    if buckets[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
+        host, _ = storage_bytes(optimizer_state + [b.grad_host for b in buckets])
+        return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': 0, 'host_bytes': host}
+    optim, _ = storage_bytes(optimizer_state, skip=param_ids)  # fp32 stages 0-2: the master is the flat buffer
+    return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim, 'host_bytes': 0}
 
 
 class FirstStepReport:
@@ -742,10 +753,12 @@ class FirstStepReport:
         for k, v in at_rest.items():
             self.peak[k] = max(self.peak[k], v)
         z, cfg = self.zero, self.cfg
-        formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16')
+        formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16',
+                                            cfg.offload_optimizer)
         row = {'iter': iter_num, 'rank': z.rank, 'stage': z.stage, 'world_size': z.world_size, 'numel': z.numel,
-               'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size}
-        for k in ('param_bytes', 'grad_bytes', 'optim_bytes'):
+               'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size,
+               'offload_optimizer': cfg.offload_optimizer}
+        for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
             row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': self.peak[k]})
         row.update({'collective_bytes': sum(self.comm.collective_bytes.values()),
                     'collective_bytes_by_kind': dict(self.comm.collective_bytes),
@@ -763,7 +776,7 @@ def print_report(rows):
           f"measured at rest / peak of a step (formula)")
     for r in rows:
         cells = [f"{k[:-6]} {r[k]:,} / {r['peak_' + k]:,} ({r[k + '_formula']:,})"
-                 for k in ('param_bytes', 'grad_bytes', 'optim_bytes')]
+                 for k in ('param_bytes', 'grad_bytes', 'optim_bytes') + (('host_bytes',) * r['offload_optimizer'])]
         print(f"  rank {r['rank']}: " + ' | '.join(cells))
     kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r0['collective_bytes_by_kind'].items())
     wire = r0['wire_bytes_note'] if r0['wire_bytes'] is None else f"{r0['wire_bytes']:,.0f}"
@@ -778,14 +791,18 @@ def print_report(rows):
 # Modelled: the ZeRO paper's formulas (bench.py --estimate imports them)
 
 
-def model_state_bytes_formula(numel, world_size, stage, mixed_precision):
+def model_state_bytes_formula(numel, world_size, stage, mixed_precision, offload=False):
     """Bytes of parameters, gradients and optimizer state per rank (ZeRO paper). fp32: 4 + 4 + 8 (Adam m, v)
-    bytes per parameter; mixed precision: 2 + 2 + 12 (fp32 master, m, v). Sharded states hold ceil(numel/N)."""
+    bytes per parameter; mixed precision: 2 + 2 + 12 (fp32 master, m, v). Sharded states hold ceil(numel/N).
+    offload (ZeRO-Offload): the optimizer state is on the host, 12 bytes per parameter of the chunk (the fp32
+    master is its own copy there), with a host copy of the gradient chunk; host_bytes counts them."""
     p, g, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
     shard = math.ceil(numel / world_size)
+    owned = shard if stage >= 1 else numel
     return {'param_bytes': p * (shard if stage >= 3 else numel),
             'grad_bytes': g * (shard if stage >= 2 else numel),
-            'optim_bytes': k * (shard if stage >= 1 else numel)}
+            'optim_bytes': 0 if offload else k * owned,
+            'host_bytes': (12 + g) * owned if offload else 0}
 
 
 def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):

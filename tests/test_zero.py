@@ -225,6 +225,29 @@ def test_offload_optimizer_trains_the_same_numbers(split_runs, reference):
         out = str(split_runs / f'offload{stage}')
         assert_same_losses(train_losses(out), train_losses(ref_dir))
         assert_same_checkpoint(torch.load(zero.consolidate_shards(out), weights_only=False), ref)
+        # measured: no optimizer state left beside the model; on the host the fp32 master, m, v and the gradients
+        for r in (r for r in read_log(out) if 'rank' in r):
+            assert r['optim_bytes'] == r['optim_bytes_formula'] == 0, r
+            assert r['host_bytes_formula'] <= r['host_bytes'] <= r['host_bytes_formula'] + 32 * 2 * r['buckets'], r
+
+
+def test_offload_copies_each_buckets_gradients_to_the_host_during_backward():
+    """ZeRO-Offload overlaps the copy to the host with backward: when backward (and finish_backward) is over, and
+    before any step, every bucket's host buffer already holds its reduced gradient chunk."""
+    for copied in spawn(offload_copy_during_backward, 2):
+        assert copied == [True] * len(copied) and len(copied) > 1
+
+
+def offload_copy_during_backward(rank, world_size):
+    from model import GPT, Comm, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, vocab_size=64))
+    z = zero.Zero(model, 2, rank, world_size, 0.1, (0.9, 0.99), 1e-8, 700, torch.float32, Comm(None, 'dp'),
+                  offload=True)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(x, x)[1].backward()
+    z.finish_backward()
+    return [bool(torch.equal(b.grad_host, b.grad_shard)) and bool(b.grad_shard.abs().sum() > 0) for b in z.buckets]
 
 
 def test_bfloat16_holds_the_papers_2_2_12_bytes(split_runs):
