@@ -472,7 +472,7 @@ def main(argv):
         iter_num += 1
     profiler.stop()
     writer.wait()
-    finish_distributed()
+    finish_distributed(cfg)
 
     if cfg.sample_at_end and not cfg.eval_only and rank == 0:  # a plain GPT with the same weights
         dense = GPT(raw_model.config)

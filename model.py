@@ -1307,10 +1307,20 @@ def init_distributed(timeout_s, group_of_one=False):
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
-def finish_distributed():
-    """Leave together: a barrier, then tear down the group init_distributed made (tearing gloo down under a peer
-    still inside a collective can abort it)."""
+def finish_distributed(cfg=None):
+    """Leave together: every rank's peak memory reported (with cfg: one line, and one row in log.jsonl), then a
+    barrier, then tear down the group init_distributed made (tearing gloo down under a peer still inside a
+    collective can abort it)."""
     global _GROUP_IS_OURS
+    if cfg is not None and dist.is_initialized():
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak_memory_bytes(cfg.device))
+        if dist.get_rank() == 0:
+            kind = 'allocated on the GPU' if cfg.device.startswith('cuda') else 'resident set'
+            print(f"peak memory per rank ({kind}, measured): " + ', '.join(f"{p / 2**20:.0f}" for p in peaks)
+                  + f" MiB; the largest {max(peaks) / 2**20:.0f} MiB", flush=True)
+            with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
+                f.write(json.dumps({'peak_mem_bytes_by_rank': peaks}) + '\n')
     if dist.is_initialized() and _GROUP_IS_OURS:
         dist.barrier()
         dist.destroy_process_group()

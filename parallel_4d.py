@@ -255,7 +255,7 @@ def main(argv):
     if rank == 0:
         print(outputs_line(cfg.out_dir, "ckpt_4d_rank*.pt (each rank's part: resume on the same grid)",
                            *profiled(cfg)))
-    finish_distributed()
+    finish_distributed(cfg)
 
 
 def check_config(cfg, world_size):

@@ -818,7 +818,7 @@ def main(argv):
         print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python pipeline.py "
                                         f"--out_dir={cfg.out_dir} --consolidate=DIR makes one ckpt.pt)",
                            "schedule_trace.json (the last schedule: open at ui.perfetto.dev)", *profiled(cfg)))
-    finish_distributed()
+    finish_distributed(cfg)
 
 
 # -----------------------------------------------------------------------------

@@ -742,7 +742,7 @@ def main(argv):
                   f"python sample.py --out_dir={cfg.out_dir}")
         print(outputs_line(cfg.out_dir, "ckpt_rank*.pt (each rank's slices: resume; python tensor_parallel.py "
                                         f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
-    finish_distributed()
+    finish_distributed(cfg)
 
 
 def print_grid(grid, coords, rank):

@@ -176,7 +176,7 @@ def main(argv):
         iter_num += 1
     profiler.stop()
     writer.wait()
-    finish_distributed()
+    finish_distributed(cfg)
 
     if cfg.sample_at_end and not cfg.eval_only and master_process:  # after the group is gone: no timeout to trip
         print_sample(raw_model, cfg, ctx)

@@ -377,7 +377,7 @@ def main(argv):
         print(outputs_line(cfg.out_dir, "ckpt_dcp/ (every rank's shards: resume)",
                            *(["ckpt.pt (train.py's format, exported at the end)"] if cfg.export else []),
                            *profiled(cfg)))
-    finish_distributed()
+    finish_distributed(cfg)
 
 
 if __name__ == '__main__':

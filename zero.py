@@ -670,7 +670,7 @@ def main(argv):
     if rank == 0:
         print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python zero.py "
                                         f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
-    finish_distributed()
+    finish_distributed(cfg)
 
 
 def check_config(cfg, world_size):
