@@ -942,24 +942,25 @@ def check_batch(cfg, dp_size, world_size):
                          f"divide it")
 
 
-def init_model(cfg, vocab_size, ckpt_path=None, load_weights=True, gpt2=True, meta=False):
+def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     """The model init_from names: 'scratch' (train.py's initialization from cfg.seed), 'resume' (ckpt_path, a
-    checkpoint with 'model_args'; its 'model' loaded when load_weights) or a GPT-2 name (when gpt2). On the CPU;
-    with meta (and not load_weights), on the meta device: shapes only, for a sharded script to cut before it
-    materializes its share (init_params, or its own checkpoint). A GPT-2 model is always loaded whole.
+    checkpoint with 'model_args') or a GPT-2 name (when gpt2). On the CPU, with the checkpoint's 'model' loaded.
+    With meta: on the meta device, shapes only and no values, for a sharded script to cut before it materializes
+    its share and fills it (init_params, load_params or its own checkpoint); the checkpoint is memory-mapped, so a
+    rank that copies out its share of a whole one reads only those pages. A GPT-2 model always comes whole.
     Returns (model, the checkpoint or None, iter_num, best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
-    on_meta = torch.device('meta') if meta and not load_weights else contextlib.nullcontext()
+    on_meta = torch.device('meta') if meta else contextlib.nullcontext()
     if cfg.init_from == 'scratch':
         with on_meta:
             model = GPT(model_config(cfg, vocab_size))
     elif cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=meta)
         with on_meta:
             model = GPT(GPTConfig(**checkpoint['model_args']))
-        if load_weights:
+        if not meta:
             model.load_state_dict(checkpoint['model'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
         if is_master():
@@ -973,6 +974,14 @@ def init_model(cfg, vocab_size, ckpt_path=None, load_weights=True, gpt2=True, me
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     return model, checkpoint, iter_num, best_val_loss
+
+
+@torch.no_grad()
+def load_params(state_dict, keep):
+    """A whole model's values (train.py's checkpoint) handed to keep(name, values) one parameter at a time, as
+    init_params hands train.py's initialization: a sharded script copies out its share of each."""
+    for name, values in state_dict.items():
+        keep(name, values)
 
 
 def set_lr(optimizer, lr):

@@ -197,8 +197,7 @@ def main(argv):
     # model: train.py's GPT on the meta device, cut along every dimension of the grid, then only this rank's part
     # materialized with train.py's values; ZeRO-1 holds its weights and AdamW state
     ckpt_path = os.path.join(cfg.out_dir, f'ckpt_4d_rank{rank}.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
-                                                            gpt2=False, meta=True)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
     stage, tp, cp, layout, dense_names = build_stage(model, cfg, grid, coords, comms, ctx, checkpoint)
     if rank == 0:

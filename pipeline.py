@@ -720,8 +720,7 @@ def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
     values: train.py's (init_params, one tensor at a time) or this stage's checkpoint; then this rank's dropout
     stream (its own saved one, or seeded per replica and stage). Returns (model, its chunks of
     layers, the checkpoint or None, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False,
-                                                            gpt2=False, meta=True)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
     chunks = keep_stage(model, pp_rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
     materialize(model, cfg.device)  # storage for this stage's part alone

@@ -644,7 +644,7 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, ckpt_path):
     storage and then values: train.py's (init_params, one dense tensor at a time) or this rank's checkpoint. A
     GPT-2 model (init_from=gpt2) comes whole and is cut from its values. Returns (model, layout, the checkpoint or
     None, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=False, meta=True)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
     on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
     layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only

@@ -17,21 +17,23 @@ model and AdamW state), from which train.py, sample.py and every other script co
 import json
 import os
 import shutil
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
-                   configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
-                   init_params, load_dataset, materialize, micro_batches, outputs_line, print_sample, profiled,
-                   restore_rng, run_main, run_shape, seed_dropout, set_lr, should_evaluate, should_save,
-                   train_checkpoint, world_size_from_env)
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, adamw_state_dict, autocast_context, check_batch,
+                   config_defaults, configure, evaluate, finish_distributed, gather_rng_states, get_lr,
+                   init_distributed, init_model, init_params, load_dataset, load_params, materialize, micro_batches,
+                   outputs_line, print_sample, profiled, progress, restore_rng, run_main, run_shape, save_checkpoint,
+                   seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -74,7 +76,8 @@ seed = 1337
 peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
 profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
-export = True                   # when the run ends, also write out_dir/ckpt.pt in train.py's format
+export = False                  # when the run ends, rank 0 gathers the whole state into out_dir/ckpt.pt (small models)
+consolidate = ''                # a directory: write its sharded checkpoint as one train.py ckpt.pt offline, then exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -227,13 +230,46 @@ def full_checkpoint_state(model, optimizer):
     return model_sd, plain
 
 
-def shard_optimizer_state(optimizer):
-    """After loading a full (train.py) AdamW state_dict: keep only this rank's shard of each moment, sharded as
-    its parameter is."""
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(p, DTensor) and key != 'step' and not isinstance(value, DTensor):
-                state[key] = distribute_tensor(value, p.device_mesh, p.placements)
+def consolidate_dcp(out_dir):
+    """out_dir/ckpt_dcp (every rank's shards) -> out_dir/ckpt.pt in train.py's format, offline in one process: each
+    tensor read from the shards by itself (dcp.load of that one key), the AdamW state in configure_optimizers'
+    order. No rank ever gathers the whole model to save."""
+    path = os.path.join(out_dir, 'ckpt_dcp')
+    if not os.path.isdir(path):
+        raise SystemExit(f"error: consolidate: no sharded checkpoint {path}")
+    extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = [k for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)]
+    model_sd, optim_state = {}, defaultdict(dict)
+    for i, key in enumerate(keys):  # 'model.<name>' or 'optimizer.state.<name>.<step | exp_avg | exp_avg_sq>'
+        progress(i + 1, len(keys), f"consolidating {path}")
+        meta = metadata[key]
+        tensor = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+        dcp.load(tensor, checkpoint_id=path, no_dist=True)
+        if key.startswith('model.'):
+            model_sd[key[len('model.'):]] = tensor[key]
+        else:
+            name, moment = key[len('optimizer.state.'):].rsplit('.', 1)
+            optim_state[name][moment] = tensor[key]
+    cfg = dict(extras['config'], init_from='resume', consolidate='')
+    out = os.path.join(out_dir, 'ckpt.pt')
+    save_checkpoint(dict(extras, model=model_sd, optimizer=adamw_state_dict(extras['model_args'], optim_state, cfg),
+                         config=cfg), out)
+    print(f"wrote {out} (train.py's format) from {path} at iter {extras['iter_num']}")
+    return out
+
+
+def load_whole_optimizer(optimizer, osd):
+    """A whole AdamW state_dict (train.py's, memory-mapped) into the optimizer over the shards: each moment cut to
+    this rank's shard as its parameter is, one tensor at a time, before the optimizer sees it."""
+    params = [p for group in optimizer.param_groups for p in group['params']]
+    state = {}
+    for i, moments in osd['state'].items():
+        p = params[i]
+        # src_data_rank=None: each rank cuts its own piece of the whole value (no broadcast)
+        state[i] = {k: v if k == 'step' else distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
+                                                                src_data_rank=None) for k, v in moments.items()}
+    optimizer.load_state_dict(dict(osd, state=state))
 
 
 def load_sharded(model, optimizer, path):
@@ -269,15 +305,15 @@ def train_step(model, optimizer, batches, ctx, grad_clip, dp, on_micro_step=None
 
 def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
     """train.py's GPT on the meta device, sharded there (shard_model), then each rank's 1/N of every parameter gets
-    storage and train.py's values (init_params), or its shards of our sharded checkpoint; a train.py-format
-    ckpt.pt (any script's) or GPT-2 comes whole and is sharded from its values. AdamW is built over the shards:
-    each rank updates and stores only its own. Returns (model, optimizer, iter_num, best_val_loss)."""
+    storage and train.py's values (init_params), its shards of our sharded checkpoint, or its shards of a
+    train.py-format ckpt.pt (any script's; memory-mapped, so each rank reads only its part). GPT-2 comes whole and
+    is sharded from its values. AdamW is built over the shards: each rank updates and stores only its own.
+    Returns (model, optimizer, iter_num, best_val_loss)."""
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
     sharded = os.path.exists(sharded_path)
     ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not sharded,
-                                                            meta=True)
-    on_meta = next(model.parameters()).is_meta  # (a train.py-format ckpt.pt, or GPT-2, comes whole)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
+    on_meta = next(model.parameters()).is_meta  # (GPT-2 comes whole)
     if dp_rank == 0:
         print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
     if not on_meta:
@@ -287,14 +323,15 @@ def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
         materialize(model, cfg.device)
         if checkpoint is None:
             init_params(model.config, cfg.seed, keep_shards(model))
+        elif not sharded:  # a whole ckpt.pt: each rank copies out its shard of each parameter
+            load_params(checkpoint['model'], keep_shards(model))
     # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         if sharded:
             load_sharded(model, optimizer, sharded_path)
         else:
-            optimizer.load_state_dict(checkpoint['optimizer'])
-            shard_optimizer_state(optimizer)
+            load_whole_optimizer(optimizer, checkpoint['optimizer'])
         restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
     else:
         seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
@@ -303,6 +340,9 @@ def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
 
 def main(argv):
     cfg = configure(config, argv)
+    if cfg.consolidate:
+        consolidate_dcp(cfg.consolidate)
+        return
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), got "
                          f"{cfg.dtype!r}; float16 needs train.py's loss scaling")

@@ -32,11 +32,12 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 
-from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
+from model import (CheckpointWriter, Comm, GPT, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
                    check_batch, config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed,
-                   init_model, init_params, load_dataset, log_rank_rows, micro_batches, outputs_line, param_groups,
-                   print_sample, profiled, progress, restore_rng, rng_state, run_main, run_shape, save_checkpoint,
-                   seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint, world_size_from_env)
+                   init_model, init_params, load_dataset, load_params, log_rank_rows, micro_batches, outputs_line,
+                   param_groups, print_sample, profiled, progress, restore_rng, rng_state, run_main, run_shape,
+                   save_checkpoint, seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -165,6 +166,14 @@ class Bucket:
 
     def owned(self, flat):
         return flat[self.lo:self.lo + self.shard_numel]
+
+    def copy_owned(self, i, values, chunk):
+        """The part of parameter i's whole values that falls in this rank's chunk, copied into chunk (a tensor of
+        the chunk's size); nothing else of values is read."""
+        off, n = self.offsets[i], math.prod(self.shapes[i])
+        lo, hi = max(off, self.lo), min(off + n, self.lo + self.shard_numel)
+        if lo < hi:
+            chunk[lo - self.lo:hi - self.lo].copy_(values.reshape(-1)[lo - off:hi - off])
 
     def owned_ranges(self, flags):
         """(start, end) within this rank's chunk of the part of each flagged parameter that falls in it."""
@@ -485,14 +494,11 @@ class Zero:
         if name not in self.where:
             return  # (a second name of a tied weight)
         b, i = self.where[name]
-        off, values = b.offsets[i], values.reshape(-1).to(self.device)
         if self.stage < 3:
-            b.flat[off:off + values.numel()].copy_(values)
-        lo, hi = max(off, b.lo), min(off + values.numel(), b.lo + b.shard_numel)
-        if lo < hi:
-            b.master[lo - b.lo:hi - b.lo].copy_(values[lo - off:hi - off])
-            if self.stage == 3 and b.shard is not b.master:
-                b.shard[lo - b.lo:hi - b.lo].copy_(values[lo - off:hi - off])
+            b.views(b.flat)[i].copy_(values)
+        b.copy_owned(i, values, b.master)
+        if self.stage == 3 and b.shard is not b.master:
+            b.copy_owned(i, values, b.shard)
 
     # checkpoints: this rank's chunks of the fp32 weights and AdamW's moments, and where they sit in the model
     def state_dict(self):
@@ -521,8 +527,8 @@ class Zero:
         opt = self.optimizer
         for i, b in enumerate(self.buckets):
             for key, mine in (('exp_avg', opt.exp_avg[i]), ('exp_avg_sq', opt.exp_avg_sq[i])):
-                full = b.flatten([osd['state'][index[id(p)]][key].float() for p in b.params], self.device)
-                mine.copy_(b.owned(full))
+                for j, p in enumerate(b.params):  # only the part in this rank's chunk is read
+                    b.copy_owned(j, osd['state'][index[id(p)]][key], mine)
         opt.step_count = int(osd['state'][0]['step'])
 
 
@@ -572,14 +578,13 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 def build_zero(cfg, vocab_size, rank, world_size, dp):
     """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one
     block's full buffer at a time), then train.py's values fill it. Resume from this rank's shard, else from a
-    train.py-format ckpt.pt (any script's, any world size: that one is loaded whole).
+    train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank reads only its chunk of it).
     Returns (model, zero, this rank's shard file, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
     ckpt_path = shard_file if from_shard else full_file
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, load_weights=not from_shard,
-                                                            meta=True)
-    on_meta = next(model.parameters()).is_meta
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
+    on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
     if not on_meta:
         model.to(cfg.device)
     if rank == 0:
@@ -589,6 +594,8 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
                 cfg.offload_optimizer, cfg.prefetch_blocks)
     if checkpoint is None and on_meta:
         init_params(model.config, cfg.seed, zero.set_param_values)  # one tensor at a time; each rank its part
+    elif checkpoint is not None and not from_shard:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
+        load_params(checkpoint['model'], zero.set_param_values)
     if checkpoint is not None and from_shard:
         check_shard(checkpoint, ckpt_path, world_size, cfg)
         zero.load_state_dict(checkpoint['zero'])

@@ -1,5 +1,6 @@
 """train_fsdp.py: FSDP2 (fully_shard) trains the same model to the same numbers as train.py, resumes from its
-sharded (DCP) checkpoint as if uninterrupted, and exports a train.py checkpoint that train.py continues exactly."""
+sharded (DCP) checkpoint as if uninterrupted, and consolidates it offline into a train.py checkpoint that train.py,
+and FSDP on another world size, continue exactly."""
 import os
 import shutil
 import subprocess
@@ -16,21 +17,26 @@ import pytest
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    """ref: train.py for 8 iterations. f: FSDP on 2 ranks for 4 (sharded checkpoint + exported ckpt.pt), then
-    resumed from the sharded checkpoint alone to 8. g: a copy of f at 4 that train.py continues from the exported
-    ckpt.pt. h: FSDP on 3 ranks for 8 with activation checkpointing (recompute changes no number)."""
-    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('f', 'h')}
-    d['g'] = d['f'] + '_g'
+    """ref: train.py for 8 iterations. f: FSDP on 2 ranks for 4 (sharded checkpoint), consolidated offline into a
+    ckpt.pt, then resumed from the sharded checkpoint alone to 8 and consolidated again. g: a copy of f at 4 that
+    train.py continues from the consolidated ckpt.pt. h: another copy that FSDP on 3 ranks continues from that
+    ckpt.pt (each rank reading its shards of it) with activation checkpointing, exporting at the end (rank 0
+    gathers the whole state: --export=True)."""
+    d = {name: str(tmp_path_factory.mktemp(name)) for name in ('f',)}
+    d['g'], d['h'] = d['f'] + '_g', d['f'] + '_h'
     d['ref'] = train_py_reference(ARGS + ['--max_iters=8'], tmp_path_factory)
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=4'], nproc=2))
+    check(run_script('train_fsdp.py', [f'--consolidate={d["f"]}']))
     d['f_log4'] = train_losses(d['f'])
-    shutil.copytree(d['f'], d['g'])
-    shutil.rmtree(os.path.join(d['g'], 'ckpt_dcp'))  # train.py reads ckpt.pt only; make sure of it
+    for copy in ('g', 'h'):
+        shutil.copytree(d['f'], d[copy])
+        shutil.rmtree(os.path.join(d[copy], 'ckpt_dcp'))  # only the consolidated ckpt.pt: make sure of it
     check(run_script('train.py', ARGS + [f'--out_dir={d["g"]}', '--max_iters=8', '--init_from=resume']))
+    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["h"]}', '--max_iters=8', '--init_from=resume',
+                                              '--activation_checkpointing=True', '--export=True'], nproc=3))
     os.remove(os.path.join(d['f'], 'ckpt.pt'))  # resume from the shards alone
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=8', '--init_from=resume'], nproc=2))
-    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["h"]}', '--max_iters=8',
-                                              '--activation_checkpointing=True'], nproc=3))
+    check(run_script('train_fsdp.py', [f'--consolidate={d["f"]}']))
     return d
 
 
@@ -38,22 +44,25 @@ def test_fsdp_two_ranks_logs_train_py_losses(runs):
     assert_same_losses(runs['f_log4'], train_losses(runs['ref']), range(4))
 
 
-def test_train_py_continues_from_exported_checkpoint(runs):
-    """The exported ckpt.pt (full model, plain AdamW state in configure_optimizers' order) continues in train.py
-    exactly as the uninterrupted train.py run: so the export at iteration 4 was train.py's state at 4."""
+def test_train_py_continues_from_consolidated_checkpoint(runs):
+    """The consolidated ckpt.pt (full model, plain AdamW state in configure_optimizers' order, written offline one
+    tensor at a time from the shards) continues in train.py exactly as the uninterrupted train.py run: so it was
+    train.py's state at 4."""
     assert_same_losses(train_losses(runs['g']), train_losses(runs['ref']), range(8))
     assert_same_checkpoint(os.path.join(runs['g'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
 
 
 def test_sharded_resume_is_uninterrupted_run(runs):
-    """Resumed from its DCP shards at 4: the losses 4..7 and the exported state at 8 are train.py's."""
+    """Resumed from its DCP shards at 4: the losses 4..7 and the consolidated state at 8 are train.py's."""
     assert not os.path.exists(os.path.join(runs['f'], 'ckpt_dcp.tmp'))
     assert_same_losses(train_losses(runs['f']), train_losses(runs['ref']), range(8))
     assert_same_losses(eval_losses(runs['f']), eval_losses(runs['ref']), [0, 4, 8])
     assert_same_checkpoint(os.path.join(runs['f'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
 
 
-def test_fsdp_three_ranks_with_activation_checkpointing_equals_train_py(runs):
+def test_three_ranks_continue_from_a_whole_checkpoint_with_activation_checkpointing(runs):
+    """Another world size, from the whole ckpt.pt (memory-mapped, each rank copying out its shards), with
+    recomputation: the losses 4..7 and the exported state at 8 are train.py's."""
     assert_same_losses(train_losses(runs['h']), train_losses(runs['ref']), range(8))
     assert_same_losses(eval_losses(runs['h']), eval_losses(runs['ref']), [0, 4, 8])
     assert_same_checkpoint(os.path.join(runs['h'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
@@ -65,7 +74,8 @@ def test_held_bytes_are_the_shards_and_match_psi_over_n(runs, run, world_size):
     v); no rank holds more than its padded share (ceil(dim 0 / N) rows of every parameter, FSDP's chunk), and
     the formula logged beside each is 4Ψ/N, 4Ψ/N, 8Ψ/N."""
     from model import GPT, GPTConfig
-    rows = [r for r in read_log(runs[run]) if 'rank' in r and r['iter'] == 0]
+    rows = [r for r in read_log(runs[run]) if 'rank' in r]
+    rows = [r for r in rows if r['iter'] == rows[-1]['iter']]  # (the first iteration of the last run)
     assert sorted(r['rank'] for r in rows) == list(range(world_size))
     model = GPT(GPTConfig(block_size=16, vocab_size=torch.load(os.path.join(runs[run], 'ckpt.pt'),
                                                                weights_only=False)['model_args']['vocab_size'],
