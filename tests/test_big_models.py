@@ -35,23 +35,28 @@ else:
     elif way == 'pp':  # stage 1 of 4 pipeline stages
         pipeline.keep_stage(model, 1, 4)
         keep = keep_own(model)
-    if way == 'zero3':  # rank 3 of 8, ZeRO stage 3: its chunk of the weights, gradients and AdamW state
-        from model import Comm
+    if way.startswith('zero3'):  # rank 3 of 8, ZeRO stage 3: its chunk of the weights, gradients and AdamW state
+        from model import Comm, load_params
         from zero import Zero, held_bytes
         zero = Zero(model, 3, 3, 8, 0.1, (0.9, 0.99), 1e-8, 1, torch.float32, Comm(None, 'dp', alone=True), 'cpu')
-        init_params(config, 0, zero.set_param_values)
+        if way == 'zero3':
+            init_params(config, 0, zero.set_param_values)
+        else:  # from a whole train.py-format checkpoint: memory-mapped (as init_model reads it), or read whole
+            checkpoint = torch.load(sys.argv[2], map_location='cpu', weights_only=False, mmap=way == 'zero3_ckpt')
+            load_params(checkpoint['model'], zero.set_param_values)
     else:
         materialize(model, 'cpu')
         init_params(config, 0, keep)
-held = (sum(held_bytes(zero).values()) if way == 'zero3' else
+held = (sum(held_bytes(zero).values()) if way.startswith('zero3') else
         sum(p.numel() * p.element_size() for p in model.parameters()))
 rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 print(held, rise)
 '''
 
 
-def peak_rise(way):
-    proc = subprocess.run([sys.executable, '-c', BUILD, way], cwd=REPO, capture_output=True, text=True, timeout=300)
+def peak_rise(way, *args):
+    proc = subprocess.run([sys.executable, '-c', BUILD, way, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     held, rise = map(int, proc.stdout.split()[-2:])
     return held, rise
@@ -69,3 +74,19 @@ def test_a_rank_never_holds_the_whole_model(way):
     assert held < 0.3 * whole if way != 'zero3' else held < 0.55 * whole
     # the share, plus one module's full-size draw (the MLP's 4h x h) and allocator slack: far from the whole
     assert rise < held + 0.25 * whole, (way, held, rise, whole)
+
+
+def test_a_whole_checkpoint_is_read_one_share_at_a_time(tmp_path):
+    """A train.py-format ckpt.pt of the same 200 MB model, memory-mapped (as model.init_model reads it for a sharded
+    script): ZeRO-3's rank 3 of 8 copies out its chunks and the pages it touches; read whole (the control), the
+    same load raises the peak by the whole model."""
+    import torch
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96))
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    torch.save({'model': model.state_dict()}, tmp_path / 'ckpt.pt')
+    del model
+    _, control = peak_rise('zero3_whole_ckpt', str(tmp_path / 'ckpt.pt'))
+    assert control > 0.9 * whole, (control, whole)
+    held, rise = peak_rise('zero3_ckpt', str(tmp_path / 'ckpt.pt'))
+    assert held < 0.55 * whole and rise < held + 0.25 * whole, (held, rise, whole)
