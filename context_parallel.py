@@ -395,6 +395,25 @@ def train_step(model, optimizer, batches, ctx, grad_clip, cp, dp_cp):
     return loss_sum.item() / dp_cp.size
 
 
+def build_cp(cfg, vocab_size, cp, dp, ckpt_path):
+    """train.py's model and AdamW (from ckpt_path on resume, with this rank's dropout stream), its attention
+    turned context-parallel (shard_sequence). Returns (model, optimizer, iter_num, best_val_loss)."""
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
+    model.to(cfg.device)
+    rank, world_size = dist.get_rank() if dist.is_initialized() else 0, dp.size * cp.group.size
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {dp.size} x cp {cp.group.size} ({cfg.cp_attention} attention, "
+                        f"{cfg.block_size // cp.group.size} tokens of each sequence per rank)", cfg,
+                        model.get_num_params()))
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        restore_rng(checkpoint, rank, world_size, cfg.seed, dp.rank)
+    shard_sequence(model, cp)
+    return model, optimizer, iter_num, best_val_loss
+
+
 def main(argv):
     cfg = configure(config, argv)
     check_config(cfg, world_size_from_env())
@@ -417,21 +436,10 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model: train.py's, whole on every rank; only its attention changes
+    # model: train.py's, whole on every rank; only its attention changes (build_cp)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
-    model.to(cfg.device)
-    if rank == 0:
-        print(run_shape(f"world {world_size} = dp {dp.size} x cp {cp.group.size} ({cfg.cp_attention} attention, "
-                        f"{cfg.block_size // cp.group.size} tokens of each sequence per rank)", cfg,
-                        model.get_num_params()))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        restore_rng(checkpoint, rank, world_size, cfg.seed, dp.rank)
-    checkpoint = None  # free it
+    model, optimizer, iter_num, best_val_loss = build_cp(cfg, vocab_size, cp, dp, ckpt_path)
     raw_model = model
-    shard_sequence(model, cp)
 
     def loss_of(x, y):  # the mean over the whole batch: the mean of the cp ranks' means
         with ctx:

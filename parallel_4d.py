@@ -113,6 +113,9 @@ def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
     attention (context_parallel), as a pipeline Stage whose embedding and loss are the vocabulary-parallel ones, on
     this rank's tokens. Only that part gets storage, then train.py's values (init_params, one dense tensor at a
     time) or this rank's checkpoint. Returns (stage, tp, cp, layout, {dense name: (local name, kind)})."""
+    if all(c == 0 for c in coords.values()):
+        print(run_shape(f"world {grid.numel()} = dp {grid.size(0)} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
+                        model.get_num_params()))
     tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
     cp = ContextParallel(comms['cp'], cfg.cp_attention)
     layout = shard_gpt(model, tp)
@@ -198,11 +201,8 @@ def main(argv):
     # materialized with train.py's values; ZeRO-1 holds its weights and AdamW state
     ckpt_path = os.path.join(cfg.out_dir, f'ckpt_4d_rank{rank}.pt')
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
-    n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
+    flops_per_token = model.flops_per_token()  # of the whole model
     stage, tp, cp, layout, dense_names = build_stage(model, cfg, grid, coords, comms, ctx, checkpoint)
-    if rank == 0:
-        print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
-                        n_params))
     zero = Zero(model, 1, dp_cp.rank, dp_cp.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp_cp)
     if checkpoint is not None:
@@ -234,8 +234,7 @@ def main(argv):
                 best_val_loss = min(best_val_loss, losses['val'])
                 writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
                              'coords': coords, 'dense_names': dense_names, 'model_args': vars(model.config),
-                             'iter_num': iter_num,
-                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
+                             'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break

@@ -718,8 +718,8 @@ def clip_grad_norm(stage, grads, max_norm, embed):
 def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
     """train.py's GPT on the meta device, cut to this stage's blocks (keep_stage), which alone get storage and then
     values: train.py's (init_params, one tensor at a time) or this stage's checkpoint; then this rank's dropout
-    stream (its own saved one, or seeded per replica and stage). Returns (model, its chunks of
-    layers, the checkpoint or None, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
+    stream (its own saved one, or seeded per replica and stage), and its AdamW. Returns (model, its chunks of
+    layers, the optimizer, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
     chunks = keep_stage(model, pp_rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
@@ -732,7 +732,15 @@ def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
         restore_rng(checkpoint, dp.rank, dp.size, cfg.seed, dp.rank, pp_rank)  # this rank's own dropout stream
     else:
         seed_dropout(cfg.seed, dp.rank, pp_rank)  # each replica, and each stage (as Megatron), its own masks
-    return model, chunks, checkpoint, iter_num, best_val_loss, n_params, flops_per_token
+    if dp.rank == pp_rank == 0:
+        print(run_shape(f"world {dp.size * cfg.pp} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} "
+                        f"blocks per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
+                        f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+    return model, chunks, optimizer, iter_num, best_val_loss, n_params, flops_per_token
 
 
 def main(argv):
@@ -762,16 +770,8 @@ def main(argv):
 
     # model: this stage's part of train.py's GPT (build_stage_model)
     ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
-    model, chunks, checkpoint, iter_num, best_val_loss, n_params, flops_per_token = build_stage_model(
+    model, chunks, optimizer, iter_num, best_val_loss, n_params, flops_per_token = build_stage_model(
         cfg, vocab_size, pp_comm.rank, dp, ckpt_path)
-    if rank == 0:
-        print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
-                        f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
-                        f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    checkpoint = None  # free it
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device, ctx, pp_comm)
 

@@ -99,14 +99,38 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp):
     return loss_sum.item() / dp.size
 
 
+def build_ddp(cfg, vocab_size, dp_rank, dp_size, ckpt_path):
+    """train.py's model, optimizer and scaler (from ckpt_path on resume), each rank its own dropout stream, and the
+    model wrapped in DDP. Returns (the wrapped model, the model itself, optimizer, scaler, iter_num, best_val_loss)."""
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
+    model.to(cfg.device)
+    if dp_rank == 0:
+        print(run_shape(f'world {dp_size} = dp {dp_size} (DDP)', cfg, model.get_num_params()))
+    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        scaler.load_state_dict(checkpoint['scaler'])
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model)
+    if dist.is_initialized():
+        # broadcasts rank 0's parameters, then all-reduces gradients in buckets as backward produces them
+        model = DDP(model, device_ids=[torch.device(cfg.device).index] if device_type == 'cuda' else None)
+    return model, raw_model, optimizer, scaler, iter_num, best_val_loss
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
     check_batch(cfg, world_size_from_env(), world_size_from_env())
     dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # joins torchrun's group; one process without
-    ddp = dist.is_initialized()
-    if ddp:
+    if dist.is_initialized():
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
     master_process = dp_rank == 0  # logs, writes the checkpoint, samples
     dp = Comm(None, 'dp')  # the whole world is one data-parallel group
@@ -120,27 +144,10 @@ def main(argv):
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
-    # model
+    # model: train.py's, wrapped in DDP (build_ddp)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
-    model.to(cfg.device)
-    if master_process:
-        print(run_shape(f'world {dp_size} = dp {dp_size} (DDP)', cfg, model.get_num_params()))
-    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
-    else:
-        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
-    checkpoint = None  # free it
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
-    if ddp:
-        # broadcasts rank 0's parameters, then all-reduces gradients in buckets as backward produces them
-        model = DDP(model, device_ids=[torch.device(cfg.device).index] if device_type == 'cuda' else None)
+    model, raw_model, optimizer, scaler, iter_num, best_val_loss = build_ddp(cfg, vocab_size, dp_rank, dp_size,
+                                                                             ckpt_path)
 
     def loss_of(x, y):
         with ctx:
