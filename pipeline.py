@@ -13,6 +13,7 @@ At the end it prints the schedule each stage actually executed, as a timeline fr
 bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose activations the stage held.
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -195,6 +196,33 @@ class Stage:
         self.microbatch_bytes = 0  # the most one microbatch's saved activations took
         self.t0 = self.clock.mark()
 
+    # What the schedules measure goes through these two: the clock around each F, B and wait (the timeline and
+    # the bubble), and the activations a microbatch keeps from its forward to its backward (the memory peak).
+
+    @contextlib.contextmanager
+    def timed(self, op, i=None):
+        start = self.clock.mark()
+        yield
+        self.records.append((op, i, start, self.clock.mark()))
+        self.peak_pending_sends = max(self.peak_pending_sends, len(self.pending_sends))
+
+    @contextlib.contextmanager
+    def holding(self, i):
+        """Around microbatch i's forward: counts the bytes autograd saves for its backward (saved_tensors_hooks),
+        held until backward_step lets them go (Stage.release)."""
+        hooks, saved = saved_bytes_counter(self.model)
+        with hooks:
+            yield
+        self.held_bytes[i] = sum(saved.values())
+        self.microbatch_bytes = max(self.microbatch_bytes, self.held_bytes[i])
+        self.peak_held = max(self.peak_held, len(self.held))
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held_bytes.values()))
+
+    def release(self, i):
+        """Microbatch i's kept input and output, for its backward; its activations are no longer held."""
+        self.held_bytes.pop(i)
+        return self.held.pop(i)
+
 
 # -----------------------------------------------------------------------------
 # point-to-point communication: activations go to the next stage, their gradients back to the previous one
@@ -205,23 +233,21 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
     receives. The sends are waited for at the next exchange (the compute in between overlaps them), so a sent
     buffer is let go one exchange later, not kept until the schedule ends. The shape is known from the config,
     so there is no shape handshake. Returns (from_prev, from_next); the time spent is recorded as W."""
-    start = stage.clock.mark()
-    finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
-    # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two stages both
-    # go to the same peer, and the tags keep them apart
-    sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
-             ((send_next, stage.next_rank, 0), (send_prev, stage.prev_rank, 1)) if t is not None]
-    from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
-    from_next = torch.empty(stage.act_shape, device=stage.device) if recv_next else None
-    recvs = [(t, peer, tag) for t, peer, tag in ((from_prev, stage.prev_rank, 0), (from_next, stage.next_rank, 1))
-             if t is not None]
-    send_works, recv_works = stage.comm.send_recv(sends, recvs)
-    for w in recv_works:
-        w.wait()
-    stage.pending_sends += [(w, t) for w, (t, _, _) in zip(send_works, sends)]
-    stage.peak_pending_sends = max(stage.peak_pending_sends, len(stage.pending_sends))
-    stage.records.append(('W', None, start, stage.clock.mark()))
-    return from_prev, from_next
+    with stage.timed('W'):
+        finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
+        # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two stages
+        # both go to the same peer, and the tags keep them apart
+        sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
+                 ((send_next, stage.next_rank, 0), (send_prev, stage.prev_rank, 1)) if t is not None]
+        from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
+        from_next = torch.empty(stage.act_shape, device=stage.device) if recv_next else None
+        recvs = [(t, peer, tag) for t, peer, tag in
+                 ((from_prev, stage.prev_rank, 0), (from_next, stage.next_rank, 1)) if t is not None]
+        send_works, recv_works = stage.comm.send_recv(sends, recvs)
+        for w in recv_works:
+            w.wait()
+        stage.pending_sends += [(w, t) for w, (t, _, _) in zip(send_works, sends)]
+        return from_prev, from_next
 
 
 def finish_sends(stage):
@@ -269,11 +295,9 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
     """F of microbatch i (with chunks: of chunk `chunk`, and i is (microbatch, chunk)): embed (the first chunk of
     the first stage) or take the received activation, run the chunk's blocks, and after the last chunk of the last
     stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
-    start = stage.clock.mark()
     model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
     first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
-    hooks, saved = saved_bytes_counter(model)
-    with stage.ctx, hooks:
+    with stage.timed('F', i), stage.holding(i), stage.ctx:
         if first:
             x = None
             h = stage.embed(idx[microbatch])
@@ -286,28 +310,21 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
             _, loss = stage.head(h, targets[microbatch])
             h = loss * loss_scale  # the gradient is the mean over the global batch
             stage.loss_sum += h.detach()
+        stage.held[i] = (x, h)
     # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
     # buffers of the next stage fit it
-    stage.held[i] = (x, h)
-    stage.held_bytes[i] = sum(saved.values())
-    stage.microbatch_bytes = max(stage.microbatch_bytes, stage.held_bytes[i])
-    stage.peak_held = max(stage.peak_held, len(stage.held))
-    stage.peak_held_bytes = max(stage.peak_held_bytes, sum(stage.held_bytes.values()))
-    stage.records.append(('F', i, start, stage.clock.mark()))
     return None if last else h
 
 
 def backward_step(stage, i, grad_output, chunk=0):
     """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or from
     the received gradient of its output, free its activations, return the gradient of its input (to send back)."""
-    start = stage.clock.mark()
-    x, out = stage.held.pop(i)
-    stage.held_bytes.pop(i)
-    if stage.is_last and chunk == len(stage.chunks) - 1:
-        out.backward()
-    else:
-        torch.autograd.backward(out, grad_output)
-    stage.records.append(('B', i, start, stage.clock.mark()))
+    with stage.timed('B', i):
+        x, out = stage.release(i)
+        if stage.is_last and chunk == len(stage.chunks) - 1:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad_output)
     return None if stage.is_first and chunk == 0 else x.grad
 
 

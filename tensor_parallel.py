@@ -520,8 +520,8 @@ class FirstStepReport:
                'param_bytes': param_bytes, 'param_bytes_formula': param_bytes_formula(config, t),
                'activation_bytes': self.activation_bytes,
                'activation_bytes_formula': saved_bytes_formula(config, s, b, t, cfg.sequence_parallel, act_elem),
-               'activation_bytes_korthikanti': activation_bytes_formula(s, b, h, config.n_head, t, cfg.sequence_parallel,
-                                                                        bytes_per_elem=act_elem),
+               'activation_bytes_korthikanti': activation_bytes_formula(
+                   s, b, h, config.n_head, t, cfg.sequence_parallel, bytes_per_elem=act_elem),
                'collective_bytes': sum(sent['collective_bytes'].values()),
                'collective_bytes_by_kind': sent['collective_bytes'],
                'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),

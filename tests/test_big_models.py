@@ -1,9 +1,11 @@
 """Models bigger than one rank: zero.py, train_fsdp.py, tensor_parallel.py, pipeline.py and parallel_4d.py build
 train.py's GPT on the meta device, cut it there and give storage and train.py's values to their own part only
-(model.init_params replays the initialization one module at a time). Shown on a 50M-parameter model (200 MB in
-fp32) cut by tensor parallelism, a pipeline and ZeRO-3, each in a fresh process: the peak resident memory rises by about a quarter of the model, where building it whole (the
-control, so that the measurement can fail) raises it by the whole model. That the values are train.py's is what
-every equivalence test of those scripts checks."""
+(model.init_params replays the initialization one module at a time; model.load_params hands over a whole
+memory-mapped checkpoint the same way). Shown on a 50M-parameter model (200 MB in fp32) cut by tensor parallelism, a
+pipeline and ZeRO-3, each in a fresh process: the peak resident memory rises by about its share of the model,
+where building it whole, or reading a whole checkpoint without the memory map (the controls, so that the
+measurement can fail), raises it by the whole model. That the values are train.py's is what every equivalence test
+of those scripts checks."""
 import subprocess
 import sys
 
