@@ -14,15 +14,15 @@ import pytest
 from helpers import REPO
 
 BUILD = r'''
-import resource, sys, types, torch
-from model import GPT, GPTConfig, init_params, keep_own, materialize
+import sys, types, torch
+from model import GPT, GPTConfig, init_params, keep_own, materialize, peak_resident_bytes
 import pipeline, tensor_parallel as tpm
 config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
 tiny = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=8)
 with torch.device('meta'):  # warm-up: the meta device's kernels load on first use (150 MB of code, not data)
     materialize(GPT(tiny), 'cpu')
 init_params(tiny, 0, lambda name, values: None)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = peak_resident_bytes()  # (VmHWM: this process's own, not its parent's from before the exec)
 way = sys.argv[1]
 if way == 'whole':
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ else:
         init_params(config, 0, keep)
 held = (sum(held_bytes(zero).values()) if way.startswith('zero3') else
         sum(p.numel() * p.element_size() for p in model.parameters()))
-rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+rise = peak_resident_bytes() - before
 print(held, rise)
 '''
 
