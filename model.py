@@ -309,21 +309,11 @@ class GPT(nn.Module):
         GPT-2's GELU is its tanh approximation ('gelu_new'): gelu='tanh' here."""
         hf_cfg, sd_hf = hf_model.config, hf_model.state_dict()
         if hf_cfg.model_type == 'gpt2':
-            config = GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
-                               n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
-                               n_hidden=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
-                               gelu='exact' if hf_cfg.activation_function == 'gelu' else 'tanh',
-                               tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', True)),
-                               **{'dropout': 0.0, 'bias': True, **overrides})
-            model = cls(config)
+            model = cls(gpt2_config(hf_cfg, **overrides))
             sd = model.state_dict()
-            # GPT-2 stores its Linear layers as Conv1D, weight (in, out): these four are transposed
-            transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-            for k, v in sd_hf.items():
-                if k.endswith(('.attn.masked_bias', '.attn.bias')):
-                    continue  # causal-mask buffers, not weights (c_attn.bias is a weight: hence the dot)
-                with torch.no_grad():
-                    sd[k].copy_(v.t() if k.endswith(transposed) else v)
+            with torch.no_grad():
+                for name, values in gpt2_tensors(sd_hf.items(), model.config):
+                    sd[name].copy_(values)
             return model
         if hf_cfg.model_type == 'llama':
             n_kv = getattr(hf_cfg, 'num_key_value_heads', None) or hf_cfg.num_attention_heads
@@ -368,6 +358,67 @@ class GPT(nn.Module):
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
         return cls.from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
+
+
+GPT2_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+
+
+def gpt2_config(hf_cfg, **overrides):
+    """The GPTConfig of a Hugging Face GPT-2 config (a GPT2Config, or its config.json's fields as attributes)."""
+    return GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
+                     n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
+                     n_hidden=getattr(hf_cfg, 'n_inner', None) or 4 * hf_cfg.n_embd,
+                     gelu='exact' if hf_cfg.activation_function == 'gelu' else 'tanh',
+                     tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', True)),
+                     **{'dropout': 0.0, 'bias': True, **overrides})
+
+
+def gpt2_tensors(hf_named, config):
+    """GPT-2's (name, tensor) pairs as this repo's: the names under transformer., the four Conv1D weights (stored
+    (in, out)) transposed, the causal-mask buffers left out, and a tied head under its own name too."""
+    for k, values in hf_named:
+        if k.endswith(('.attn.masked_bias', '.attn.bias')):
+            continue  # causal-mask buffers, not weights (c_attn.bias is a weight: hence the dot)
+        name = k if k.startswith(('transformer.', 'lm_head.')) else 'transformer.' + k
+        yield name, values.t() if name.endswith(GPT2_CONV1D) else values
+        if name == 'transformer.wte.weight' and config.tie_embeddings:
+            yield 'lm_head.weight', values
+
+
+def is_gpt2(init_from):
+    """A GPT-2 to start from: a name ('gpt2', 'gpt2-medium', ...) or a directory that save_pretrained wrote."""
+    return init_from.startswith('gpt2') or os.path.isfile(os.path.join(init_from, 'config.json'))
+
+
+def open_gpt2(name, **overrides):
+    """A GPT-2's GPTConfig, and a function that yields its weights as this repo's (name, tensor) pairs one at a
+    time from its safetensors file, so a sharded script copies out its share of each and never holds the whole.
+    name: a local directory, or a Hugging Face hub name (huggingface_hub downloads it once, then reads its cache)."""
+    if os.path.isdir(name):
+        config_path, weights_path = os.path.join(name, 'config.json'), os.path.join(name, 'model.safetensors')
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+        except ImportError:
+            raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install transformers")
+        config_path, weights_path = hf_hub_download(name, 'config.json'), hf_hub_download(name, 'model.safetensors')
+    with open(config_path) as f:
+        config = gpt2_config(SimpleNamespace(**json.load(f)), **overrides)
+
+    def tensors():
+        from safetensors import safe_open
+        with safe_open(weights_path, framework='pt') as f:
+            yield from gpt2_tensors(((k, f.get_tensor(k)) for k in f.keys()), config)
+    return config, tensors
+
+
+def init_values(cfg, config, keep):
+    """The values of a model that init_model built on the meta device, handed to keep(name, values) one tensor at
+    a time: a GPT-2's from its file (init_from=gpt2, or a directory), else train.py's initialization."""
+    if is_gpt2(cfg.init_from):
+        load_params(open_gpt2(cfg.init_from)[1](), keep)
+    else:
+        init_params(config, cfg.seed, keep)
 
 
 @torch.no_grad()
@@ -957,7 +1008,8 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     checkpoint with 'model_args') or a GPT-2 name (when gpt2). On the CPU, with the checkpoint's 'model' loaded.
     With meta: on the meta device, shapes only and no values, for a sharded script to cut before it materializes
     its share and fills it (init_params, load_params or its own checkpoint); the checkpoint is memory-mapped, so a
-    rank that copies out its share of a whole one reads only those pages. A GPT-2 model always comes whole.
+    rank that copies out its share of a whole one reads only those pages; a GPT-2's weights are read one tensor at
+    a time by init_values.
     Returns (model, the checkpoint or None, iter_num, best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
     on_meta = torch.device('meta') if meta else contextlib.nullcontext()
@@ -975,9 +1027,13 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
         if is_master():
             trim_log(cfg.out_dir, iter_num)
-    elif gpt2 and cfg.init_from.startswith('gpt2'):
-        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout,
-                                    activation_checkpointing=cfg.activation_checkpointing)
+    elif gpt2 and is_gpt2(cfg.init_from):
+        overrides = dict(dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
+        if meta:  # the shapes from its config; its weights come later, one tensor at a time (init_values)
+            with on_meta:
+                model = GPT(open_gpt2(cfg.init_from, **overrides)[0])
+        else:
+            model = GPT.from_pretrained(cfg.init_from, **overrides)
     else:
         raise SystemExit(f"error: init_from must be 'scratch', 'resume'{' or a GPT-2 name' if gpt2 else ''}, "
                          f"got {cfg.init_from!r}")
@@ -987,10 +1043,11 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
 
 
 @torch.no_grad()
-def load_params(state_dict, keep):
-    """A whole model's values (train.py's checkpoint) handed to keep(name, values) one parameter at a time, as
-    init_params hands train.py's initialization: a sharded script copies out its share of each."""
-    for name, values in state_dict.items():
+def load_params(named_tensors, keep):
+    """A whole model's values ((name, tensor) pairs: a train.py checkpoint's items, or a GPT-2's from open_gpt2)
+    handed to keep(name, values) one at a time, as init_params hands train.py's initialization: a sharded script
+    copies out its share of each."""
+    for name, values in named_tensors:
         keep(name, values)
 
 

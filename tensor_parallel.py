@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from model import (CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, adamw_state_dict,
                    autocast_context, average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
-                   finish_distributed, get_lr, init_distributed, init_model, init_params, load_dataset, log_rank_rows,
+                   finish_distributed, get_lr, init_distributed, init_model, init_values, load_dataset, log_rank_rows,
                    materialize, micro_batches, outputs_line, process_grid, profiled, progress, rng_state, run_main,
                    run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
                    should_evaluate, should_save, train_checkpoint, world_size_from_env)
@@ -641,25 +641,21 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
 
 def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, ckpt_path):
     """train.py's GPT on the meta device (shapes only), cut to this rank's slices (shard_gpt), which alone get
-    storage and then values: train.py's (init_params, one dense tensor at a time) or this rank's checkpoint. A
-    GPT-2 model (init_from=gpt2) comes whole and is cut from its values. Returns (model, layout, the checkpoint or
-    None, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
+    storage and then values: train.py's or GPT-2's (init_values, one dense tensor at a time) or this rank's
+    checkpoint. Returns (model, layout, the checkpoint or None, iter_num, best_val_loss, the whole model's
+    parameters and FLOPs per token)."""
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     dense_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the whole model
-    on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
     layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
     give_tp_ranks_their_dropout(model, tp)
-    if on_meta:
-        materialize(model, cfg.device)  # storage for the slices; their values come below
-    else:
-        model.to(cfg.device)
+    materialize(model, cfg.device)  # storage for the slices; their values come below
     if checkpoint is not None:
         check_rank_checkpoint(checkpoint, cfg, world_size)
         model.load_state_dict(checkpoint['model'])
         set_rng_state(checkpoint['rng'])  # this rank's own streams
     else:
-        if on_meta:  # train.py's values, one dense tensor at a time, of which this rank keeps its slice
-            init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
+        # train.py's (or GPT-2's) values, one dense tensor at a time, of which this rank keeps its slice
+        init_values(cfg, model.config, keep_slices(layout, tp, model.config))
         seed_dropout(cfg.seed, dp_rank)  # the tp ranks of a replica share the stream; each replica its own
     return model, layout, checkpoint, iter_num, best_val_loss, dense_params, flops_per_token
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, adamw_state_dict, autocast_context, check_batch,
                    config_defaults, configure, evaluate, finish_distributed, gather_rng_states, get_lr,
-                   init_distributed, init_model, init_params, load_dataset, load_params, materialize, micro_batches,
+                   init_distributed, init_model, init_values, load_dataset, load_params, materialize, micro_batches,
                    outputs_line, print_sample, profiled, progress, restore_rng, run_main, run_shape, save_checkpoint,
                    seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint, world_size_from_env)
 
@@ -306,25 +306,21 @@ def train_step(model, optimizer, batches, ctx, grad_clip, dp, on_micro_step=None
 def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
     """train.py's GPT on the meta device, sharded there (shard_model), then each rank's 1/N of every parameter gets
     storage and train.py's values (init_params), its shards of our sharded checkpoint, or its shards of a
-    train.py-format ckpt.pt (any script's; memory-mapped, so each rank reads only its part). GPT-2 comes whole and
-    is sharded from its values. AdamW is built over the shards: each rank updates and stores only its own.
+    train.py-format ckpt.pt (any script's; memory-mapped, so each rank reads only its part), or GPT-2's (one tensor
+    at a time). AdamW is built over the shards: each rank updates and stores only its own.
     Returns (model, optimizer, iter_num, best_val_loss)."""
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
     sharded = os.path.exists(sharded_path)
     ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
-    on_meta = next(model.parameters()).is_meta  # (GPT-2 comes whole)
     if dp_rank == 0:
         print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
-    if not on_meta:
-        model.to(cfg.device)
-    model = shard_model(model, device_type, dp_size, cfg.dtype)  # (on meta: each rank's 1/N, shapes only)
-    if on_meta:  # each rank's 1/N of every parameter gets storage, then train.py's values (or, below, its shards)
-        materialize(model, cfg.device)
-        if checkpoint is None:
-            init_params(model.config, cfg.seed, keep_shards(model))
-        elif not sharded:  # a whole ckpt.pt: each rank copies out its shard of each parameter
-            load_params(checkpoint['model'], keep_shards(model))
+    model = shard_model(model, device_type, dp_size, cfg.dtype)  # on meta: each rank's 1/N, shapes only
+    materialize(model, cfg.device)  # each rank's 1/N of every parameter gets storage, then its values:
+    if checkpoint is None:  # train.py's initialization, or GPT-2's weights, one tensor at a time
+        init_values(cfg, model.config, keep_shards(model))
+    elif not sharded:  # a whole ckpt.pt: each rank copies out its shard of each parameter
+        load_params(checkpoint['model'].items(), keep_shards(model))
     # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from model import (CheckpointWriter, Comm, GPT, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
                    check_batch, config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed,
-                   init_model, init_params, load_dataset, load_params, log_rank_rows, micro_batches, outputs_line,
+                   init_model, init_values, load_dataset, load_params, log_rank_rows, micro_batches, outputs_line,
                    param_groups, print_sample, profiled, progress, restore_rng, rng_state, run_main, run_shape,
                    save_checkpoint, seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint,
                    world_size_from_env)
@@ -577,25 +577,22 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 
 def build_zero(cfg, vocab_size, rank, world_size, dp):
     """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one
-    block's full buffer at a time), then train.py's values fill it. Resume from this rank's shard, else from a
+    block's full buffer at a time), then train.py's values (or GPT-2's) fill it. Resume from this rank's shard, else from a
     train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank reads only its chunk of it).
     Returns (model, zero, this rank's shard file, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
     ckpt_path = shard_file if from_shard else full_file
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
-    on_meta = next(model.parameters()).is_meta  # (a GPT-2 model comes whole, with its values)
-    if not on_meta:
-        model.to(cfg.device)
     if rank == 0:
         print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
                 cfg.offload_optimizer, cfg.prefetch_blocks)
-    if checkpoint is None and on_meta:
-        init_params(model.config, cfg.seed, zero.set_param_values)  # one tensor at a time; each rank its part
-    elif checkpoint is not None and not from_shard:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
-        load_params(checkpoint['model'], zero.set_param_values)
+    if checkpoint is None:  # train.py's initialization, or GPT-2's weights: one tensor at a time, each rank its part
+        init_values(cfg, model.config, zero.set_param_values)
+    elif not from_shard:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
+        load_params(checkpoint['model'].items(), zero.set_param_values)
     if checkpoint is not None and from_shard:
         check_shard(checkpoint, ckpt_path, world_size, cfg)
         zero.load_state_dict(checkpoint['zero'])

@@ -45,7 +45,7 @@ else:
             init_params(config, 0, zero.set_param_values)
         else:  # from a whole train.py-format checkpoint: memory-mapped (as init_model reads it), or read whole
             checkpoint = torch.load(sys.argv[2], map_location='cpu', weights_only=False, mmap=way == 'zero3_ckpt')
-            load_params(checkpoint['model'], zero.set_param_values)
+            load_params(checkpoint['model'].items(), zero.set_param_values)
     else:
         materialize(model, 'cpu')
         init_params(config, 0, keep)
@@ -92,3 +92,26 @@ def test_a_whole_checkpoint_is_read_one_share_at_a_time(tmp_path):
     assert control > 0.9 * whole, (control, whole)
     held, rise = peak_rise('zero3_ckpt', str(tmp_path / 'ckpt.pt'))
     assert held < 0.55 * whole and rise < held + 0.25 * whole, (held, rise, whole)
+
+
+def test_gpt2_weights_are_read_one_tensor_at_a_time_by_the_sharded_scripts(tmp_path):
+    """init_from=<a GPT-2 directory> (what save_pretrained writes, as the hub's): zero.py (stage 3, 2 ranks) and
+    tensor_parallel.py (tp=2) build it on the meta device and read its safetensors file one tensor at a time
+    (model.open_gpt2), each rank keeping its share; their first evaluation equals train.py's, which loads the whole
+    model through transformers."""
+    transformers = pytest.importorskip('transformers', reason='GPT-2 weights come through Hugging Face transformers')
+    from helpers import TINY, check, read_log, run_script
+    transformers.set_seed(0)  # the tiny GPT-2's random weights
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=16, n_positions=32, vocab_size=96)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / 'gpt2_tiny')
+    flags = [a for a in TINY if not a.startswith(('--n_layer', '--n_head', '--n_embd'))] + [
+        f'--init_from={tmp_path / "gpt2_tiny"}', '--eval_only=True', '--gradient_accumulation_steps=2']
+    val = {}
+    for name, script, extra, nproc in (('train', 'train.py', [], None), ('zero3', 'zero.py', ['--stage=3'], 2),
+                                        ('tp', 'tensor_parallel.py', ['--tp=2'], 2)):
+        out = tmp_path / name
+        check(run_script(script, flags + extra + [f'--out_dir={out}'], nproc=nproc))
+        val[name] = [r['val_loss'] for r in read_log(out) if 'val_loss' in r]
+    assert len(val['train']) == 1 and abs(val['train'][0] - 4.56) < 0.5  # about ln(96): untrained weights
+    for name in ('zero3', 'tp'):
+        assert val[name] == pytest.approx(val['train'], rel=1e-5), val
