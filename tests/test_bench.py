@@ -86,7 +86,7 @@ def test_the_estimate_against_what_the_scripts_measure(tmp_path):
 
 
 def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
-    rows = 'train,zero2,zero3'
+    rows = 'train,zero3'
     proc = run_script('bench.py', [f'--rows={rows}', '--max_iters=4', '--warmup=1', '--world_size=2',
                                    '--peak_flops=1e12', f'--out={tmp_path}'] + BENCH_MODEL, timeout=300)
     check(proc)
@@ -108,7 +108,7 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     vocab_size = bench.load_dataset('stdlib_char')[1]
     gptconf = bench.gpt_config_from(None, TINY + BENCH_MODEL, vocab_size)
     numel = bench.param_counts(gptconf)['total']
-    for stage in (2, 3):
+    for stage in (3,):
         estimate = bench.model_states(numel, 2, stage, mixed_precision=False)
         ranks = results[f'zero{stage}']['ranks']
         assert len(ranks) == 2
