@@ -349,17 +349,26 @@ CHECK_FLAGS = ['--dropout=0.0', '--compile=False', '--eval_iters=1', '--eval_int
 def check_estimate(args, overrides, rows, best, ds_path, n_micro):
     """--check: run three of the estimated strategies here, on --gpus processes with the estimate's shapes (so
     only for a model that fits this machine), and read back what each script measured: the cheapest ZeRO stage
-    (zero.py with the ds_config.json just written) its model states, TP + SP one block's saved activations and its
-    parameters, PP 1F1B the first stage's peak of saved activations. Returns one dict per number."""
+    (zero.py with the ds_config.json just written; ZeRO-1 when the cheapest is not a ZeRO stage) its model states,
+    TP + SP one block's saved activations and its parameters, PP 1F1B the first stage's peak of saved activations.
+    Returns one dict per number."""
     by_name = {r['strategy']: r for r in rows}
     base = [args.estimate] + list(overrides) + CHECK_FLAGS + [f'--dtype={args.dtype}']
     if args.seq_len:
         base.append(f'--block_size={args.seq_len}')
     runs = []
+    # zero.py run with the DeepSpeed config of the cheapest strategy when that is a ZeRO stage, else of ZeRO-1 (the
+    # DDP row is priced as train_ddp.py holds it, which zero.py's stage 0 does not: it keeps bf16 weights)
     zero_row = by_name.get((best or '').replace(' + ckpt', ''))
-    if zero_row and zero_row['tp'] == zero_row['pp'] == zero_row['cp'] == 1 and 'FSDP' not in zero_row['strategy']:
-        runs.append((zero_row, 'zero.py', [f'--deepspeed_config={ds_path}'],
-                     [('param_bytes', 'param_bytes'), ('grad_bytes', 'grad_bytes'), ('optim_bytes', 'optim_bytes')]))
+    if not (zero_row and zero_row['zero_stage'] >= 1 and zero_row['tp'] == zero_row['pp'] == zero_row['cp'] == 1
+            and 'FSDP' not in zero_row['strategy']):
+        zero_row = by_name['ZeRO-1']
+        ds_path = os.path.join(args.out, 'check_ds_config.json')
+        with open(ds_path, 'w') as f:
+            json.dump(ds_config_for(zero_row, args.estimate, overrides, args.micro_batch, n_micro,
+                                    args.dtype != 'float32'), f, indent=2)
+    runs.append((zero_row, 'zero.py', [f'--deepspeed_config={ds_path}'],
+                 [('param_bytes', 'param_bytes'), ('grad_bytes', 'grad_bytes'), ('optim_bytes', 'optim_bytes')]))
     tp_row = by_name.get(f'TP={args.tp} + SP')
     if tp_row and 'error' not in tp_row and args.gpus % args.tp == 0:
         runs.append((tp_row, 'tensor_parallel.py', [f'--tp={args.tp}', '--sequence_parallel=True',
