@@ -402,8 +402,14 @@ def open_gpt2(name, **overrides):
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install transformers")
         config_path, weights_path = hf_hub_download(name, 'config.json'), hf_hub_download(name, 'model.safetensors')
+    if not os.path.isfile(weights_path):
+        raise SystemExit(f"error: init_from={name}: no model.safetensors in it (save_pretrained writes one)")
     with open(config_path) as f:
-        config = gpt2_config(SimpleNamespace(**json.load(f)), **overrides)
+        hf_cfg = SimpleNamespace(**json.load(f))
+    if getattr(hf_cfg, 'model_type', None) != 'gpt2':
+        raise SystemExit(f"error: init_from={name} is a {getattr(hf_cfg, 'model_type', None)!r} model; only GPT-2 "
+                         f"weights load here (a LLaMA goes through GPT.from_hf)")
+    config = gpt2_config(hf_cfg, **overrides)
 
     def tensors():
         from safetensors import safe_open
