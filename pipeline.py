@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import (GPT, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, adamw_state_dict, autocast_context,
                    check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed,
                    gather_rng_states, get_lr, init_distributed, init_model, init_params, keep_own, load_dataset,
                    log_row, materialize, micro_batches, outputs_line, process_grid, profiled, progress, restore_rng,
@@ -656,36 +656,32 @@ def optimizer_param_names(model, optimizer):
 
 
 def consolidate_checkpoints(out_dir, dest_dir):
-    """Merge the stage checkpoints of out_dir into dest_dir/ckpt.pt in train.py's format: the full state_dict
-    (names are the full model's already) and the AdamW state renumbered in configure_optimizers' order of the
-    full model. A tied weight's two copies are equal; the first stage's is taken."""
+    """Merge the stage checkpoints of out_dir into dest_dir/ckpt.pt in train.py's format, offline: the full
+    state_dict (names are the full model's already) and the AdamW state in configure_optimizers' order
+    (model.adamw_state_dict, as every consolidation). A tied weight's two copies are equal; the first stage's is
+    taken. The stage files are memory-mapped; no model is built."""
     if not os.path.exists(stage_ckpt_path(out_dir, 0)):
         raise SystemExit(f"error: consolidate: no stage checkpoint {stage_ckpt_path(out_dir, 0)}")
-    first = torch.load(stage_ckpt_path(out_dir, 0), map_location='cpu', weights_only=False)
-    stages = [first] + [torch.load(stage_ckpt_path(out_dir, s), map_location='cpu', weights_only=False)
-                        for s in range(1, first['config']['pp'])]
+    load = lambda s: torch.load(stage_ckpt_path(out_dir, s), map_location='cpu', weights_only=False, mmap=True)
+    first = load(0)
+    stages = [first] + [load(s) for s in range(1, first['config']['pp'])]
     state_by_name, model_sd = {}, {}
     for s, ck in enumerate(stages):
         progress(s + 1, len(stages), 'consolidating the stages')
-        model_sd.update(ck['model'])
+        for name, values in ck['model'].items():
+            model_sd.setdefault(name, values)
         for idx, n in enumerate(ck['param_names']):
             if n not in state_by_name and idx in ck['optimizer']['state']:
                 state_by_name[n] = ck['optimizer']['state'][idx]
-    cfg = first['config']
-    full = GPT(GPTConfig(**first['model_args']))
-    full.load_state_dict(model_sd)
-    optimizer = full.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']),
-                                          'cpu')
-    names = optimizer_param_names(full, optimizer)
-    if full.config.tie_embeddings:  # the full model knows the tied weight as transformer.wte.weight
+    if first['model_args'].get('tie_embeddings', True):  # train.py knows the tied weight by both names, and
+        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']  # its AdamW state by the first
         state_by_name.setdefault('transformer.wte.weight', state_by_name.get('lm_head.weight'))
-    opt_sd = optimizer.state_dict()
-    opt_sd['state'] = {i: state_by_name[n] for i, n in enumerate(names) if state_by_name.get(n) is not None}
+    cfg = dict(first['config'], out_dir=dest_dir, init_from='resume', consolidate='')
+    opt_sd = adamw_state_dict(first['model_args'], {n: v for n, v in state_by_name.items() if v is not None}, cfg)
     for group, saved in zip(opt_sd['param_groups'], first['optimizer']['param_groups']):
         group.update({k: v for k, v in saved.items() if k != 'params'})
-    cfg = dict(cfg, out_dir=dest_dir, init_from='resume', consolidate='')
     path = os.path.join(dest_dir, 'ckpt.pt')
-    save_checkpoint({'model': full.state_dict(), 'optimizer': opt_sd, 'scaler': first['scaler'],
+    save_checkpoint({'model': model_sd, 'optimizer': opt_sd, 'scaler': first['scaler'],
                      'rng_state': first['rng_state'], 'cuda_rng_state': first['cuda_rng_state'],
                      'model_args': first['model_args'], 'iter_num': first['iter_num'],
                      'best_val_loss': first['best_val_loss'], 'config': cfg}, path)
