@@ -764,6 +764,8 @@ def parse_args(argv):
     bad = [a for a in rest if not a.startswith('--') or args.estimate is None]
     if bad:
         raise SystemExit(f"error: unrecognized arguments: {' '.join(bad)}")
+    if (args.json or args.check) and (args.estimate is None or args.params):
+        raise SystemExit("error: --json and --check go with --estimate CONFIG (a model's shape, not --params)")
     args.dtype = args.dtype or ('bfloat16' if args.estimate is not None else 'float32')
     if args.dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {args.dtype!r}")
