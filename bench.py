@@ -12,13 +12,12 @@ memory planner for models too large to run here.
 
 The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
 log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
-bench.py measures nothing itself and writes no formula: the estimate calls the formula functions of zero.py,
-tensor_parallel.py and pipeline.py, the very ones those scripts print beside what they measure; --check runs three
-of the strategies here and prints what they measured beside the estimate.
+bench.py measures nothing itself and writes no formula: the estimate calls formulas.py, the very functions the
+scripts print beside what they measure; --check runs three of the strategies here and prints what they measured
+beside the estimate.
 """
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -31,6 +30,7 @@ import time
 
 import torch
 
+import formulas
 from model import GPT, GRID_DIMS, configure, load_dataset, model_config
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -45,14 +45,6 @@ def fmt_bytes(n):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
-
-
-def formula_module(name):
-    """zero / tensor_parallel / pipeline, or None (with the reason) when that script is not in this checkout."""
-    try:
-        return importlib.import_module(name), None
-    except Exception as e:  # missing, or broken mid-edit: the bench says so instead of crashing
-        return None, f"{name}.py not available ({type(e).__name__}: {e})"
 
 
 # -----------------------------------------------------------------------------
@@ -90,11 +82,8 @@ def param_counts(gptconf, pp=1):
 
 
 def model_states(numel, dp, stage, mixed_precision):
-    """Bytes per rank of parameters, gradients and optimizer state: zero.py's formula (the ZeRO paper's)."""
-    zero, why = formula_module('zero')
-    if zero is None:
-        raise SystemExit(f"error: --estimate needs zero.model_state_bytes_formula: {why}")
-    return zero.model_state_bytes_formula(numel, dp, stage, mixed_precision)
+    """Bytes per rank of parameters, gradients and optimizer state (the ZeRO paper's formula)."""
+    return formulas.model_state_bytes_formula(numel, dp, stage, mixed_precision)
 
 
 def strategies(gpus, tp, pp, cp, zero_stage):
@@ -129,12 +118,6 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
     first stage (GPipe m, 1F1B min(p, m)). With checkpointing a rank keeps each block's input and recomputes one
     block at a time (that block's activations are added once). Communication per step: each dp rank runs
     n_microbatches micro-batches of micro_batch sequences, then one gradient synchronisation."""
-    tensor_parallel, tp_why = formula_module('tensor_parallel')
-    pipeline, pp_why = formula_module('pipeline')
-    context_parallel, cp_why = formula_module('context_parallel')
-    zero, zero_why = formula_module('zero')
-    if zero is None or tensor_parallel is None:
-        raise SystemExit(f"error: --estimate needs zero.py's and tensor_parallel.py's formulas: {zero_why or tp_why}")
     s, b, h, a, L = seq_len, micro_batch, gptconf.n_embd, gptconf.n_head, gptconf.n_layer
     act_bytes = 2 if mixed_precision else 4
     rows = []
@@ -147,42 +130,42 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
             (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
             (L % p, f"n_layer {L} not divisible by pp={p}"),
             (s % (2 * c) if c > 1 else 0, f"seq_len {s} not divisible by 2 x cp={c} (the zig-zag split)"),
-            (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)"),
-            (p > 1 and pipeline is None, pp_why), (c > 1 and context_parallel is None, cp_why)] if bad]
+            (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)")] if bad]
         if problems:
             rows.append(dict(row, error=problems[0]))
             continue
         counts = param_counts(gptconf, p)
-        numel = (math.ceil(tensor_parallel.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
+        numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
                  counts['pp_stage_max'] if p > 1 else counts['total'])
         row['params_per_rank'] = numel
         # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0 scripts
         # keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
-        row.update(zero.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0, k['offload']))
+        row.update(formulas.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0,
+                                                      k['offload']))
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
 
         tokens = s // c  # context parallelism: each rank holds 1/cp of the sequence
         # zero.py and FSDP2 compute with bf16 weights; the others autocast fp32 weights (a bf16 copy per layer)
-        layer = tensor_parallel.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0)
+        layer = formulas.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0)
         block_input = tokens * b * h * (4 if mixed_precision else act_bytes) // (t if k['sp'] else 1)
-        in_flight = 1 if p == 1 else pipeline.peak_microbatches_formula(k['schedule'], p, n_microbatches, stage=0)
+        in_flight = 1 if p == 1 else formulas.peak_microbatches_formula(k['schedule'], p, n_microbatches, stage=0)
         layers = L // p
         row.update(activation_bytes_per_layer=layer, layers_per_rank=layers, microbatches_in_flight=in_flight)
         row['activation_bytes'] = layers * in_flight * layer
         row['activation_bytes_ckpt'] = layers * in_flight * block_input + layer
         if p > 1:
-            row['bubble_fraction'] = pipeline.bubble_fraction_formula(p, n_microbatches)
+            row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches)
 
         grad_bytes = act_bytes if stage > 0 else 4  # (the stage-0 scripts all-reduce fp32 gradients)
-        comm = zero.comm_bytes_formula(numel, dp * c, stage, grad_bytes, n_microbatches) if dp * c > 1 else 0
+        comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, n_microbatches) if dp * c > 1 else 0
         if t > 1:
-            per_layer = tensor_parallel.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
-            edges = tensor_parallel.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
+            per_layer = formulas.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
+            edges = formulas.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
             comm += (per_layer * L + edges) * n_microbatches
         if p > 1:
-            comm += pipeline.p2p_comm_bytes_formula(s, b, h, p, n_microbatches, bytes_per_elem=act_bytes)
+            comm += formulas.p2p_comm_bytes_formula(s, b, h, p, n_microbatches, bytes_per_elem=act_bytes)
         if c > 1:
-            comm += L * n_microbatches * context_parallel.cp_comm_bytes_formula(
+            comm += L * n_microbatches * formulas.cp_comm_bytes_formula(
                 s, b, a, gptconf.n_kv_head, h // a, c, 'ring', act_bytes)
         row['comm_bytes_per_step'] = comm
         row['total_bytes'] = row['model_state_bytes'] + row['activation_bytes']
@@ -233,7 +216,7 @@ def estimate_json(rows):
 def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixed_precision):
     """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision), as
     zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
-    zero, _ = formula_module('zero')
+    import zero
     cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
     ranks = row['dp'] * row['cp']
     cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
@@ -276,12 +259,9 @@ def model_state_markdown(numel, gpus, mixed_precision):
     lines = [f"Model states per GPU, Ψ = {numel / 1e9:.3g}B parameters, N = {gpus} GPUs, "
              f"{'mixed-precision Adam (2+2+12 bytes)' if mixed_precision else 'fp32 Adam (4+4+8 bytes)'}:", '',
              '| stage | params | grads | optimizer | total per GPU | comm/step |', '|---|---|---|---|---|---|']
-    zero, why = formula_module('zero')
-    if zero is None:
-        raise SystemExit(f"error: --estimate needs zero.py's formulas: {why}")
     for stage, name in enumerate(['DDP (ZeRO-0)', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3 / FSDP']):
         m = model_states(numel, gpus, stage, mixed_precision)
-        comm = zero.comm_bytes_formula(numel, gpus, stage, 2 if mixed_precision else 4)
+        comm = formulas.comm_bytes_formula(numel, gpus, stage, 2 if mixed_precision else 4)
         lines.append(f"| {name} | {fmt_bytes(m['param_bytes'])} | {fmt_bytes(m['grad_bytes'])} | "
                      f"{fmt_bytes(m['optim_bytes'])} | {fmt_bytes(sum(m.values()))} | {fmt_bytes(comm)} |")
     return '\n'.join(lines)

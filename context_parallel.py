@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from formulas import activation_bytes_formula, cp_comm_bytes_formula
 from model import (GPT, CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, apply_rope, autocast_context,
                    average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
                    finish_distributed, gather_rng_states, get_lr, init_distributed, init_model, load_dataset,
                    log_rank_rows, micro_batches, outputs_line, print_sample, process_grid, profiled, restore_rng,
                    rope_cos_sin, run_main, run_shape, saved_bytes_counter, set_lr, should_evaluate, should_save,
                    train_checkpoint, world_size_from_env)
-from tensor_parallel import activation_bytes_formula
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -577,25 +577,6 @@ class FirstStepReport:
               f"{1000 * row['attention_compute_s']:.1f} ms, waiting on communication "
               f"{1000 * row['attention_wait_s']:.1f} ms\n", end='', flush=True)  # one write: lines stay whole
         log_rank_rows(cfg.out_dir, row)
-
-
-# -----------------------------------------------------------------------------
-# Modelled: the bytes sent (bench.py imports it)
-
-
-def cp_comm_bytes_formula(s, b, n_head, n_kv_head, head_dim, cp, attention, bytes_per_elem=4):
-    """Bytes one rank sends for one layer's attention, forward and backward, per micro-batch of b sequences of s
-    tokens. ring: a kv block (keys and values of its s/cp tokens) goes on cp-1 times forward and cp-1 times
-    backward, and the block's gradients cp times (the last brings them home). Ulysses: q, k, v and the output
-    all-to-all'd forward and their gradients backward, (cp-1)/cp of each."""
-    if cp == 1:
-        return 0
-    tokens = b * s // cp
-    kv = 2 * tokens * n_kv_head * head_dim * bytes_per_elem
-    if attention == 'ring':
-        return (cp - 1) * kv + (cp - 1) * kv + cp * kv
-    qo = 2 * tokens * n_head * head_dim * bytes_per_elem
-    return 2 * (cp - 1) / cp * (qo + kv)
 
 
 if __name__ == '__main__':

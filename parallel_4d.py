@@ -18,23 +18,22 @@ groups it belongs to; after the first iteration every rank prints what it holds 
 dimension, measured beside the formulas.
 """
 
-import glob
 import os
 
 import torch
 import torch.distributed as dist
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
-from model import (GRID_DIMS, CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, adamw_state_dict,
-                   autocast_context, check_batch, comm_report, config_defaults, configure, evaluate,
-                   finish_distributed, get_lr, init_distributed, init_model, init_params, load_dataset, log_rank_rows,
-                   materialize, micro_batches, outputs_line, process_grid, profiled, rng_state, run_main, run_shape,
-                   save_checkpoint, seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint,
-                   world_size_from_env)
+from formulas import model_state_bytes_formula
+from model import (GRID_DIMS, CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context,
+                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
+                   init_distributed, init_model, init_params, load_dataset, log_rank_rows, materialize, micro_batches,
+                   outputs_line, process_grid, profiled, rng_state, run_main, run_shape, seed_dropout, set_rng_state,
+                   should_evaluate, should_save, world_size_from_env)
 from pipeline import LastStepReport, Stage, embed_comm, forward_loss, keep_stage, run_schedule
-from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, shard_gpt,
-                             sync_tp_grads, tp_embed, tp_head)
-from zero import Zero, held_bytes, model_state_bytes_formula, unflatten_shards
+from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, shard_gpt, sync_tp_grads,
+                             tp_embed, tp_head)
+from zero import Zero, held_bytes
 
 # -----------------------------------------------------------------------------
 # -----------------------------------------------------------------------------
@@ -87,7 +86,6 @@ cp_attention = 'ring'           # cp: 'ring' or 'ulysses'
 schedule = '1f1b'               # pp: 'gpipe', '1f1b' or 'interleaved'
 virtual_stages = 1              # pp, interleaved: chunks per stage
 n_microbatches = 2              # pp: microbatches per micro-step
-consolidate = ''                # a directory: merge its ckpt_4d_rank*.pt into one train.py ckpt.pt there, then exit
 bucket_size = 100_000           # dp (ZeRO-1): elements per flat bucket
 adam_eps = 1e-8
 config = config_defaults(globals())
@@ -177,9 +175,6 @@ def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.consolidate:
-        consolidate_ranks(cfg.consolidate)
-        return
     check_config(cfg, world_size_from_env())
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
@@ -251,7 +246,8 @@ def main(argv):
     writer.wait()
 
     if rank == 0:
-        print(outputs_line(cfg.out_dir, "ckpt_4d_rank*.pt (each rank's part: resume on the same grid)",
+        print(outputs_line(cfg.out_dir, "ckpt_4d_rank*.pt (each rank's part: resume on the same grid; python "
+                                        f"consolidate.py {cfg.out_dir} makes one ckpt.pt)",
                            *profiled(cfg)))
     finish_distributed(cfg)
 
@@ -353,47 +349,6 @@ class GridReport(LastStepReport):
               + ', '.join(f"{d} {v:,.0f}" for d, v in by_dim.items()) + f"; on the wire {wire} (measured)\n",
               end='', flush=True)
         log_rank_rows(cfg.out_dir, row)
-
-
-# -----------------------------------------------------------------------------
-# Consolidation: every rank's part -> one train.py checkpoint, offline
-
-
-def consolidate_ranks(out_dir):
-    """out_dir's rank files -> out_dir/ckpt.pt in train.py's format, undoing each cut in turn: ZeRO-1's chunks of
-    the weights and AdamW state are laid end to end within each (pp, tp) group (zero.unflatten_shards), the tp
-    slices joined (tensor_parallel.join_slices), the stages merged by name. One group at a time, from
-    memory-mapped files: no process holds more than the model in its final form."""
-    paths = sorted(glob.glob(os.path.join(out_dir, 'ckpt_4d_rank*.pt')))
-    if not paths:
-        raise SystemExit(f"error: consolidate: no ckpt_4d_rank*.pt in {out_dir}")
-    ranks = [torch.load(p, map_location='cpu', weights_only=False, mmap=True) for p in paths]
-    first, cfg = ranks[0], ranks[0]['config']
-    config = GPTConfig(**first['model_args'])
-    hd = config.n_embd // config.n_head
-    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
-    model_sd, states = {}, {}
-    for pp_rank in range(cfg['pp']):
-        parts = []  # per tp rank: {'master' | 'exp_avg' | 'exp_avg_sq': {local name: tensor}}, and its names
-        for tp_rank in range(cfg['tp']):
-            group = sorted((r for r in ranks if (r['coords']['pp'], r['coords']['tp']) == (pp_rank, tp_rank)),
-                           key=lambda r: r['zero']['rank'])
-            parts.append((unflatten_shards([r['zero'] for r in group]), group[0]['dense_names']))
-        step = torch.tensor(float(first['zero']['step']))
-        for dense, (_, kind) in parts[0][1].items():
-            if dense in model_sd:  # a tied embedding's second copy, on the last stage: the first stage's counts
-                continue
-            join = lambda key: join_slices([full[key][names[dense][0]] for full, names in parts], kind, qkv_sizes)
-            model_sd[dense] = join('master')
-            states[dense] = {'step': step, 'exp_avg': join('exp_avg'), 'exp_avg_sq': join('exp_avg_sq')}
-    if config.tie_embeddings:
-        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
-    path = os.path.join(out_dir, 'ckpt.pt')
-    save_checkpoint(train_checkpoint(model_sd, adamw_state_dict(first['model_args'], states, cfg), [first['rng']],
-                                     first['model_args'], first['iter_num'], first['best_val_loss'],
-                                     dict(cfg, init_from='resume', consolidate='')), path)
-    print(f"wrote {path} (train.py's format) from {len(ranks)} ranks at iter {first['iter_num']}")
-    return path
 
 
 if __name__ == '__main__':

@@ -7,7 +7,7 @@ Composes with data parallelism: world = dp x pp.
 
     torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
     torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
-    python pipeline.py --consolidate=out_full      # merge out_dir's stage checkpoints into one train.py ckpt.pt
+    python consolidate.py out out_full             # out's stage checkpoints -> out_full/ckpt.pt, train.py's format
 
 At the end it prints the schedule each stage actually executed, as a timeline from the clock, with the measured
 bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose activations the stage held.
@@ -22,12 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, adamw_state_dict, autocast_context,
-                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed,
-                   gather_rng_states, get_lr, init_distributed, init_model, init_params, keep_own, load_dataset,
-                   log_row, materialize, micro_batches, outputs_line, process_grid, profiled, progress, restore_rng,
-                   run_main, run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, should_evaluate,
-                   should_save, train_checkpoint, world_size_from_env)
+from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context, check_batch,
+                   comm_report, config_defaults, configure, evaluate, finish_distributed, gather_rng_states, get_lr,
+                   init_distributed, init_model, init_params, keep_own, load_dataset, log_row, materialize,
+                   micro_batches, outputs_line, process_grid, profiled, restore_rng, run_main, run_shape,
+                   saved_bytes_counter, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
+                   world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -75,7 +76,6 @@ pp = 2                          # pipeline stages; world size = dp * pp
 schedule = '1f1b'               # 'gpipe', '1f1b' or 'interleaved' (Megatron's interleaved 1F1B)
 virtual_stages = 1              # interleaved: model chunks per rank (each rank holds v non-adjacent groups of layers)
 n_microbatches = 4              # microbatches per micro-step: batch_size sequences cut into this many
-consolidate = ''                # a directory: write out_dir's stage checkpoints there as one train.py ckpt.pt, exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -642,7 +642,7 @@ def report_schedule(stage, cfg, rank, dp_rank, iter_num, micro_steps, comms, wir
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: one file per stage; consolidate merges them into train.py's format
+# checkpoints: one file per stage (consolidate.py merges them into train.py's format)
 
 
 def stage_ckpt_path(out_dir, stage):
@@ -653,39 +653,6 @@ def optimizer_param_names(model, optimizer):
     """The names of the optimizer's parameters in its order (the order its state_dict numbers them)."""
     name_of = {id(p): n for n, p in model.named_parameters()}
     return [name_of[id(p)] for group in optimizer.param_groups for p in group['params']]
-
-
-def consolidate_checkpoints(out_dir, dest_dir):
-    """Merge the stage checkpoints of out_dir into dest_dir/ckpt.pt in train.py's format, offline: the full
-    state_dict (names are the full model's already) and the AdamW state in configure_optimizers' order
-    (model.adamw_state_dict, as every consolidation). A tied weight's two copies are equal; the first stage's is
-    taken. The stage files are memory-mapped; no model is built."""
-    if not os.path.exists(stage_ckpt_path(out_dir, 0)):
-        raise SystemExit(f"error: consolidate: no stage checkpoint {stage_ckpt_path(out_dir, 0)}")
-    load = lambda s: torch.load(stage_ckpt_path(out_dir, s), map_location='cpu', weights_only=False, mmap=True)
-    first = load(0)
-    stages = [first] + [load(s) for s in range(1, first['config']['pp'])]
-    state_by_name, model_sd = {}, {}
-    for s, ck in enumerate(stages):
-        progress(s + 1, len(stages), 'consolidating the stages')
-        for name, values in ck['model'].items():
-            model_sd.setdefault(name, values)
-        for idx, n in enumerate(ck['param_names']):
-            if n not in state_by_name and idx in ck['optimizer']['state']:
-                state_by_name[n] = ck['optimizer']['state'][idx]
-    if first['model_args'].get('tie_embeddings', True):  # train.py knows the tied weight by both names, and
-        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']  # its AdamW state by the first
-        state_by_name.setdefault('transformer.wte.weight', state_by_name.get('lm_head.weight'))
-    cfg = dict(first['config'], out_dir=dest_dir, init_from='resume', consolidate='')
-    opt_sd = adamw_state_dict(first['model_args'], {n: v for n, v in state_by_name.items() if v is not None}, cfg)
-    for group, saved in zip(opt_sd['param_groups'], first['optimizer']['param_groups']):
-        group.update({k: v for k, v in saved.items() if k != 'params'})
-    path = os.path.join(dest_dir, 'ckpt.pt')
-    save_checkpoint({'model': model_sd, 'optimizer': opt_sd, 'scaler': first['scaler'],
-                     'rng_state': first['rng_state'], 'cuda_rng_state': first['cuda_rng_state'],
-                     'model_args': first['model_args'], 'iter_num': first['iter_num'],
-                     'best_val_loss': first['best_val_loss'], 'config': cfg}, path)
-    return path
 
 
 # -----------------------------------------------------------------------------
@@ -758,10 +725,6 @@ def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.consolidate:
-        path = consolidate_checkpoints(cfg.out_dir, cfg.consolidate)
-        print(f"wrote {path} (train.py format) from the stage checkpoints in {cfg.out_dir}")
-        return
     validate(cfg, world_size_from_env())
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
@@ -827,42 +790,10 @@ def main(argv):
     writer.wait()
 
     if rank == 0:
-        print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python pipeline.py "
-                                        f"--out_dir={cfg.out_dir} --consolidate=DIR makes one ckpt.pt)",
+        print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python consolidate.py "
+                                        f"{cfg.out_dir} makes one ckpt.pt)",
                            "schedule_trace.json (the last schedule: open at ui.perfetto.dev)", *profiled(cfg)))
     finish_distributed(cfg)
-
-
-# -----------------------------------------------------------------------------
-# Modelled: the schedules' formulas, printed beside what was measured (bench.py --estimate imports them)
-
-
-def bubble_fraction_formula(p, m, v=1):
-    """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
-    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the
-    ideal)."""
-    return (p - 1) / (v * m + p - 1)
-
-
-def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
-    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m);
-    interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a chunk's worth."""
-    if schedule_name == 'gpipe':
-        return m
-    if schedule_name == 'interleaved':
-        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-    return min(p - stage, m)
-
-
-def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
-    """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b, s, h)
-    out of each of its v chunks (but the model's last) and its gradient back into each (but the model's first).
-    stage=None: the busiest stage (a middle one when p > 2)."""
-    if p == 1:
-        return 0
-    if stage is None:
-        return (2 * v if p > 2 else 2 * v - 1) * m * b * s * h * bytes_per_elem
-    return (2 * v - int(stage == p - 1) - int(stage == 0)) * m * b * s * h * bytes_per_elem
 
 
 if __name__ == '__main__':

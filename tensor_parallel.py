@@ -8,8 +8,8 @@ becomes an all-gather + a reduce-scatter and the norms work on 1/tp of the seque
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=4 --sequence_parallel=True
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=2 --gradient_accumulation_steps=2   # dp=2 x tp=2
-    torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --consolidate=out_full  # + one train.py checkpoint
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --init_from=resume        # same tp and world size
+    python consolidate.py out      # the rank checkpoints in out/ -> out/ckpt.pt, a train.py checkpoint
 
 Every rank builds the full GPT from the seed exactly as train.py does and keeps its slice, so for the same
 config and seed the loss curve is train.py's. Each rank prints (and logs, one row per rank) what it measured
@@ -28,12 +28,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import (CheckpointWriter, Comm, GPTConfig, StepLogger, StepProfiler, WireMeter, adamw_state_dict,
-                   autocast_context, average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
-                   finish_distributed, get_lr, init_distributed, init_model, init_values, load_dataset, log_rank_rows,
-                   materialize, micro_batches, outputs_line, process_grid, profiled, progress, rng_state, run_main,
-                   run_shape, save_checkpoint, saved_bytes_counter, seed_dropout, set_lr, set_rng_state,
-                   should_evaluate, should_save, train_checkpoint, world_size_from_env)
+from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula, tp_comm_bytes_formula,
+                      tp_edge_comm_bytes_formula)
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context, average_gradients,
+                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
+                   init_distributed, init_model, init_values, load_dataset, log_rank_rows, materialize, micro_batches,
+                   outputs_line, process_grid, profiled, rng_state, run_main, run_shape, saved_bytes_counter,
+                   seed_dropout, set_lr, set_rng_state, should_evaluate, should_save, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -79,7 +80,6 @@ profile = 0                     # trace this many steps with torch.profiler: out
 dist_timeout = 60               # seconds a rank waits for the others before failing
 tp = 1                          # tensor-parallel degree; world size = dp * tp
 sequence_parallel = False       # shard norms and dropout along the sequence (all-gather + reduce-scatter)
-consolidate = ''                # a directory: merge its rank checkpoints into one train.py-format ckpt.pt, then exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -589,36 +589,6 @@ def checkpoint_layout(model, layout, optimizer):
     return layout, order
 
 
-def consolidate_ranks(out_dir):
-    """The tp ranks' checkpoints of out_dir (data-parallel replica 0, ranks 0..tp-1) -> out_dir/ckpt.pt in
-    train.py's format: the full model and torch AdamW's state in configure_optimizers' order. Runs offline, one
-    parameter at a time from memory-mapped files, so no rank ever gathers the whole model to save."""
-    if not os.path.exists(rank_ckpt_path(out_dir, 0)):
-        raise SystemExit(f"error: consolidate: no tensor-parallel checkpoint {rank_ckpt_path(out_dir, 0)}")
-    load = lambda r: torch.load(rank_ckpt_path(out_dir, r), map_location='cpu', weights_only=False, mmap=True)
-    first = load(0)
-    ranks = [first] + [load(r) for r in range(1, first['tp'])]
-    config = GPTConfig(**first['model_args'])
-    hd = config.n_embd // config.n_head
-    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
-    model_sd, optim_state = {}, {}
-    for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
-        progress(i + 1, len(first['layout']), f"consolidating {len(ranks)} tensor-parallel ranks (parameters)")
-        model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv_sizes).clone()
-        states = [r['optimizer']['state'].get(r['param_order'].index(local)) for r in ranks]
-        if states[0] is not None:
-            optim_state[dense] = {k: v.clone() if k == 'step' else join_slices([s[k] for s in states], kind, qkv_sizes)
-                                  for k, v in states[0].items()}
-    if config.tie_embeddings:
-        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
-    path = os.path.join(out_dir, 'ckpt.pt')
-    cfg = dict(first['config'], init_from='resume', consolidate='')
-    save_checkpoint(train_checkpoint(model_sd, adamw_state_dict(first['model_args'], optim_state, cfg), [first['rng']],
-                                     first['model_args'], first['iter_num'], first['best_val_loss'], cfg), path)
-    print(f"wrote {path} (train.py's format) from {first['tp']} tensor-parallel ranks at iter {first['iter_num']}")
-    return path
-
-
 def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
     """train.py's iteration with the tensor-parallel forward, then the gradient syncs that tensor parallelism
     adds: the replicated parameters' over the tp ranks (sequence parallelism), every gradient over the dp replicas,
@@ -662,9 +632,6 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, ckpt_path):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.consolidate:
-        consolidate_ranks(cfg.consolidate)
-        return
     check_config(cfg, world_size_from_env())
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
@@ -734,10 +701,10 @@ def main(argv):
 
     if rank == 0:
         if cfg.sample_at_end and not cfg.eval_only:
-            print(f"sample with: python tensor_parallel.py --consolidate={cfg.out_dir} && "
+            print(f"sample with: python consolidate.py {cfg.out_dir} && "
                   f"python sample.py --out_dir={cfg.out_dir}")
-        print(outputs_line(cfg.out_dir, "ckpt_rank*.pt (each rank's slices: resume; python tensor_parallel.py "
-                                        f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
+        print(outputs_line(cfg.out_dir, "ckpt_rank*.pt (each rank's slices: resume; python consolidate.py "
+                                        f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     finish_distributed(cfg)
 
 
@@ -748,88 +715,6 @@ def print_grid(grid, coords, rank):
         print(f"process grid (dp x tp) = torch.arange({grid.numel()}).view({grid.size(0)}, {grid.size(1)}):\n{grid}")
     print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
           f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
-
-
-# -----------------------------------------------------------------------------
-# Modelled: the formulas printed beside the measurements (bench.py --estimate imports them too)
-
-def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, bytes_per_elem=2):
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, table 2; their
-    numbers are for 16-bit activations, scaled here by bytes_per_elem / 2). recompute: full activation
-    checkpointing, only the layer input is kept (sharded along the sequence under sequence parallelism)."""
-    scale = bytes_per_elem / 2
-    if recompute:
-        return 2 * s * b * h * scale / (t if sequence_parallel else 1)
-    if sequence_parallel:
-        return s * b * h * (34 + 5 * a * s / h) / t * scale
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
-
-
-def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_elem=4, fp32_weights=True):
-    """Bytes one of this repo's blocks keeps for backward on one tp rank, read off model.py's code (dropout 0;
-    scaled_dot_product_attention's flash/efficient kernels keep no s x s matrix, only q, k, v, out and the
-    log-sum-exp). What saves what: each norm its input (the residual stream, fp32 under autocast) and fp32
-    statistics (RMSNorm also its fp32 normalised x); each Linear its input; SDPA q, k, v (views of c_attn's output
-    keep that whole output alive; RoPE and GQA's repeat make new tensors) and its output, which c_proj then saves
-    with no copy; GELU its input; SwiGLU its gate output, the SiLU and c_fc outputs and their product. Under
-    tensor parallelism the heads and the MLP's hidden width are 1/t per rank; sequence parallelism cuts the norms
-    and the residual stream to s/t, while the column-parallel Linears keep their all-gathered input (Megatron
-    keeps the chunk and all-gathers again in backward: that is Korthikanti's 34/t, activation_bytes_formula).
-    bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32 weights (train.py, DDP, tensor and
-    pipeline parallelism) the bf16 copy of each weight that autocast makes is saved for backward too; zero.py and
-    FSDP2 compute with bf16 weights (fp32_weights=False), so there is no copy."""
-    e, fp32 = bytes_per_elem, 4
-    residual = 4 if e == 2 else e  # bf16 autocast leaves the residual stream in fp32
-    hd = config.n_embd // config.n_head
-    heads, kv, hidden = config.n_head // t, config.n_kv_head // t, config.n_hidden // t
-    tokens, norm_tokens = s * b, s * b // (t if sequence_parallel else 1)
-    h = config.n_embd
-    per_norm = norm_tokens * (h * residual + fp32 * (2 if config.norm == 'layernorm' else 1))
-    if config.norm == 'rmsnorm':
-        per_norm += norm_tokens * h * fp32
-    linear_inputs = 2 * tokens * h * e  # c_attn's and c_fc's (full sequence: all-gathered under SP)
-    gqa, rope = config.n_kv_head != config.n_head, config.pos == 'rope'
-    qkv_output = tokens * (heads + 2 * kv) * hd * e
-    new_q = tokens * heads * hd * e if rope else 0
-    new_k = tokens * heads * hd * e if gqa else tokens * kv * hd * e if rope else 0
-    new_v = tokens * heads * hd * e if gqa else 0
-    views_kept = not new_q or not new_k or not new_v  # any of q, k, v still a view of c_attn's output
-    attention = new_q + new_k + new_v + (qkv_output if views_kept else 0) + tokens * heads * hd * e
-    attention += tokens * heads * fp32 + (2 * s * hd * fp32 if rope else 0)  # log-sum-exp; RoPE's cos, sin
-    mlp = tokens * hidden * e * (4 if config.mlp == 'swiglu' else 2)
-    n_mlp_in = 2 if config.mlp == 'swiglu' else 1
-    weights = h * (heads + 2 * kv) * hd + heads * hd * h + (n_mlp_in + 1) * h * hidden
-    autocast_copies = weights * e if e == 2 and fp32_weights else 0  # autocast's bf16 weights, kept for backward
-    if e == 2 and config.mlp == 'swiglu':  # and c_gate and c_fc each cast their input: two bf16 copies of it
-        autocast_copies += tokens * h * e
-    return 2 * per_norm + linear_inputs + attention + mlp + autocast_copies
-
-
-def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
-    """Bytes one rank sends per transformer layer per micro-batch (forward + backward), ring algorithms:
-    4 all-reduces of the b*s*h activations, each 2(t-1)/t of it. Sequence parallelism turns each into an
-    all-gather + reduce-scatter of (t-1)/t each: the same total."""
-    return 4 * 2 * (t - 1) / t * s * b * h * bytes_per_elem
-
-
-def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
-    """The rest of a micro-batch: the vocabulary-parallel embedding (1 all-reduce forward) and head (1 backward)
-    of b*s*h each, and the vocabulary-parallel cross-entropy's 3 all-reduces of b*s fp32 numbers (max, sum of
-    exponentials, target logit)."""
-    return 2 * 2 * (t - 1) / t * s * b * h * bytes_per_elem + 3 * 2 * (t - 1) / t * s * b * 4
-
-
-def param_bytes_formula(config, t, bytes_per_elem=4):
-    """Parameter bytes on one tp rank: 1/t of the split layers (q/k/v, attention output, MLP, embedding, head)
-    plus every replicated one (norms, the row-parallel biases, learned positions)."""
-    h, L, hd, bias = config.n_embd, config.n_layer, config.n_embd // config.n_head, int(config.bias)
-    qkv = (config.n_head + 2 * config.n_kv_head) * hd
-    n_mlp_in = 2 if config.mlp == 'swiglu' else 1
-    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + config.n_hidden * (n_mlp_in * (h + bias) + h)
-    split = L * split_per_layer + config.vocab_size * h * (1 if config.tie_embeddings else 2)
-    norm = h * (1 + (bias if config.norm == 'layernorm' else 0))
-    replicated = L * (2 * norm + 2 * h * bias) + norm + (config.block_size * h if config.pos == 'learned' else 0)
-    return (split / t + replicated) * bytes_per_elem
 
 
 if __name__ == '__main__':

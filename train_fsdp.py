@@ -6,34 +6,34 @@ Each block's parameters are all-gathered just before it runs and freed after; gr
     torchrun --standalone --nproc_per_node=2 train_fsdp.py                  # CPU (gloo) or GPUs (NCCL)
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --dtype=bfloat16 --activation_checkpointing=True
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume   # from ckpt_dcp/ (or a ckpt.pt)
-    torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume --eval_only=True  # export only
+    python consolidate.py out      # out/ckpt_dcp/ -> out/ckpt.pt in train.py's format, offline, a tensor at a time
 
 bfloat16 is FSDP's MixedPrecisionPolicy (bf16 compute and all-gathers, fp32 sharded master weights and fp32
 gradient reduction), not autocast. Checkpoints are sharded (torch.distributed.checkpoint, out_dir/ckpt_dcp/, every
-rank writes its own shards); at the end the run is also exported to out_dir/ckpt.pt in train.py's format (full
-model and AdamW state), from which train.py, sample.py and every other script continue.
+rank writes its own shards); consolidate.py turns them into train.py's ckpt.pt (full model and AdamW state), from
+which train.py, sample.py and every other script continue (--export=True: rank 0 gathers it at the end instead,
+for small models).
 """
 
 import json
 import os
 import shutil
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, adamw_state_dict, autocast_context, check_batch,
-                   config_defaults, configure, evaluate, finish_distributed, gather_rng_states, get_lr,
-                   init_distributed, init_model, init_values, load_dataset, load_params, materialize, micro_batches,
-                   outputs_line, print_sample, profiled, progress, restore_rng, run_main, run_shape, save_checkpoint,
-                   seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint, world_size_from_env)
+from formulas import fsdp_held_bytes_formula
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
+                   configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
+                   init_values, load_dataset, load_params, materialize, micro_batches, outputs_line, print_sample,
+                   profiled, restore_rng, run_main, run_shape, seed_dropout, set_lr, should_evaluate, should_save,
+                   train_checkpoint, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -77,7 +77,6 @@ peak_flops = None               # the device's peak FLOP/s for MFU; None: looked
 profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 export = False                  # when the run ends, rank 0 gathers the whole state into out_dir/ckpt.pt (small models)
-consolidate = ''                # a directory: write its sharded checkpoint as one train.py ckpt.pt offline, then exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -154,23 +153,12 @@ class GradPeak:
             self.peak = None if now is None else max(self.peak, now)
 
 
-def held_bytes_formula(numel, world_size, micro_steps):
-    """ZeRO-3 for Ψ = numel parameters over N ranks, as FSDP2 keeps them: fp32 parameter shards 4Ψ/N (they are
-    the master weights; bf16 copies exist only while a group is gathered), fp32 gradient shards 4Ψ/N (the
-    reduce dtype), AdamW's m and v 8Ψ/N. The measured numbers differ from these only by the dim-0 rounding.
-    Gradients at their peak: with more than one micro-step per rank, the accumulation without sync holds the
-    full-size fp32 gradients, 4Ψ (ZeRO-2/3 pay a reduce-scatter per micro-step instead)."""
-    return {'param_bytes': 4 * numel / world_size, 'grad_bytes': 4 * numel / world_size,
-            'optim_bytes': 8 * numel / world_size,
-            'peak_grad_bytes': 4 * numel if micro_steps > 1 else 4 * numel / world_size}
-
-
 def log_held_bytes(out_dir, iter_num, model, optimizer, peak_grad_bytes, micro_steps, master_process):
     """Every rank's measured bytes, gathered to rank 0: one log row per rank with the formula beside each."""
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, dict(held_bytes(model, optimizer), peak_grad_bytes=peak_grad_bytes))
     numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
-    formula = held_bytes_formula(numel, len(rows), micro_steps)
+    formula = fsdp_held_bytes_formula(numel, len(rows), micro_steps)
     for rank, measured in enumerate(rows if master_process else []):
         row = {'iter': iter_num, 'rank': rank, 'numel': numel, 'micro_steps': micro_steps}
         for key, value in measured.items():
@@ -228,35 +216,6 @@ def full_checkpoint_state(model, optimizer):
     plain = optimizer.state_dict()  # ids 0..n-1 in that order, and the groups' hyperparameters
     plain['state'] = {i: optim_sd['state'][name] for i, name in enumerate(names) if name in optim_sd['state']}
     return model_sd, plain
-
-
-def consolidate_dcp(out_dir):
-    """out_dir/ckpt_dcp (every rank's shards) -> out_dir/ckpt.pt in train.py's format, offline in one process: each
-    tensor read from the shards by itself (dcp.load of that one key), the AdamW state in configure_optimizers'
-    order. No rank ever gathers the whole model to save."""
-    path = os.path.join(out_dir, 'ckpt_dcp')
-    if not os.path.isdir(path):
-        raise SystemExit(f"error: consolidate: no sharded checkpoint {path}")
-    extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    keys = [k for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)]
-    model_sd, optim_state = {}, defaultdict(dict)
-    for i, key in enumerate(keys):  # 'model.<name>' or 'optimizer.state.<name>.<step | exp_avg | exp_avg_sq>'
-        progress(i + 1, len(keys), f"consolidating {path}")
-        meta = metadata[key]
-        tensor = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
-        dcp.load(tensor, checkpoint_id=path, no_dist=True)
-        if key.startswith('model.'):
-            model_sd[key[len('model.'):]] = tensor[key]
-        else:
-            name, moment = key[len('optimizer.state.'):].rsplit('.', 1)
-            optim_state[name][moment] = tensor[key]
-    cfg = dict(extras['config'], init_from='resume', consolidate='')
-    out = os.path.join(out_dir, 'ckpt.pt')
-    save_checkpoint(dict(extras, model=model_sd, optimizer=adamw_state_dict(extras['model_args'], optim_state, cfg),
-                         config=cfg), out)
-    print(f"wrote {out} (train.py's format) from {path} at iter {extras['iter_num']}")
-    return out
 
 
 def load_whole_optimizer(optimizer, osd):
@@ -336,9 +295,6 @@ def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.consolidate:
-        consolidate_dcp(cfg.consolidate)
-        return
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), got "
                          f"{cfg.dtype!r}; float16 needs train.py's loss scaling")
@@ -410,7 +366,8 @@ def main(argv):
         print_sample(raw_model, cfg, ctx, show=master_process)
     writer.wait()
     if master_process:
-        print(outputs_line(cfg.out_dir, "ckpt_dcp/ (every rank's shards: resume)",
+        print(outputs_line(cfg.out_dir, f"ckpt_dcp/ (every rank's shards: resume; python consolidate.py {cfg.out_dir} "
+                                        "makes one ckpt.pt)",
                            *(["ckpt.pt (train.py's format, exported at the end)"] if cfg.export else []),
                            *profiled(cfg)))
     finish_distributed(cfg)

@@ -6,7 +6,7 @@ written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer insi
     torchrun --standalone --nproc_per_node=2 zero.py --stage=2
     torchrun --standalone --nproc_per_node=2 zero.py --deepspeed_config=config/ds_zero3.json
     WORLD_SIZE=8 python zero.py --stage=3 --dtype=bfloat16 --print_ds_config=True   # the same run's ds_config.json
-    python zero.py --consolidate=out      # the per-rank shards in out/ -> out/ckpt.pt, a train.py checkpoint
+    python consolidate.py out             # the per-rank shards in out/ -> out/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
 stage 1  + optimizer state sharded: rank r keeps AdamW's state (and, in bf16, the fp32 master weights) only for
@@ -32,12 +32,12 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 
-from model import (CheckpointWriter, Comm, GPT, GPTConfig, StepLogger, StepProfiler, WireMeter, autocast_context,
-                   check_batch, config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed,
-                   init_model, init_values, load_dataset, load_params, log_rank_rows, micro_batches, outputs_line,
-                   param_groups, print_sample, profiled, progress, restore_rng, rng_state, run_main, run_shape,
-                   save_checkpoint, seed_dropout, set_rng_state, should_evaluate, should_save, train_checkpoint,
-                   world_size_from_env)
+from formulas import model_state_bytes_formula
+from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context, check_batch,
+                   config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed, init_model,
+                   init_values, load_dataset, load_params, log_rank_rows, micro_batches, outputs_line, param_groups,
+                   print_sample, profiled, restore_rng, rng_state, run_main, run_shape, seed_dropout, set_rng_state,
+                   should_evaluate, should_save, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -87,7 +87,6 @@ prefetch_blocks = 1             # stage 3: gather this many blocks ahead while a
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
 print_ds_config = False         # print the DeepSpeed JSON config of this run (to take it to DeepSpeed), then exit
-consolidate = ''                # a directory: write its rank shards as one train.py checkpoint, then exit
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
@@ -577,8 +576,8 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 
 def build_zero(cfg, vocab_size, rank, world_size, dp):
     """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one
-    block's full buffer at a time), then train.py's values (or GPT-2's) fill it. Resume from this rank's shard, else from a
-    train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank reads only its chunk of it).
+    block's full buffer at a time), then train.py's values (or GPT-2's) fill it. Resume from this rank's shard, else
+    from a train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank reads only its chunk).
     Returns (model, zero, this rank's shard file, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
@@ -607,9 +606,6 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.consolidate:
-        consolidate_shards(cfg.consolidate)
-        return
     world = world_size_from_env()
     cfg = check_config(cfg, world)
     if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
@@ -669,11 +665,11 @@ def main(argv):
     writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (stage 3 gathers); rank 0 prints
-        print_sample(raw_model, cfg, ctx, show=rank == 0, hint=f"python zero.py --consolidate={cfg.out_dir} && "
+        print_sample(raw_model, cfg, ctx, show=rank == 0, hint=f"python consolidate.py {cfg.out_dir} && "
                                                                f"python sample.py --out_dir={cfg.out_dir}")
     if rank == 0:
-        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python zero.py "
-                                        f"--consolidate={cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
+        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python consolidate.py "
+                                        f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     finish_distributed(cfg)
 
 
@@ -792,34 +788,7 @@ def print_report(rows):
 
 
 # -----------------------------------------------------------------------------
-# Modelled: the ZeRO paper's formulas (bench.py --estimate imports them)
-
-
-def model_state_bytes_formula(numel, world_size, stage, mixed_precision, offload=False):
-    """Bytes of parameters, gradients and optimizer state per rank (ZeRO paper). fp32: 4 + 4 + 8 (Adam m, v)
-    bytes per parameter; mixed precision: 2 + 2 + 12 (fp32 master, m, v). Sharded states hold ceil(numel/N).
-    offload (ZeRO-Offload): the optimizer state is on the host, 12 bytes per parameter of the chunk (the fp32
-    master is its own copy there), with a host copy of the gradient chunk; host_bytes counts them."""
-    p, g, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    shard = math.ceil(numel / world_size)
-    owned = shard if stage >= 1 else numel
-    return {'param_bytes': p * (shard if stage >= 3 else numel),
-            'grad_bytes': g * (shard if stage >= 2 else numel),
-            'optim_bytes': 0 if offload else k * owned,
-            'host_bytes': (12 + g) * owned if offload else 0}
-
-
-def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):
-    """Bytes one rank sends per step, ring algorithms (the paper's count). Stages 0-2: one all-reduce's worth,
-    2(N-1)/N·Ψ (stage 1/2 as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters gathered
-    for forward and again for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so they reduce
-    at every one. On gloo a reduce-scatter is an all-reduce underneath: the wire carries more (see WireMeter)."""
-    one = (world_size - 1) / world_size * numel * bytes_per_elem
-    return {0: 2 * one, 1: 2 * one, 2: (micro_steps + 1) * one, 3: 3 * micro_steps * one}[stage]
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints: one shard per rank; consolidation into train.py's format
+# Checkpoints: one shard per rank (consolidate.py joins them into train.py's format)
 
 
 def shard_path(out_dir, rank):
@@ -830,60 +799,7 @@ def check_shard(checkpoint, path, world_size, cfg):
     saved = checkpoint['zero']
     if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
         raise SystemExit(f"error: {path} is from stage {saved['stage']} on {saved['world_size']} ranks; run python "
-                         f"zero.py --consolidate={cfg.out_dir}, delete the zero_rank*.pt files, then resume")
-
-
-def unflatten_shards(shards):
-    """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}: the
-    chunks of ranks 0, 1, ... laid end to end are each bucket, cut back into its parameters."""
-    full, n_buckets = {}, len(shards[0]['layout'])
-    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
-        full[key] = {}
-        for i, layout in enumerate(shards[0]['layout']):
-            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (weights, m, v)")
-            flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
-            offset = 0
-            for name, shape in zip(layout['names'], layout['shapes']):
-                full[key][name] = flat[offset:offset + math.prod(shape)].view(shape).clone()
-                offset += math.prod(shape)
-    return full
-
-
-def consolidate_shards(out_dir):
-    """The rank shards of out_dir -> out_dir/ckpt.pt in train.py's format: the full model, and torch AdamW's
-    state_dict for model.configure_optimizers' parameter order, so any script can go on from it."""
-    first = shard_path(out_dir, 0)
-    if not os.path.exists(first):
-        raise SystemExit(f"error: no ZeRO shards in {out_dir} (expected {first})")
-    ck0 = torch.load(first, map_location='cpu', weights_only=False)
-    n = ck0['zero']['world_size']
-    paths = [shard_path(out_dir, r) for r in range(n)]
-    if not all(os.path.exists(p) for p in paths):
-        raise SystemExit(f"error: {out_dir} holds a world of {n} shards but not all of them: {paths}")
-    shards = [ck0] + [torch.load(p, map_location='cpu', weights_only=False) for p in paths[1:]]
-    if len({(s['iter_num'], s['zero']['stage']) for s in shards}) != 1:
-        raise SystemExit(f"error: the shards in {out_dir} are from different iterations or stages")
-    full = unflatten_shards([s['zero'] for s in shards])
-    cfg = ck0['config']
-    model = GPT(GPTConfig(**ck0['model_args']))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(full['master'][name])
-    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']),
-                                           'cpu')
-    names = {id(p): name for name, p in model.named_parameters()}
-    for group in optimizer.param_groups:
-        group['eps'] = cfg['adam_eps']
-        for p in group['params']:
-            optimizer.state[p] = {'step': torch.tensor(float(ck0['zero']['step'])),
-                                  'exp_avg': full['exp_avg'][names[id(p)]],
-                                  'exp_avg_sq': full['exp_avg_sq'][names[id(p)]]}
-    path = os.path.join(out_dir, 'ckpt.pt')
-    rng_states = [s['rng'] for s in shards]  # every rank's dropout stream: the same world resumes exactly
-    save_checkpoint(train_checkpoint(model.state_dict(), optimizer.state_dict(), rng_states, ck0['model_args'],
-                                     ck0['iter_num'], ck0['best_val_loss'], cfg), path)
-    print(f"wrote {path}: iter {ck0['iter_num']}, from {n} stage-{ck0['zero']['stage']} shards")
-    return path
+                         f"consolidate.py {cfg.out_dir}, delete the zero_rank*.pt files, then resume")
 
 
 # -----------------------------------------------------------------------------

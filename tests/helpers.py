@@ -80,6 +80,8 @@ def assert_same_checkpoint(got, want, atol=1e-5):
     for k in want['model']:
         torch.testing.assert_close(got['model'][k], want['model'][k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
     assert got['optimizer']['state'].keys() == want['optimizer']['state'].keys()
+    steps = [s['step'] for s in got['optimizer']['state'].values()]  # one tensor shared by every parameter would
+    assert len({id(t) for t in steps}) == len(steps), "parameters share one AdamW step tensor"  # advance n times
     for i, state in want['optimizer']['state'].items():
         for k in ('exp_avg', 'exp_avg_sq'):
             torch.testing.assert_close(got['optimizer']['state'][i][k], state[k], atol=1e-6, rtol=1e-4)

@@ -14,6 +14,8 @@ import torch
 from helpers import (TINY, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
                      train_losses, train_py_reference)
 
+import formulas
+
 TOL = 1e-5
 LAYOUTS = {
     'gpt2': dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=40, bias=True),
@@ -76,7 +78,7 @@ def _checks(rank, world_size):
                 results[(C, attention, name)] = dict(
                     attn_err=attn_err, loss_err=_rel_err(mean_loss / C, dense_loss.detach()),
                     grad_err=max(_rel_err(a.grad, b.grad) for a, b in zip(model.parameters(), dense.parameters())),
-                    sent=sent, sent_formula=config.n_layer * cpm.cp_comm_bytes_formula(
+                    sent=sent, sent_formula=config.n_layer * formulas.cp_comm_bytes_formula(
                         16, 2, config.n_head, config.n_kv_head, config.n_embd // config.n_head, C, attention))
     return results
 

@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
     d['g'], d['h'] = d['f'] + '_g', d['f'] + '_h'
     d['ref'] = train_py_reference(ARGS + ['--max_iters=8'], tmp_path_factory)
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=4'], nproc=2))
-    check(run_script('train_fsdp.py', [f'--consolidate={d["f"]}']))
+    check(run_script('consolidate.py', [str(d["f"])]))
     d['f_log4'] = train_losses(d['f'])
     for copy in ('g', 'h'):
         shutil.copytree(d['f'], d[copy])
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
                                               '--activation_checkpointing=True', '--export=True'], nproc=3))
     os.remove(os.path.join(d['f'], 'ckpt.pt'))  # resume from the shards alone
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=8', '--init_from=resume'], nproc=2))
-    check(run_script('train_fsdp.py', [f'--consolidate={d["f"]}']))
+    check(run_script('consolidate.py', [str(d["f"])]))
     return d
 
 

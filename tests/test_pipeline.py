@@ -11,6 +11,8 @@ from torch.nn import functional as F
 from helpers import (TINY, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
                      train_losses, train_py_reference)
 
+import formulas
+
 LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
     'llama': dict(norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head=2, tie_embeddings=False),
@@ -99,7 +101,7 @@ def _one_case(rank, world_size, p, schedule, layout):
     out['peak_held'] = st.peak_held
     out['peak_held_bytes'], out['microbatch_bytes'] = st.peak_held_bytes, st.microbatch_bytes
     out['peak_pending_sends'] = st.peak_pending_sends
-    out['peak_held_formula'] = pipeline.peak_microbatches_formula(schedule, p, M, stage, v)
+    out['peak_held_formula'] = formulas.peak_microbatches_formula(schedule, p, M, stage, v)
     out['ops'] = ops
 
     # torch.distributed.pipelining on the same weights and batch
@@ -208,7 +210,7 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
     pipe, full = str(tmp_path / 'pipe'), str(tmp_path / 'full')
     pargs = ARGS + ['--pp=2', '--schedule=1f1b', '--n_microbatches=2', f'--out_dir={pipe}']
     check(run_script('pipeline.py', pargs + ['--max_iters=3'], nproc=2))
-    check(run_script('pipeline.py', [f'--out_dir={pipe}', f'--consolidate={full}']))
+    check(run_script('consolidate.py', [str(pipe), str(full)]))
     check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=4))
     check(run_script('train.py', ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume']))
     want = train_losses(baseline)

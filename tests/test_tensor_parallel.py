@@ -11,6 +11,8 @@ import torch
 
 from helpers import TINY, assert_same_losses, check, read_log, run_script, spawn, train_losses, train_py_reference
 
+import formulas
+
 # Both layouts, shapes that divide by tp = 1, 2, 4. LLaMA: grouped-query attention (8 heads, 4 KV heads), untied,
 # and a vocabulary of 97 so that the vocabulary split is uneven.
 LAYOUTS = {
@@ -80,13 +82,13 @@ def _against_dense(rank, world_size):
                     grad_err=grad_err,
                     covered=sorted(param_layout) == sorted(dense_params),
                     comm=comm,
-                    comm_formula=L * tpm.tp_comm_bytes_formula(16, 2, h, t, sp, 4)
-                    + tpm.tp_edge_comm_bytes_formula(16, 2, h, t, sp, 4),
+                    comm_formula=L * formulas.tp_comm_bytes_formula(16, 2, h, t, sp, 4)
+                    + formulas.tp_edge_comm_bytes_formula(16, 2, h, t, sp, 4),
                     param_bytes=sum(p.numel() * 4 for p in model.parameters()),
-                    param_bytes_formula=tpm.param_bytes_formula(config, t),
+                    param_bytes_formula=formulas.param_bytes_formula(config, t),
                     dense_param_bytes=sum(p.numel() * 4 for p in dense.parameters()),
                     activation_bytes=tpm.measure_activation_bytes(model, idx, tp),
-                    activation_bytes_formula=tpm.saved_bytes_formula(config, 16, 2, t, sp))
+                    activation_bytes_formula=formulas.saved_bytes_formula(config, 16, 2, t, sp))
     return results
 
 
@@ -244,7 +246,7 @@ def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path, tmp_path_factor
     want = train_losses(train_py_reference(FLAGS, tmp_path_factory))
     # dp=2 x tp=2: the first 2 iterations, one checkpoint per rank; consolidated offline into a train.py ckpt.pt
     check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
-    check(run_script('tensor_parallel.py', [f'--consolidate={tp_dir}']))
+    check(run_script('consolidate.py', [str(tp_dir)]))
     full.mkdir()
     shutil.move(str(tp_dir / 'ckpt.pt'), str(full / 'ckpt.pt'))
     shutil.copy(tp_dir / 'log.jsonl', full / 'log.jsonl')

@@ -13,6 +13,8 @@ import torch
 from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, free_port, read_log, spawn,
                      train_losses, train_py_reference)
 
+import consolidate
+import formulas
 import zero
 
 # 8 layers so a block is a small part of the model (the stage-2/3 "never a full gradient" check means something);
@@ -71,7 +73,7 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, reference, world_si
     for stage in range(4):
         out = str(tmp_path / f's{stage}')
         assert_same_losses(train_losses(out), train_losses(ref_dir))
-        assert_same_checkpoint(torch.load(zero.consolidate_shards(out), weights_only=False), ref)
+        assert_same_checkpoint(torch.load(consolidate.consolidate(out), weights_only=False), ref)
         rows = [r for r in read_log(out) if 'rank' in r]
         assert sorted(r['rank'] for r in rows) == list(range(world_size))
         for r in rows:
@@ -81,7 +83,7 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, reference, world_si
             # the calls zero.py made, under the ring formula, follow the paper's pattern for the stage (an
             # all-reduce, or a reduce-scatter per micro-step and one or two all-gathers), padding aside
             ring = r['wire_bytes_formula'] - r['wire_bytes_formula_by_kind'].get('scalars', 0)
-            formula = zero.comm_bytes_formula(r['numel'], world_size, stage, 4, r['micro_steps'])
+            formula = formulas.comm_bytes_formula(r['numel'], world_size, stage, 4, r['micro_steps'])
             assert formula * (1 - 1e-9) <= ring <= formula + 3 * pad, (stage, r)
             if stage == 0:
                 assert ring == pytest.approx(formula, rel=1e-12)  # all-reduce: nothing padded
@@ -105,9 +107,9 @@ def test_comm_bytes_per_step_are_the_theory():
     """One micro-step per rank: DP, ZeRO-1 and -2 send an all-reduce's worth, ZeRO-3 1.5 times that."""
     n, N = 10_000, 4
     all_reduce = 2 * (N - 1) / N * n * 4
-    assert [zero.comm_bytes_formula(n, N, s, 4) for s in range(4)] == [all_reduce] * 3 + [1.5 * all_reduce]
-    assert zero.model_state_bytes_formula(7_500_000_000, 64, 0, True)['param_bytes'] == 15e9
-    gb = [sum(zero.model_state_bytes_formula(7_500_000_000, 64, s, True).values()) / 1e9 for s in range(4)]
+    assert [formulas.comm_bytes_formula(n, N, s, 4) for s in range(4)] == [all_reduce] * 3 + [1.5 * all_reduce]
+    assert formulas.model_state_bytes_formula(7_500_000_000, 64, 0, True)['param_bytes'] == 15e9
+    gb = [sum(formulas.model_state_bytes_formula(7_500_000_000, 64, s, True).values()) / 1e9 for s in range(4)]
     assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]  # the ZeRO paper's worked example
 
 
@@ -224,7 +226,7 @@ def test_offload_optimizer_trains_the_same_numbers(split_runs, reference):
     for stage in (1, 3):
         out = str(split_runs / f'offload{stage}')
         assert_same_losses(train_losses(out), train_losses(ref_dir))
-        assert_same_checkpoint(torch.load(zero.consolidate_shards(out), weights_only=False), ref)
+        assert_same_checkpoint(torch.load(consolidate.consolidate(out), weights_only=False), ref)
         # measured: no optimizer state left beside the model; on the host the fp32 master, m, v and the gradients
         for r in (r for r in read_log(out) if 'rank' in r):
             assert r['optim_bytes'] == r['optim_bytes_formula'] == 0, r
@@ -256,11 +258,11 @@ def test_bfloat16_holds_the_papers_2_2_12_bytes(split_runs):
         rows = [r for r in read_log(split_runs / f'bf16_{stage}') if 'rank' in r]
         assert len(rows) == 2
         for r in rows:
-            formula = zero.model_state_bytes_formula(r['numel'], 2, stage, mixed_precision=True)
+            formula = formulas.model_state_bytes_formula(r['numel'], 2, stage, mixed_precision=True)
             for k, v in formula.items():
                 assert v == r[k + '_formula'] and v <= r[k] <= v + 16 * 2 * r['buckets'], (stage, k, r)
             ring = r['wire_bytes_formula'] - r['wire_bytes_formula_by_kind'].get('scalars', 0)
-            assert ring == pytest.approx(zero.comm_bytes_formula(r['numel'], 2, stage, 2, micro_steps=3), rel=0.01)
+            assert ring == pytest.approx(formulas.comm_bytes_formula(r['numel'], 2, stage, 2, micro_steps=3), rel=0.01)
 
 
 def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(split_runs, reference, tmp_path):
@@ -268,7 +270,7 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
     from that ckpt.pt and end where train.py's own 3 iterations end."""
     ref_dir, ref = reference
     half = split_runs / 'half2'
-    proc = subprocess.run([sys.executable, 'zero.py', f'--consolidate={half}'], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, 'consolidate.py', str(half)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert torch.load(half / 'ckpt.pt', weights_only=False)['iter_num'] == 2
@@ -280,7 +282,7 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
     assert_same_checkpoint(continued, ref)
     assert_same_losses(train_losses(half), train_losses(ref_dir))
     spawn(run_mains, 3, 'zero', [zero_args(other, 3, 3, '--init_from=resume', '--eval_interval=2')])
-    assert_same_checkpoint(torch.load(zero.consolidate_shards(str(other)), weights_only=False), ref)
+    assert_same_checkpoint(torch.load(consolidate.consolidate(str(other)), weights_only=False), ref)
 
 
 def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
