@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from model import GPTConfig, adamw_state_dict, progress, save_checkpoint, train_checkpoint
-from tensor_parallel import join_slices
+from tensor_parallel import join_slices, qkv_split
 
 
 def load(path):
@@ -98,9 +98,7 @@ def zero_shards(out_dir, dest_dir=None):
 def tp_ranks(out_dir, dest_dir=None):
     first = load(os.path.join(out_dir, 'ckpt_rank0.pt'))
     ranks = [first] + [load(p) for p in rank_files(out_dir, 'ckpt_rank{}.pt', first['tp'])[1:]]
-    config = GPTConfig(**first['model_args'])
-    hd = config.n_embd // config.n_head
-    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     model_sd, states = {}, {}
     for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
         progress(i + 1, len(first['layout']), f"consolidating {len(ranks)} tensor-parallel ranks (parameters)")
@@ -168,9 +166,7 @@ def grid_ranks(out_dir, dest_dir=None):
     paths = sorted(glob.glob(os.path.join(out_dir, 'ckpt_4d_rank*.pt')))
     ranks = [load(p) for p in paths]
     first, cfg = ranks[0], ranks[0]['config']
-    config = GPTConfig(**first['model_args'])
-    hd = config.n_embd // config.n_head
-    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     model_sd, states = {}, {}
     step = first['zero']['step']
     for pp_rank in range(cfg['pp']):

@@ -238,6 +238,12 @@ def give_tp_ranks_their_dropout(model, tp):
 # -----------------------------------------------------------------------------
 # The parallel layers. Each holds this rank's slice of the dense layer's weights.
 
+def qkv_split(config):
+    """The sizes of q, k and v along c_attn's output features (k and v have n_kv_head heads)."""
+    hd = config.n_embd // config.n_head
+    return [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+
+
 def take_slice(full, kind, tp_group, qkv_sizes=None):
     """This rank's part of a dense tensor. 'col': rows (output features), 'row': columns (input features),
     'qkv': the rows of this rank's heads in each of q, k and v, 'replicated': all of it."""
@@ -364,8 +370,7 @@ def shard_gpt(model, tp):
         keep(linear.weight, layer.weight, 'row')
         return layer
 
-    hd = cfg.n_embd // cfg.n_head
-    qkv_sizes = [cfg.n_head * hd, cfg.n_kv_head * hd, cfg.n_kv_head * hd]
+    qkv_sizes = qkv_split(cfg)
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
         attn.c_attn, attn.c_proj = column(attn.c_attn, 'qkv', qkv_sizes), row(attn.c_proj)
@@ -396,8 +401,7 @@ def shard_gpt(model, tp):
 
 def keep_slices(layout, tp, config):
     """For init_params: copy this rank's slice of each dense parameter's values into its local parameter."""
-    hd = config.n_embd // config.n_head
-    qkv_sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    qkv_sizes = qkv_split(config)
 
     def keep(name, full):
         if name in layout:
