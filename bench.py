@@ -113,8 +113,8 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
              mixed_precision):
     """One dict per strategy: model-state bytes, activation bytes with and without activation checkpointing,
     bytes communicated per step, and whether it fits. Activations are what this repo's blocks save for backward
-    (tensor_parallel.saved_bytes_formula, read off model.py's code and tested equal to the bytes measured) for
-    the micro-batches a rank holds at once: 1 without a pipeline, else pipeline.peak_microbatches_formula for the
+    (formulas.saved_bytes_formula, read off model.py's code and tested equal to the bytes measured) for
+    the micro-batches a rank holds at once: 1 without a pipeline, else formulas.peak_microbatches_formula for the
     first stage (GPipe m, 1F1B min(p, m)). With checkpointing a rank keeps each block's input and recomputes one
     block at a time (that block's activations are added once). Communication per step: each dp rank runs
     n_microbatches micro-batches of micro_batch sequences, then one gradient synchronisation."""
@@ -243,7 +243,7 @@ def estimate_markdown(rows, header):
                      f"{fmt_bytes(r['activation_bytes_ckpt'])} | {fmt_bytes(r['total_bytes'])} | "
                      f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])} | {r['fits']} |")
     notes = sorted({n for r in rows for n in r.get('notes', [])}) + [
-        "activations: what this repo's blocks save for backward (tensor_parallel.saved_bytes_formula, equal to the "
+        "activations: what this repo's blocks save for backward (formulas.saved_bytes_formula, equal to the "
         "bytes measured), for the micro-batches a rank holds at once; the logits (s x b x V), the embedding "
         "output and temporary buffers come on top",
         "act. (ckpt): full activation checkpointing, each block's input kept plus one block recomputed at a time",
