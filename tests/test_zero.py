@@ -388,3 +388,15 @@ def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     for key in ('stage', 'dtype', 'batch_size', 'gradient_accumulation_steps', 'grad_clip', 'learning_rate', 'beta1',
                 'beta2', 'weight_decay', 'adam_eps'):
         assert getattr(back, key) == getattr(want, key), key
+
+
+def test_consolidate_bad_input_is_one_line(tmp_path):
+    """consolidate.py on a directory with no sharded checkpoint, or with a world's shards but not all of them: one
+    'error:' line naming what is missing, a non-zero exit, no traceback."""
+    torch.save({'zero': {'world_size': 2}}, tmp_path / 'zero_rank0.pt')  # rank 1's shard missing
+    for directory, message in ((tmp_path / 'empty', 'holds none'), (tmp_path, 'zero_rank1.pt')):
+        directory.mkdir(exist_ok=True)
+        proc = subprocess.run([sys.executable, 'consolidate.py', str(directory)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().startswith('error: consolidate:') and message in proc.stderr, proc.stderr
