@@ -14,7 +14,6 @@ train_fsdp.py      ckpt_dcp/            torch.distributed.checkpoint's shards: e
 parallel_4d.py     ckpt_4d_rank{r}.pt   all of the above in turn: ZeRO-1 chunks, then tp slices, then stages
 """
 
-import glob
 import math
 import os
 import sys
@@ -32,13 +31,19 @@ def load(path):
     return torch.load(path, map_location='cpu', weights_only=False, mmap=True)
 
 
-def rank_files(out_dir, pattern, count):
-    """The files pattern.format(r) for r < count, all of which must exist."""
+def load_all(out_dir, pattern, count):
+    """The files pattern.format(r) for r < count, memory-mapped: all of them must exist and be from one iteration (each
+    file is written atomically, but a run stopped while saving can leave some ranks' files one save behind)."""
     paths = [os.path.join(out_dir, pattern.format(r)) for r in range(count)]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise SystemExit(f"error: consolidate: {out_dir} holds a world of {count} but not {', '.join(missing)}")
-    return paths
+    files = [load(p) for p in paths]
+    iters = sorted({f['iter_num'] for f in files})
+    if len(iters) != 1:
+        raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from different "
+                         f"iterations ({', '.join(map(str, iters))})")
+    return files
 
 
 def write(dest_dir, model_sd, state_by_name, first, rng_states, cfg, source):
@@ -79,9 +84,7 @@ def unflatten_shards(shards):
 
 def zero_shards(out_dir, dest_dir=None):
     first = load(os.path.join(out_dir, 'zero_rank0.pt'))
-    shards = [first] + [load(p) for p in rank_files(out_dir, 'zero_rank{}.pt', first['zero']['world_size'])[1:]]
-    if len({(s['iter_num'], s['zero']['stage']) for s in shards}) != 1:
-        raise SystemExit(f"error: consolidate: the shards in {out_dir} are from different iterations or stages")
+    shards = load_all(out_dir, 'zero_rank{}.pt', first['zero']['world_size'])
     full = unflatten_shards([s['zero'] for s in shards])
     step = first['zero']['step']
     states = {n: {'step': step, 'exp_avg': full['exp_avg'][n], 'exp_avg_sq': full['exp_avg_sq'][n]}
@@ -97,7 +100,7 @@ def zero_shards(out_dir, dest_dir=None):
 
 def tp_ranks(out_dir, dest_dir=None):
     first = load(os.path.join(out_dir, 'ckpt_rank0.pt'))
-    ranks = [first] + [load(p) for p in rank_files(out_dir, 'ckpt_rank{}.pt', first['tp'])[1:]]
+    ranks = load_all(out_dir, 'ckpt_rank{}.pt', first['tp'])
     qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     model_sd, states = {}, {}
     for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
@@ -118,7 +121,7 @@ def tp_ranks(out_dir, dest_dir=None):
 def pipeline_stages(out_dir, dest_dir=None):
     """A tied weight's two copies (first and last stage) are equal; the first stage's is taken."""
     first = load(os.path.join(out_dir, 'ckpt_stage0.pt'))
-    stages = [first] + [load(p) for p in rank_files(out_dir, 'ckpt_stage{}.pt', first['config']['pp'])[1:]]
+    stages = load_all(out_dir, 'ckpt_stage{}.pt', first['config']['pp'])
     model_sd, states = {}, {}
     for s, ck in enumerate(stages):
         progress(s + 1, len(stages), 'consolidating the stages')
@@ -163,9 +166,9 @@ def fsdp_dcp(out_dir, dest_dir=None):
 def grid_ranks(out_dir, dest_dir=None):
     """ZeRO-1's chunks are laid end to end within each (pp, tp) group (the data-parallel and context-parallel
     ranks), the tp slices joined, the stages merged by name."""
-    paths = sorted(glob.glob(os.path.join(out_dir, 'ckpt_4d_rank*.pt')))
-    ranks = [load(p) for p in paths]
-    first, cfg = ranks[0], ranks[0]['config']
+    first = load(os.path.join(out_dir, 'ckpt_4d_rank0.pt'))
+    cfg = first['config']
+    ranks = load_all(out_dir, 'ckpt_4d_rank{}.pt', first['zero']['world_size'] * cfg['pp'] * cfg['tp'])  # dp·cp·pp·tp
     qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     model_sd, states = {}, {}
     step = first['zero']['step']

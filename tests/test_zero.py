@@ -391,10 +391,15 @@ def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
 
 
 def test_consolidate_bad_input_is_one_line(tmp_path):
-    """consolidate.py on a directory with no sharded checkpoint, or with a world's shards but not all of them: one
-    'error:' line naming what is missing, a non-zero exit, no traceback."""
-    torch.save({'zero': {'world_size': 2}}, tmp_path / 'zero_rank0.pt')  # rank 1's shard missing
-    for directory, message in ((tmp_path / 'empty', 'holds none'), (tmp_path, 'zero_rank1.pt')):
+    """consolidate.py on a directory with no sharded checkpoint, with a world's shards but not all of them, or with
+    shards of different iterations (a run stopped while saving): one 'error:' line, a non-zero exit, no traceback."""
+    stale = tmp_path / 'stale'
+    for directory, iters in ((tmp_path, [4]), (stale, [4, 2])):  # tmp_path: rank 1's shard missing
+        directory.mkdir(exist_ok=True)
+        for rank, iter_num in enumerate(iters):
+            torch.save({'zero': {'world_size': 2}, 'iter_num': iter_num}, directory / f'zero_rank{rank}.pt')
+    for directory, message in ((tmp_path / 'empty', 'holds none'), (tmp_path, 'zero_rank1.pt'),
+                               (stale, 'different iterations (2, 4)')):
         directory.mkdir(exist_ok=True)
         proc = subprocess.run([sys.executable, 'consolidate.py', str(directory)], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
