@@ -412,7 +412,8 @@ def keep_slices(layout, tp, config):
 
 def forward_needs_tp_forward(*args, **kwargs):
     raise RuntimeError("this GPT is one tensor-parallel rank's slice: run it with tensor_parallel.tp_forward (its "
-                       "loss is vocabulary-parallel); to sample, consolidate it into a train.py checkpoint first")
+                       "loss is vocabulary-parallel); to sample, python consolidate.py OUT_DIR makes a train.py "
+                       "checkpoint first")
 
 
 def tp_embed(model, idx, tp, positions=None):
@@ -577,7 +578,8 @@ def check_config(cfg, world_size):
 def check_rank_checkpoint(checkpoint, cfg, world_size):
     if checkpoint['tp'] != cfg.tp or checkpoint['world_size'] != world_size:
         raise SystemExit(f"error: the checkpoint was written with tp={checkpoint['tp']} on "
-                         f"{checkpoint['world_size']} ranks; resume with the same (or consolidate it)")
+                         f"{checkpoint['world_size']} ranks; resume with the same, or python consolidate.py "
+                         f"{cfg.out_dir} makes a ckpt.pt that train.py and the other scripts continue from")
 
 
 def rank_ckpt_path(out_dir, rank):
