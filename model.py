@@ -1454,6 +1454,10 @@ def run_main(main):
     except SystemExit as e:
         if isinstance(e.code, str):
             rank = os.environ.get('RANK')
-            print((f"[rank {rank}] " if rank is not None else '') + e.code, file=sys.stderr, flush=True)
+            line = (f"[rank {rank}] " if rank is not None else '') + e.code + '\n'
+            # the whole line in one write: the ranks share one stderr pipe, and print() writes the text and its
+            # newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run together
+            sys.stderr.write(line)
+            sys.stderr.flush()
             sys.exit(1)
         raise
