@@ -1,8 +1,9 @@
 """
 Every sharded checkpoint back into one train.py checkpoint, offline, in one process. Each script saves what each
-rank holds (nothing is gathered onto a rank to save); this file undoes the cut, one tensor at a time from
-memory-mapped files, into out_dir/ckpt.pt: the whole model and torch AdamW's state in configure_optimizers' order,
-which train.py, sample.py and every script resume from (at any world size).
+rank holds (nothing is gathered onto a rank to save); this file undoes the cut into out_dir/ckpt.pt: the whole model
+and torch AdamW's state in configure_optimizers' order, which train.py, sample.py and every script resume from (at
+any world size). The shards are memory-mapped and read a tensor at a time, so the process holds about one
+consolidated checkpoint (what it writes), not every shard besides.
 
     python consolidate.py out              # whichever out/ holds -> out/ckpt.pt
     python consolidate.py out out_full     # -> out_full/ckpt.pt
