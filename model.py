@@ -1023,9 +1023,9 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         with on_meta:
             model = GPT(model_config(cfg, vocab_size))
     elif cfg.init_from == 'resume':
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=meta)
+        if os.path.exists(ckpt_path):
+            checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=meta)
+        check_resume_files(checkpoint, ckpt_path)
         with on_meta:
             model = GPT(GPTConfig(**checkpoint['model_args']))
         if not meta:
@@ -1046,6 +1046,27 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     return model, checkpoint, iter_num, best_val_loss
+
+
+def check_resume_files(checkpoint, ckpt_path):
+    """init_from=resume: every rank found its checkpoint file (ckpt_path: a shard, a slice, a stage, or one ckpt.pt
+    for all), and all are from one iteration. Each file is written atomically, but by its own rank, so a run stopped
+    while saving can leave some ranks' files a save behind: resumed, that mix would be a model that never existed.
+    Said on every rank in one line (the ranks compare notes first), never left to hang a later collective."""
+    iters = [None if checkpoint is None else checkpoint['iter_num']]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        mine, iters = iters[0], [None] * dist.get_world_size()
+        dist.all_gather_object(iters, mine)
+    if checkpoint is None:
+        raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
+    missing = [rank for rank, it in enumerate(iters) if it is None]
+    if missing:
+        raise SystemExit(f"error: init_from=resume but rank(s) {', '.join(map(str, missing))} found no checkpoint "
+                         f"(this rank's: {ckpt_path})")
+    if len(set(iters)) > 1:
+        at = ', '.join(f"rank {rank}: {it}" for rank, it in enumerate(iters))
+        raise SystemExit(f"error: init_from=resume: the ranks' checkpoint files are from different iterations ({at}; "
+                         f"this rank's is {ckpt_path}): a run stopped while saving leaves some a save behind")
 
 
 @torch.no_grad()
@@ -1459,5 +1480,7 @@ def run_main(main):
             # newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run together
             sys.stderr.write(line)
             sys.stderr.flush()
+            if dist.is_initialized() and _GROUP_IS_OURS:  # (an error found after joining, e.g. on resume): left to
+                dist.destroy_process_group()  # the interpreter's exit, gloo's threads can abort ('terminate called')
             sys.exit(1)
         raise
