@@ -659,6 +659,20 @@ def model_config(cfg, vocab_size):
         raise SystemExit(f"error: {e}")
 
 
+def prepare_once(data_dir, prepare):
+    """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the first
+    to lock data_dir/.prepare.lock prepares, the others wait on the lock and then find the files (written under
+    temporary names and renamed, so nobody reads half a file)."""
+    import fcntl
+    import runpy
+    with open(os.path.join(data_dir, '.prepare.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+            print(f"{data_dir} is missing its data: preparing it now (python {os.path.relpath(prepare)})",
+                  flush=True)
+            runpy.run_path(prepare, run_name='__main__')
+
+
 def load_dataset(dataset):
     """Memmaps of data/<dataset>/{train,val}.bin and the vocabulary size (from meta.pkl, else GPT-2's 50304).
     The default data set (stdlib_char) is built here on first use; any other missing one names its command."""
@@ -667,9 +681,7 @@ def load_dataset(dataset):
     if not os.path.exists(os.path.join(data_dir, 'train.bin')):
         prepare = os.path.join(data_dir, 'prepare.py')
         if dataset == 'stdlib_char' and os.path.exists(prepare):
-            print(f"data/{dataset} is missing: preparing it now (python {os.path.relpath(prepare)})", flush=True)
-            import runpy
-            runpy.run_path(prepare, run_name='__main__')
+            prepare_once(data_dir, prepare)
         else:
             hint = (f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else
                     "see data/ for the prepare scripts")

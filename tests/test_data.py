@@ -140,3 +140,42 @@ def test_rank_slices_concatenate_to_the_global_batch(dp_size):
              for rank in range(dp_size) for micro in range(cfg.gradient_accumulation_steps // dp_size)]
     assert torch.equal(torch.cat([p[0] for p in parts]), x_all)
     assert torch.equal(torch.cat([p[1] for p in parts]), y_all)
+
+
+def _load_fresh_copy(repo_copy, barrier, results):
+    """One rank of a fresh checkout: import the copy's model.py and load the default data set, which the copy
+    does not have yet. Puts the sizes it read (or its error) in results."""
+    spec = importlib.util.spec_from_file_location('model_of_copy', os.path.join(repo_copy, 'model.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    barrier.wait()  # every rank arrives at once, as torchrun starts them
+    try:
+        data, vocab_size = module.load_dataset('stdlib_char')
+        results.put((len(data['train']), len(data['val']), vocab_size))
+    except BaseException as e:
+        results.put(repr(e))
+
+
+def test_ranks_of_a_fresh_checkout_prepare_the_data_once(tmp_path):
+    """4 ranks start together on a copy with no data, three times: every one reads the whole data set (one
+    prepares while the others wait; files appear whole, by rename), none sees a missing or empty file."""
+    import multiprocessing as mp
+    import shutil
+    want = M.load_dataset('stdlib_char')
+    want = (len(want[0]['train']), len(want[0]['val']), want[1])
+    ctx = mp.get_context('fork')  # no torch in the children: load_dataset is numpy and files
+    for attempt in range(3):
+        repo_copy = tmp_path / f'copy{attempt}'
+        os.makedirs(repo_copy / 'data' / 'stdlib_char')
+        shutil.copy(os.path.join(REPO, 'model.py'), repo_copy)
+        shutil.copy(os.path.join(REPO, 'data', 'stdlib_char', 'prepare.py'), repo_copy / 'data' / 'stdlib_char')
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        ranks = [ctx.Process(target=_load_fresh_copy, args=(str(repo_copy), barrier, results)) for _ in range(4)]
+        for p in ranks:
+            p.start()
+        got = [results.get(timeout=120) for _ in ranks]
+        for p in ranks:
+            p.join(10)
+        assert got == [want] * 4
+        assert sorted(os.listdir(repo_copy / 'data' / 'stdlib_char')) == \
+            ['.prepare.lock', 'meta.pkl', 'prepare.py', 'train.bin', 'val.bin']

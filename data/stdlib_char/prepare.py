@@ -34,6 +34,14 @@ def stdlib_text(budget=CHAR_BUDGET):
     return ''.join(parts)[:budget]
 
 
+def write_atomically(path, write):
+    """write(f) into path.tmp.<pid>, then rename it to path (atomic on one file system)."""
+    tmp = f'{path}.tmp.{os.getpid()}'
+    with open(tmp, 'wb') as f:
+        write(f)
+    os.replace(tmp, path)
+
+
 def write_char_dataset(text, out_dir):
     """Char-level encode text, split 90/10, write train.bin, val.bin (uint16) and meta.pkl to out_dir."""
     chars = sorted(set(text))
@@ -42,10 +50,12 @@ def write_char_dataset(text, out_dir):
     ids = np.array([stoi[c] for c in text], dtype=np.uint16)
     n = int(0.9 * len(ids))
     os.makedirs(out_dir, exist_ok=True)
-    ids[:n].tofile(os.path.join(out_dir, 'train.bin'))
-    ids[n:].tofile(os.path.join(out_dir, 'val.bin'))
-    with open(os.path.join(out_dir, 'meta.pkl'), 'wb') as f:
-        pickle.dump({'vocab_size': len(chars), 'itos': itos, 'stoi': stoi}, f)
+    # each file under a temporary name, then renamed: a reader never sees half a file, and train.bin, whose
+    # presence says "the data set is here", comes last
+    write_atomically(os.path.join(out_dir, 'meta.pkl'),
+                     lambda f: pickle.dump({'vocab_size': len(chars), 'itos': itos, 'stoi': stoi}, f))
+    write_atomically(os.path.join(out_dir, 'val.bin'), lambda f: ids[n:].tofile(f))
+    write_atomically(os.path.join(out_dir, 'train.bin'), lambda f: ids[:n].tofile(f))
     print(f"{len(text):,} characters, vocabulary {len(chars)}: train {n:,} tokens, val {len(ids) - n:,} tokens "
           f"-> {out_dir}")
 
