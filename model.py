@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -1349,8 +1350,8 @@ def comm_report(comms):
 
 
 def loopback_bytes_sent():
-    """Bytes this machine has sent through its loopback interface since boot, from the OS's counters
-    (Linux's /proc/net/dev); None elsewhere."""
+    """Bytes this whole machine has sent through its loopback interface since boot (Linux's /proc/net/dev), or
+    None. Every process's traffic is in it, so it is only a cross-check (the tests use it to see their flood)."""
     try:
         with open('/proc/net/dev') as f:
             for line in f:
@@ -1362,36 +1363,64 @@ def loopback_bytes_sent():
     return None
 
 
+TCPI_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in Linux's struct tcp_info (linux/tcp.h, Linux >= 4.19)
+
+
+def tcp_bytes_sent_by_socket():
+    """{socket inode: payload bytes sent} for every TCP socket this process holds open, from the kernel's own
+    per-socket count (getsockopt TCP_INFO, tcpi_bytes_sent), or None where the kernel does not keep it.
+    gloo talks over TCP sockets of the process itself, so this is this rank's own traffic and nobody else's."""
+    if not hasattr(socket, 'TCP_INFO') or not os.path.isdir('/proc/self/fd'):
+        return None
+    sent = {}
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            target = os.readlink(f'/proc/self/fd/{fd}')
+            if not target.startswith('socket:'):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate descriptor: closing it leaves ours open
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        if len(info) < TCPI_BYTES_SENT + 8:
+            return None  # a kernel older than 4.19
+        sent[target] = int.from_bytes(info[TCPI_BYTES_SENT:TCPI_BYTES_SENT + 8], sys.byteorder)
+    return sent
+
+
 class WireMeter:
-    """Measured: the bytes one rank sent over a window of steps, from the operating system's network counters.
-    With gloo and every rank on this machine (torchrun --standalone, or several "nodes" on one host) all the
-    traffic goes through the loopback interface: its counter is read at the start and at the end of the window,
-    each after a barrier, and divided by the ranks on the machine, giving the mean bytes one rank sent (with TCP
-    headers, a fraction of a percent on large messages). NCCL (NVLink, InfiniBand) and peers on other machines
-    bypass it: then the meter reports None rather than a guess."""
+    """Measured: the bytes this rank itself sent over a window of steps. gloo moves every collective and send over
+    TCP sockets that this process owns, and the kernel counts each socket's payload bytes (TCP_INFO): summed over
+    the process's sockets at the end of the window minus at its start, that is exactly this rank's traffic,
+    whoever else uses the network, on one machine or between machines. Both ends sit behind a barrier, so every
+    collective of the window has finished on every rank (what this rank sent has left it). NCCL moves its
+    bytes over NVLink or InfiniBand, past the process's sockets: then the meter reports None and says why."""
 
     def __init__(self):
-        local = int(os.environ.get('LOCAL_WORLD_SIZE', os.environ.get('WORLD_SIZE', '1')))
-        self.ranks_here = local
-        self.why_not = (None if dist.is_initialized() and dist.get_backend() == 'gloo' and
-                        local == dist.get_world_size() and loopback_bytes_sent() is not None else
-                        'not measured: ' + ('one process' if not dist.is_initialized() else
-                                            'NCCL bypasses the OS counters' if dist.get_backend() != 'gloo' else
-                                            'peers on other machines' if local != dist.get_world_size() else
-                                            'no /proc/net/dev'))
-        self.start_bytes = None
+        self.why_not = None
+        if not dist.is_initialized():
+            self.why_not = 'not measured: one process'
+        elif dist.get_backend() != 'gloo':
+            self.why_not = 'not measured: NCCL moves its bytes past the process\'s sockets'
+        elif tcp_bytes_sent_by_socket() is None:
+            self.why_not = 'not measured: this OS gives no per-socket TCP counters'
+        self.start_sent = None
 
     def start(self):
         if self.why_not is None:
             dist.barrier()
-            self.start_bytes = loopback_bytes_sent()
+            self.start_sent = tcp_bytes_sent_by_socket()
 
     def stop(self):
-        """The mean bytes each rank sent since start(), or None."""
-        if self.why_not is not None or self.start_bytes is None:
+        """The bytes this rank sent since start(), or None. A socket opened in the window counts from zero."""
+        if self.why_not is not None or self.start_sent is None:
             return None
         dist.barrier()
-        return (loopback_bytes_sent() - self.start_bytes) / self.ranks_here
+        now = tcp_bytes_sent_by_socket()
+        return sum(n - self.start_sent.get(sock, 0) for sock, n in now.items())
 
 
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down

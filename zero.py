@@ -779,10 +779,13 @@ def print_report(rows):
                  for k in ('param_bytes', 'grad_bytes', 'optim_bytes') + (('host_bytes',) * r['offload_optimizer'])]
         print(f"  rank {r['rank']}: " + ' | '.join(cells))
     kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r0['collective_bytes_by_kind'].items())
-    wire = r0['wire_bytes_note'] if r0['wire_bytes'] is None else f"{r0['wire_bytes']:,.0f}"
+    wire = (r0['wire_bytes_note'] if r0['wire_bytes'] is None else
+            ', '.join(f"rank {r['rank']} {r['wire_bytes']:,}" for r in rows))
     print(f"  sent per step by each rank: collective bytes {r0['collective_bytes']:,} [{kinds}] (counted at the "
-          f"calls); wire bytes {r0['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback)")
-    if r0['wire_bytes'] and r0['wire_bytes'] > 1.2 * r0['wire_bytes_formula']:
+          f"calls); wire bytes {r0['wire_bytes_formula']:,.0f} (ring formula); {wire} (measured, each rank's "
+          f"own TCP sockets)")
+    if 'reduce_scatter' in r0['collective_bytes_by_kind'] and r0['wire_bytes'] and \
+            r0['wire_bytes'] > 1.2 * r0['wire_bytes_formula']:
         print("  (more on the wire than the ring formula: gloo's reduce-scatter is an all-reduce underneath, so "
               "each reduce-scatter sends 2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter)")
 

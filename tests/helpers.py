@@ -182,3 +182,41 @@ def spawn(fn, world_size, *args, timeout=180):
             rank = min(errors)
             raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
         return [results[r] for r in range(world_size)]
+
+
+class LoopbackFlood:
+    """Other traffic on this machine while a test measures wire bytes: a thread of the test process pushes bytes
+    through a TCP connection on 127.0.0.1 (about rate bytes/s, for at most max_s seconds) until the block ends.
+    The machine's loopback counter sees it; a rank's own sockets must not. `sent` is what the flood pushed."""
+
+    def __init__(self, rate=20_000_000, max_s=300):
+        import threading
+        self.rate, self.max_s, self.sent, self.stopped = rate, max_s, 0, threading.Event()
+        self.server = socket.create_server(('127.0.0.1', 0))
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._drain, self._push)]
+
+    def _drain(self):
+        conn, _ = self.server.accept()
+        with conn:
+            while conn.recv(1 << 16):
+                pass
+
+    def _push(self):
+        import time
+        chunk, t0 = b'x' * (1 << 16), time.monotonic()
+        with socket.create_connection(self.server.getsockname()) as conn:
+            while not self.stopped.is_set() and time.monotonic() - t0 < self.max_s:
+                conn.sendall(chunk)
+                self.sent += len(chunk)
+                self.stopped.wait(len(chunk) / self.rate)  # a bounded rate: the test's ranks need the cores
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        for t in self.threads:
+            t.join(10)
+        self.server.close()
