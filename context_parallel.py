@@ -552,7 +552,8 @@ class FirstStepReport:
             self.dp_cp.size // C)
         sent = comm_report([cp.group, self.dp_cp])
         formula = micro_steps * config.n_layer * cp_comm_bytes_formula(s, b, config.n_head, config.n_kv_head,
-                                                                       h // config.n_head, C, cfg.cp_attention)
+                                                                       h // config.n_head, C, cfg.cp_attention,
+                                                                       act_elem)
         rank = dist.get_rank() if dist.is_initialized() else 0
         row = {'rank': rank, 'iter': iter_num, 'cp_rank': cp.group.rank, 'cp': C, 'cp_attention': cfg.cp_attention,
                'activation_bytes': self.activation_bytes,

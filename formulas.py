@@ -167,14 +167,17 @@ def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
 
 def cp_comm_bytes_formula(s, b, n_head, n_kv_head, head_dim, cp, attention, bytes_per_elem=4):
     """Bytes one rank sends for one layer's attention, forward and backward, per micro-batch of b sequences of s
-    tokens. ring: a kv block (keys and values of its s/cp tokens) goes on cp-1 times forward and cp-1 times
-    backward, and the block's gradients cp times (the last brings them home). Ulysses: q, k, v and the output
-    all-to-all'd forward and their gradients backward, (cp-1)/cp of each."""
+    tokens; bytes_per_elem is the size of q, k, v (2 under bf16 autocast: c_attn's output). ring: a kv block (keys
+    and values of its s/cp tokens) goes on cp-1 times forward and cp-1 times backward, in q's dtype, and the
+    block's gradients cp times (the last brings them home), in fp32 whatever the dtype: RingAttention.backward
+    accumulates dK and dV in fp32 buffers and sends those. Ulysses: q, k, v and the output all-to-all'd forward
+    and their gradients backward, (cp-1)/cp of each, all in q's dtype (autograd hands each gradient back in its
+    tensor's dtype)."""
     if cp == 1:
         return 0
     tokens = b * s // cp
-    kv = 2 * tokens * n_kv_head * head_dim * bytes_per_elem
+    kv = 2 * tokens * n_kv_head * head_dim  # elements of one kv block
     if attention == 'ring':
-        return (cp - 1) * kv + (cp - 1) * kv + cp * kv
-    qo = 2 * tokens * n_head * head_dim * bytes_per_elem
-    return 2 * (cp - 1) / cp * (qo + kv)
+        return 2 * (cp - 1) * kv * bytes_per_elem + cp * kv * 4
+    qo = 2 * tokens * n_head * head_dim
+    return 2 * (cp - 1) / cp * (qo + kv) * bytes_per_elem

@@ -165,3 +165,25 @@ def test_bad_config_exits_on_every_rank(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if 'error:' in line]
     assert sorted(line.split(']')[0] for line in lines) == ['[rank 0', '[rank 1'], proc.stderr
+
+
+def test_bf16_formula_is_what_ring_and_ulysses_send(tmp_path):
+    """Under bf16 autocast the ring's keys and values travel in bf16 and their gradients (dK, dV, accumulated in
+    fp32) in fp32; Ulysses' q, k, v, output and their gradients all in bf16. The bytes the Comm counted in a
+    real cp=2 run are the formula's with bytes_per_elem=2 (not its all-fp32 count)."""
+    L, s, b, cp = 2, 16, 4, 2
+    for attention in ('ring', 'ulysses'):
+        out = tmp_path / attention
+        check(run_script('context_parallel.py', TINY + LLAMA + [
+            '--dtype=bfloat16', '--cp=2', f'--cp_attention={attention}', '--max_iters=1', '--eval_interval=100',
+            '--gradient_accumulation_steps=1', '--always_save_checkpoint=False', f'--out_dir={out}'], nproc=2))
+        rows = [r for r in read_log(out) if 'rank' in r]
+        assert len(rows) == 2
+        args = (s, b, 4, 2, 8, cp, attention)  # LLAMA: 4 heads, 2 kv heads of 32 / 4 = 8
+        formula = L * formulas.cp_comm_bytes_formula(*args, bytes_per_elem=2)
+        for r in rows:
+            assert r['cp_attention_bytes'] == formula == r['cp_attention_bytes_formula'], (r, formula)
+            if attention == 'ring':  # by kind: a kv block is 2 x 32 tokens x 2 heads x 8 = 1024 elements
+                kinds = r['collective_bytes_by_kind']
+                assert kinds['cp kv'] == L * 2 * (cp - 1) * 1024 * 2 and kinds['cp dkv'] == L * cp * 1024 * 4, r
+        assert formula != L * formulas.cp_comm_bytes_formula(*args, bytes_per_elem=4)
