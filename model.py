@@ -742,23 +742,23 @@ def get_lr(it, cfg):
 
 @torch.no_grad()
 def estimate_loss(loss_of, data, cfg, dp=None):
-    """Mean loss over eval_iters fixed batches of batch_size sequences for each split. loss_of(x, y) returns the
-    mean loss of one batch however the strategy computes it, so every script evaluates the same batches.
-    The data-parallel ranks share the work (dp: their Comm): rank r takes batches r, r + dp, ... and one
-    all-reduce adds the sums up. Every rank runs the same number of forwards (a rank short of a batch repeats the
-    last one with weight 0), because a sharded model needs every rank in every forward."""
+    """Mean loss over eval_iters global batches for each split, by training's one batch rule: evaluation batch k
+    is the global batch (batch_size * gradient_accumulation_steps sequences) of (seed, EVAL_STREAM, k), each
+    data-parallel rank (dp: their Comm) takes its contiguous slice in micro-batches of batch_size, and one
+    all-reduce adds the sums up. So the losses are equal for every strategy, world size and split of the batch.
+    loss_of(x, y) returns the mean loss of one micro-batch however the strategy computes it."""
     dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
-    n = cfg.eval_iters
+    n_micro, global_rows = cfg.gradient_accumulation_steps, cfg.batch_size * cfg.gradient_accumulation_steps
     sums = torch.zeros(2, device=cfg.device)
     for i, split in enumerate(('train', 'val')):
-        for k in range(dp_rank, math.ceil(n / dp_size) * dp_size, dp_size):
-            x, y = get_batch(data[split], cfg.seed, EVAL_STREAM, min(k, n - 1), cfg.batch_size, cfg.block_size,
-                             device=cfg.device)
-            loss = loss_of(x, y).float()
-            if k < n:
-                sums[i] += loss
+        for k in range(cfg.eval_iters):
+            for micro_step in range(n_micro // dp_size):
+                x, y = get_batch(data[split], cfg.seed, EVAL_STREAM, k, global_rows, cfg.block_size,
+                                 rows=micro_batch_rows(cfg, dp_rank, dp_size, micro_step), device=cfg.device)
+                sums[i] += loss_of(x, y).float()
     if dp is not None:
         dp.all_reduce(sums)
+    n = cfg.eval_iters * n_micro  # micro-batches of equal size: their mean is the global batch's
     return {'train': sums[0].item() / n, 'val': sums[1].item() / n}
 
 

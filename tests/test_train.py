@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import model as M
-from helpers import REPO, TINY, check, read_log, run_script, train_losses
+from helpers import REPO, TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses
 
 TRAIN = 'train.py'
 
@@ -186,3 +186,49 @@ def test_profile_writes_a_trace_perfetto_opens(tmp_path):
     events = json.load(open(trace))['traceEvents']
     assert any(e.get('name', '').startswith('aten::') and 'mm' in e['name'] for e in events)
     assert any(e.get('name', '').startswith('ProfilerStep#') for e in events)  # the steps are marked
+
+
+class _RankOfMany:
+    """What estimate_loss sees on rank `rank` of `size` data-parallel ranks; the all-reduce is left out, so the
+    ranks' results add up to the whole (the test plays every rank in turn)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x):
+        pass
+
+
+@pytest.mark.parametrize('batch_size, accumulation, dp_size', [(12, 1, 1), (4, 3, 1), (4, 3, 3), (3, 4, 4),
+                                                                 (1, 12, 4)])
+def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulation, dp_size):
+    """Evaluation batch k is the global batch of (seed, k) whatever the split: a global batch of 12 sequences
+    evaluated in one process, as 3 or 12 micro-batches, or over 3 and 4 data-parallel ranks, gives one loss.
+    (The mean of a per-sequence loss computed here, apart from estimate_loss, is the reference.)"""
+    data, vocab = M.load_dataset('stdlib_char')
+    torch.manual_seed(0)
+    model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab)).eval()
+    cfg = M.SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
+                            seed=7, block_size=16, device='cpu')
+    got = {'train': 0.0, 'val': 0.0}
+    for rank in range(dp_size):
+        losses = M.estimate_loss(lambda x, y: model(x, y)[1], data, cfg, _RankOfMany(rank, dp_size))
+        for split, loss in losses.items():
+            got[split] += loss
+    for split in ('train', 'val'):
+        batches = [M.get_batch(data[split], 7, M.EVAL_STREAM, k, 12, 16) for k in range(2)]
+        want = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
+        assert got[split] == pytest.approx(want, rel=1e-6), (split, got[split], want)
+
+
+def test_val_loss_of_ddp_on_3_ranks_equals_train_py_with_another_split(tmp_path):
+    """End to end: train.py with one micro-batch of 12 and train_ddp.py on 3 ranks with 4 x 3 micro-batches log
+    the same training and evaluation losses (so they would keep the same best checkpoint)."""
+    common = TINY + ['--max_iters=2', '--eval_interval=2', '--eval_iters=2', '--log_interval=1']
+    one = str(tmp_path / 'one')
+    check(run_script(TRAIN, common + ['--batch_size=12', '--gradient_accumulation_steps=1', f'--out_dir={one}']))
+    ddp = str(tmp_path / 'ddp')
+    check(run_script('train_ddp.py', common + ['--batch_size=4', '--gradient_accumulation_steps=3',
+                                               f'--out_dir={ddp}'], nproc=3))
+    assert_same_losses(train_losses(ddp), train_losses(one))
+    assert_same_losses(eval_losses(ddp), eval_losses(one))
