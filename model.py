@@ -1016,10 +1016,11 @@ def is_master():
 def check_batch(cfg, dp_size, world_size):
     """The one batch rule needs whole micro-batches on every data-parallel rank."""
     if cfg.gradient_accumulation_steps % dp_size:
+        fits = math.ceil(cfg.gradient_accumulation_steps / dp_size) * dp_size
         raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
                          f"by the data-parallel size dp={dp_size} (world size {world_size}): each data-parallel "
-                         f"rank takes whole micro-batches, and the world is larger than the batch or does not "
-                         f"divide it")
+                         f"rank takes whole micro-batches; use --gradient_accumulation_steps={fits} or fewer "
+                         f"processes")
 
 
 def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
@@ -1438,6 +1439,10 @@ def init_distributed(timeout_s, group_of_one=False):
     device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
     if dist.is_initialized():
         return dist.get_rank(), local_rank, dist.get_world_size(), device
+    if 'RANK' not in os.environ:
+        script = os.path.basename(sys.argv[0])
+        print(f"running as a single process (started without torchrun); for N processes: torchrun --standalone "
+              f"--nproc_per_node=N {script} {' '.join(sys.argv[1:])}".rstrip(), flush=True)
     if 'RANK' not in os.environ and not group_of_one:
         return 0, 0, 1, ('cuda' if torch.cuda.is_available() else 'cpu')
     if torch.cuda.is_available():
@@ -1505,8 +1510,19 @@ def world_size_from_env():
     return int(os.environ.get('WORLD_SIZE', '1'))
 
 
+def record_for_torchrun(message, callstack):
+    """Leave the rank's error where torchrun's closing summary reads it (TORCHELASTIC_ERROR_FILE, the format of
+    torch.distributed.elastic's @record), so the user's last screen says what went wrong, not only an exit code."""
+    path = os.environ.get('TORCHELASTIC_ERROR_FILE')
+    if path:
+        with open(path, 'w') as f:
+            json.dump({'message': {'message': message, 'extraInfo': {'py_callstack': callstack,
+                                                                     'timestamp': str(int(time.time()))}}}, f)
+
+
 def run_main(main):
-    """Run main(argv) and turn a config error into one line on stderr and exit code 1 (on every rank)."""
+    """Run main(argv) and turn a config error into one line on stderr and exit code 1 (on every rank); under
+    torchrun that line, or an unexpected error's traceback, is also what torchrun's summary shows."""
     try:
         main(sys.argv[1:])
         # free what the run built (DDP's reducer, gloo's work objects) while the interpreter is whole: freed during
@@ -1521,7 +1537,12 @@ def run_main(main):
             # newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run together
             sys.stderr.write(line)
             sys.stderr.flush()
+            record_for_torchrun(e.code, line)
             if dist.is_initialized() and _GROUP_IS_OURS:  # (an error found after joining, e.g. on resume): left to
                 dist.destroy_process_group()  # the interpreter's exit, gloo's threads can abort ('terminate called')
             sys.exit(1)
+        raise
+    except Exception as e:
+        import traceback
+        record_for_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
         raise

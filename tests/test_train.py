@@ -232,3 +232,17 @@ def test_val_loss_of_ddp_on_3_ranks_equals_train_py_with_another_split(tmp_path)
                                                f'--out_dir={ddp}'], nproc=3))
     assert_same_losses(train_losses(ddp), train_losses(one))
     assert_same_losses(eval_losses(ddp), eval_losses(one))
+
+
+def test_torchrun_summary_carries_the_error_and_plain_python_says_single_process(tmp_path):
+    """Under torchrun the user's last screen is torchrun's failure summary: it must carry the rank's one line
+    (with the flag to change), not only an exit code. Started with plain python, a distributed script says it
+    runs as one process and gives the torchrun command."""
+    proc = run_script('train_ddp.py', TINY + ['--gradient_accumulation_steps=3', f'--out_dir={tmp_path}'], nproc=2)
+    assert proc.returncode != 0
+    summary = proc.stderr[proc.stderr.index('Root Cause'):]
+    assert 'error: gradient_accumulation_steps (3) must be divisible' in summary, summary
+    assert '--gradient_accumulation_steps=4' in summary, summary
+    proc = check(run_script('train_ddp.py', TINY + ['--max_iters=0', f'--out_dir={tmp_path}']))
+    assert 'running as a single process' in proc.stdout and 'torchrun --standalone --nproc_per_node=N ' \
+        'train_ddp.py' in proc.stdout, proc.stdout
