@@ -284,10 +284,15 @@ class GPT(nn.Module):
         fused = device_type == 'cuda'
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-    def flops_per_token(self):
-        """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus attention's 12*L*h*s."""
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs per token of sequences of seq_len (the run's block_size; default the model's): 6N for
+        the N weights that multiply (forward 2N, backward 4N) plus attention's 12*L*d*s (PaLM's appendix B).
+        The token embedding multiplies only as the tied head: untied, it is a lookup, and so is wpe."""
         cfg = self.config
-        return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        n_matmul = self.get_num_params()
+        if not cfg.tie_embeddings:
+            n_matmul -= self.transformer.wte.weight.numel()
+        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * (seq_len or cfg.block_size)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -118,7 +118,7 @@ def main(argv):
     # training loop
     writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
     profiler = StepProfiler(cfg.profile, cfg.out_dir, 0, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=1)
+    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=1)
     while True:
         lr = get_lr(iter_num, cfg)
         set_lr(optimizer, lr)

@@ -156,7 +156,7 @@ def main(argv):
     # training loop
     writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
     profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=dp_size)
+    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp_size)
     while True:
         lr = get_lr(iter_num, cfg)
         set_lr(optimizer, lr)

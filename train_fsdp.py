@@ -328,7 +328,7 @@ def main(argv):
     # training loop
     writer = CheckpointWriter()  # for the exported ckpt.pt, which rank 0 writes in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=dp_size)
+    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp_size)
     grad_peak = GradPeak(raw_model) if iter_num < cfg.max_iters else None  # the first iteration is measured
     while True:
         lr = get_lr(iter_num, cfg)

@@ -637,7 +637,7 @@ def main(argv):
     # training loop
     writer = CheckpointWriter()  # every rank writes its shard in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, raw_model.flops_per_token(), n_devices=world_size)
+    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=world_size)
     report = FirstStepReport(zero, dp, cfg, iter_num)  # the first iteration: bytes held and sent, measured
     while True:
         lr = get_lr(iter_num, cfg)

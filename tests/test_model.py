@@ -241,3 +241,20 @@ def test_init_params_replays_train_py_initialization_exactly(layout):
     assert sorted(got) == sorted(named)
     for name, p in named.items():
         assert torch.equal(got[name], p.detach()), name
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_flops_per_token_equals_torch_s_count_of_a_training_step(layout):
+    """MFU's numerator against PyTorch's own FLOP counter (torch.utils.flop_counter counts every matmul, none of
+    the lookups) over one forward and backward of sequences shorter than block_size, attention on its math
+    kernel (two bmm, whose FLOPs the counter sees). The formula also counts the norms' and biases' weights as
+    if they multiplied (6 FLOPs each per token): with those taken out the two agree exactly. Counting the untied
+    token embedding, or the model's block size instead of the run's sequence length, would not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    model = build(**dict(LAYOUTS[layout], n_embd=64))
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert model.flops_per_token(seq_len=12) - 6 * vectors == counter.get_total_flops() / idx.numel()
