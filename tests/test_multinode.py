@@ -74,7 +74,6 @@ def test_two_nodes_train_train_py_curve(reference, tmp_path, script):
     run_two_nodes(script, ARGS + SCRIPTS[script] + [f'--out_dir={out}'])
     assert_same_losses(train_losses(out), train_losses(reference), [0, 1, 2])
     assert_mfu_per_device(out, 2)
-    # the loopback counter cannot tell one node's traffic from the other's: the scripts say so instead of guessing
-    for r in read_log(out):
-        if 'wire_bytes' in r:
-            assert r['wire_bytes'] is None and 'other machines' in r['wire_bytes_note'], r
+    # each rank measures what its own sockets sent, so it works between machines too
+    rows = [r for r in read_log(out) if 'wire_bytes' in r]
+    assert all(r['wire_bytes'] is not None and r['wire_bytes'] > 0 for r in rows), rows
