@@ -82,17 +82,14 @@ config = config_defaults(globals())
 
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
-    if cfg.schedule not in ('gpipe', '1f1b', 'interleaved'):
-        raise SystemExit(f"error: schedule must be 'gpipe', '1f1b' or 'interleaved', got {cfg.schedule!r}")
-    if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
-        raise SystemExit(f"error: virtual_stages={cfg.virtual_stages} needs schedule='interleaved' (and >= 1)")
+    check_schedule(cfg)
     if cfg.pp < 1 or world_size % cfg.pp != 0:
         raise SystemExit(f"error: world size {world_size} is not divisible by pp={cfg.pp} (world = dp x pp)")
     check_batch(cfg, world_size // cfg.pp, world_size)
     if cfg.n_layer % (cfg.pp * cfg.virtual_stages) != 0:
         raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp ({cfg.pp}) x virtual_stages "
                          f"({cfg.virtual_stages}): each stage gets n_layer/pp blocks, in virtual_stages chunks")
-    if cfg.n_microbatches < 1 or cfg.batch_size % cfg.n_microbatches != 0:
+    if cfg.batch_size % cfg.n_microbatches != 0:
         raise SystemExit(f"error: batch_size ({cfg.batch_size}) must be divisible into n_microbatches "
                          f"({cfg.n_microbatches}) equal microbatches")
     if cfg.schedule == '1f1b' and cfg.n_microbatches < cfg.pp:
@@ -104,8 +101,49 @@ def validate(cfg, world_size):
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: pipeline.py trains in float32 or bfloat16, got dtype={cfg.dtype!r} (float16 would "
                          f"need one loss scale agreed by every stage)")
+    check_no_compile(cfg, 'pipeline.py')
+    check_resume_grid(cfg, {'pp': cfg.pp, 'virtual_stages': cfg.virtual_stages}, stage_ckpt_path(cfg.out_dir, 0))
+
+
+def check_schedule(cfg):
+    """The schedule's keys, checked before any other (the others divide by them); parallel_4d.py checks them too."""
+    if cfg.schedule not in SCHEDULES:
+        raise SystemExit(f"error: --schedule={cfg.schedule} is not one of {', '.join(SCHEDULES)}")
+    if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
+        raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} must be 1, or more with "
+                         f"--schedule=interleaved (got --schedule={cfg.schedule})")
+    if cfg.virtual_stages > 1 and cfg.pp == 1:  # (pp < 1 is the world-size check's)
+        raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} needs pp >= 2: the chunks pass activations "
+                         f"round the ring of stages, and with pp=1 a stage's neighbour is itself; use "
+                         f"--virtual_stages=1")
+    if cfg.n_microbatches < 1:
+        raise SystemExit(f"error: --n_microbatches={cfg.n_microbatches} must be at least 1")
+
+
+def check_no_compile(cfg, script):
+    """torch.compile is not wired into the sharded scripts: say so rather than ignore it."""
     if cfg.compile:
-        raise SystemExit("error: compile=True is not supported by pipeline.py")
+        raise SystemExit(f"error: --compile=True is not supported by {script}: pass --compile=False (a config file "
+                         f"that sets compile = True needs it after the file)")
+
+
+def check_resume_grid(cfg, grid, ckpt_path):
+    """init_from=resume: the saved files must be cut as this run cuts the model (grid: {key: this run's value}),
+    else loading them fails deep in load_state_dict. The first file tells (memory-mapped: little is read); its
+    'grid', else its config (a file written before 'grid' was saved)."""
+    if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
+        return  # (a missing file is init_model's to report, on every rank)
+    checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=True)
+    saved = checkpoint.get('grid', checkpoint['config'])
+    saved = {k: saved[k] for k in grid if k in saved}
+    if saved != {k: grid[k] for k in saved}:
+        def as_flags(g):
+            return ' '.join(f"--{k}={v}" for k, v in g.items() if k != 'ranks') + \
+                (f" on {g['ranks']} ranks" if 'ranks' in g else '')
+        raise SystemExit(f"error: init_from=resume: {ckpt_path} was saved with {as_flags(saved)}, this run has "
+                         f"{as_flags(grid)}: resume with the saved ones, or python consolidate.py {cfg.out_dir} "
+                         f"makes one ckpt.pt, which train.py, train_ddp.py, zero.py, train_fsdp.py and "
+                         f"context_parallel.py continue from on any number of ranks")
 
 
 def embed_comm(grid, rank, tied):
@@ -520,14 +558,19 @@ def op_label(op, i):
 
 
 def timeline(records, total, n_slots, width):
-    """One line of the stage's step: n_slots equal slices of the clock, each showing the op running at its middle
-    (F3 = forward of microbatch 3, B3 its backward) or '.' when the stage was not computing."""
-    cells = []
-    for s in range(n_slots):
-        t = (s + 0.5) * total / n_slots
-        label = next((op_label(op, i) for op, i, t0, t1 in records if op in 'FB' and t0 <= t < t1), '.')
-        cells.append(label.ljust(width))
-    return ' '.join(cells)
+    """One line of the stage's step, n_slots equal slices of the clock: each forward and backward once, in the
+    order executed (F3 = forward of microbatch 3, B3 its backward), in the slot where it started, '-' in the slots
+    it goes on running through, '.' where the stage was not computing. An op shorter than a slot, or one starting
+    in a slot already taken, takes the next free slot (the row grows past n_slots rather than drop it)."""
+    slot, cells = total / n_slots, []
+    for op, i, t0, t1 in records:
+        if op not in 'FB':
+            continue
+        start = max(len(cells), int(t0 / slot))
+        cells += ['.'] * (start - len(cells)) + [op_label(op, i)]
+        cells += ['-'] * (round(t1 / slot) - len(cells))  # the slots whose middle it runs through
+    cells += ['.'] * (n_slots - len(cells))
+    return ' '.join(c.ljust(width) for c in cells).rstrip()
 
 
 def write_schedule_trace(stages, total, path):
@@ -603,7 +646,8 @@ def report_schedule(stage, cfg, rank, dp_rank, iter_num, micro_steps, comms, wir
     clock = 'CUDA events' if stage.clock.cuda else 'host clock'
     print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches{f', v={v} chunks per stage' if v > 1 else ''}, "
           f"iter {iter_num}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; "
-          f"F3/B3 = forward/backward of microbatch 3{', F3.1 on chunk 1' if v > 1 else ''}, . = not computing)")
+          f"F3/B3 = forward/backward of microbatch 3{', F3.1 on chunk 1' if v > 1 else ''}, - = still running, "
+          f". = not computing)")
     for r in stages:
         print(f"stage {r['stage']} | {timeline(r['records'], total, n_slots, width)}")
     for r in stages:

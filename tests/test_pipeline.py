@@ -271,11 +271,17 @@ BAD = [
     (2, ['--pp=2', '--n_microbatches=3'], 'must be divisible into n_microbatches'),
     (2, ['--pp=2', '--schedule=1f1b', '--n_microbatches=1'], 'needs n_microbatches (1) >= pp (2)'),
     (4, ['--pp=2', '--gradient_accumulation_steps=1'], 'must be divisible by the data-parallel size dp=2'),
+    (2, ['--pp=2', '--schedule=foo'], '--schedule=foo is not one of gpipe, 1f1b, interleaved'),
+    (2, ['--pp=2', '--n_microbatches=0'], '--n_microbatches=0 must be at least 1'),
+    (2, ['--pp=2', '--virtual_stages=2'], '--virtual_stages=2 must be 1, or more with --schedule=interleaved'),
+    (2, ['--pp=1', '--schedule=interleaved', '--virtual_stages=2'], '--virtual_stages=2 needs pp >= 2'),
+    (2, ['--pp=2', '--compile=True'], 'not supported by pipeline.py: pass --compile=False'),
 ]
 
 
 @pytest.mark.parametrize('world,args,message', BAD,
-                         ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch'])
+                         ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch', 'schedule', 'm-0',
+                              'v-without-interleaved', 'v-on-one-stage', 'compile'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     """Every check runs before the process group exists, from the world size torchrun sets."""
     import pipeline
@@ -285,10 +291,55 @@ def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, messa
 def test_bad_config_exits_on_every_rank(tmp_path):
     proc = run_script('pipeline.py', TINY + [f'--out_dir={tmp_path}', '--pp=2', '--n_microbatches=3'], nproc=2,
                       timeout=60)
+    one_error_line_per_rank(proc, 'must be divisible into n_microbatches')
+
+
+def one_error_line_per_rank(proc, key, nproc=2, script='pipeline.py'):
+    """A run stopped by bad input: a non-zero exit, and on every rank one line 'error: ...' that names the key (the
+    rank's own line: torchrun's summary may quote it again, indented), and no traceback from the script."""
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if 'error:' in l]
-    assert sorted(l.split(']')[0] for l in lines) == ['[rank 0', '[rank 1'], proc.stderr
-    assert all('must be divisible into n_microbatches' in l for l in lines), lines
+    lines = [l for l in proc.stderr.splitlines() if l.startswith('[rank ') and '] error: ' in l]
+    assert sorted(l.split(']')[0] for l in lines) == [f'[rank {r}' for r in range(nproc)], proc.stderr[-3000:]
+    assert all(key in l for l in lines), lines
+    assert f'{script}", line' not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_interleaved_on_one_stage_exits_on_every_rank(tmp_path):
+    """pp=1 with chunks would make a stage its own neighbour: refused before any work (no log written)."""
+    proc = run_script('pipeline.py', TINY + [f'--out_dir={tmp_path}', '--pp=1', '--schedule=interleaved',
+                                             '--virtual_stages=2'], nproc=2, timeout=60)
+    one_error_line_per_rank(proc, '--virtual_stages=2')
+    assert not (tmp_path / 'log.jsonl').exists()
+
+
+def test_resume_with_another_pp_says_what_to_do(tmp_path):
+    """Stage files saved with pp=2 (one iteration), resumed with pp=1: one line per rank naming the saved --pp and
+    consolidate.py, not a load_state_dict traceback."""
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--eval_iters=1']
+    check(run_script('pipeline.py', flags + ['--pp=2'], nproc=2))
+    proc = run_script('pipeline.py', flags + ['--pp=1', '--init_from=resume'], nproc=2, timeout=60)
+    one_error_line_per_rank(proc, 'was saved with --pp=2 --virtual_stages=1, this run has --pp=1')
+    assert 'python consolidate.py' in proc.stderr
+
+
+def test_timeline_shows_every_op_once_in_the_order_executed():
+    """A stage's row from a known executed order, its ops from 1/1000 of a slot to many slots long (on the bench's
+    shape a short B0 used to vanish and a long F2 show three times): every F and B appears exactly once, in the
+    order executed; a long op continues with '-'; the waits (W) are not ops."""
+    import pipeline
+    ops = [('F', 0, 0.0, 0.001), ('W', 0, 0.001, 0.2), ('F', 1, 0.2, 0.2001), ('B', 0, 0.2001, 0.2002),
+           ('F', 2, 0.2002, 0.9), ('B', 1, 0.9, 0.9001), ('F', 3, 0.9001, 0.91), ('B', 2, 0.95, 0.9501),
+           ('B', 3, 0.9501, 1.0)]
+    for n_slots in (4, 10, 40):
+        row = pipeline.timeline(ops, 1.0, n_slots, 2).split()
+        assert [c for c in row if c[0] in 'FB'] == ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3'], (n_slots, row)
+        assert set(row) <= {'F0', 'F1', 'F2', 'F3', 'B0', 'B1', 'B2', 'B3', '-', '.'}, row
+        assert len(row) >= n_slots
+    row = pipeline.timeline(ops, 1.0, 10, 2).split()
+    # slots of 0.1: F1 and B0 take slots 2 and 3, F2 the next free one, 4, and runs on to 0.9 through slots 5-8
+    assert row[:row.index('B1')] == ['F0', '.', 'F1', 'B0', 'F2', '-', '-', '-', '-'], row
+    chunks = [('F', (0, 1), 0.0, 0.5), ('B', (0, 1), 0.5, 0.5001)]  # interleaved labels: F<microbatch>.<chunk>
+    assert pipeline.timeline(chunks, 1.0, 4, 4).split() == ['F0.1', '-', 'B0.1', '.']
 
 
 def test_traces_open_in_perfetto(tmp_path):
