@@ -1,7 +1,8 @@
-"""What makes the printed numbers and the runs trustworthy, across scripts: dropout masks drawn per data-parallel
-rank the same way by DDP, ZeRO 0-3 and FSDP2 (so they give one another's loss curve with dropout on), the peak
-FLOP/s table, checkpoint writes that never hold a rank inside the training loop, and a test harness that fails
-on a hang instead of waiting forever."""
+"""What makes the printed numbers and the runs trustworthy, across scripts: dropout masks drawn per
+data-parallel rank the same way by DDP, ZeRO 0-3 and FSDP2 (so they give one another's loss curve with dropout
+on) and continued exactly on resume by every data-parallel script, the peak FLOP/s table, checkpoint writes
+that never hold a rank inside the training loop, and a test harness that fails on a hang instead of waiting
+forever."""
 import time
 
 import numpy as np
@@ -9,32 +10,44 @@ import pytest
 import torch
 
 import model as M
-from helpers import TINY, check, run_script, spawn, train_losses
+from helpers import TINY, spawn, train_losses
 from test_multinode import assert_mfu_per_device
 
 DROPOUT = TINY + ['--dropout=0.2', '--gradient_accumulation_steps=4', '--max_iters=4', '--eval_interval=4',
                   '--log_interval=1', '--learning_rate=1e-2', '--warmup_iters=1', '--peak_flops=1e12']
+# every data-parallel script as (name, module, flags): each trains DROPOUT straight, and split (2 iterations,
+# stopped, resumed to 4). parallel_4d.py with only dp > 1 is ZeRO-1 over the data-parallel ranks, but its
+# masks are its own (its model is built on the meta device and cut for the grid): held to its own curve only.
+DATA_PARALLEL = [('ddp', 'train_ddp', []), ('fsdp', 'train_fsdp', [])] + \
+    [(f'zero{s}', 'zero', [f'--stage={s}']) for s in range(4)] + [('grid', 'parallel_4d', [])]
 
 
-def zero_stages_with_dropout(rank, world_size, out):
-    from zero import main
-    for stage in range(4):
-        main(DROPOUT + [f'--stage={stage}', f'--out_dir={out}/zero{stage}'])
+def data_parallel_runs(rank, world_size, out):
+    """In each spawned rank, one process group: every DATA_PARALLEL script straight to 4 and split at 2, and
+    DDP without dropout."""
+    import importlib
+    for name, module, flags in DATA_PARALLEL:
+        main = importlib.import_module(module).main
+        main(DROPOUT + flags + [f'--out_dir={out}/{name}'])
+        main(DROPOUT + flags + [f'--out_dir={out}/{name}_split', '--max_iters=2'])
+        main(DROPOUT + flags + [f'--out_dir={out}/{name}_split', '--init_from=resume'])
+    importlib.import_module('train_ddp').main(DROPOUT + ['--dropout=0.0', f'--out_dir={out}/no_dropout'])
 
 
-def test_data_parallel_strategies_agree_with_dropout_on(tmp_path):
-    """Each rank draws its own masks (its own stream), the same way in every data-parallel script: the curves of
-    DDP, ZeRO 0-3 and FSDP2 on 2 ranks are one curve, and it is not the dropout-free one."""
+def test_data_parallel_strategies_agree_and_resume_exactly_with_dropout_on(tmp_path):
+    """Each rank draws its own masks (its own stream), the same way in every data-parallel script: the curves
+    of DDP, FSDP2 and ZeRO 0-3 on 2 ranks are one curve, and it is not the dropout-free one. Stopped at 2 and
+    resumed, each rank must go on with its own stream: every split curve (the 4D grid's too) equals its
+    uninterrupted one exactly. A bug that restored rank 0's stream on every rank moved DDP's loss after the
+    resume by 4e-5, which the cross-script 1e-5 would catch only just; a script's own curve must not move."""
     out = str(tmp_path)
-    check(run_script('train_ddp.py', DROPOUT + [f'--out_dir={out}/ddp'], nproc=2))
-    check(run_script('train_fsdp.py', DROPOUT + [f'--out_dir={out}/fsdp'], nproc=2))
-    spawn(zero_stages_with_dropout, 2, out)
-    check(run_script('train_ddp.py', DROPOUT + ['--dropout=0.0', f'--out_dir={out}/no_dropout'], nproc=2))
+    spawn(data_parallel_runs, 2, out)
     ddp = train_losses(f'{out}/ddp')
     assert sorted(ddp) == [0, 1, 2, 3]
-    for name in ['fsdp'] + [f'zero{s}' for s in range(4)]:
-        got = train_losses(f'{out}/{name}')
-        for it in ddp:
+    for name, _, _ in DATA_PARALLEL:
+        got, split = train_losses(f'{out}/{name}'), train_losses(f'{out}/{name}_split')
+        assert split == got, (name, 'resumed at 2:', split, 'uninterrupted:', got)
+        for it in ddp if name != 'grid' else ():
             assert got[it] == pytest.approx(ddp[it], rel=1e-5), (name, it, got[it], ddp[it])
     plain = train_losses(f'{out}/no_dropout')
     assert all(abs(plain[it] - ddp[it]) > 1e-4 for it in ddp), "dropout changed nothing"
