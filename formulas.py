@@ -117,6 +117,19 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     return 2 * per_norm + linear_inputs + attention + mlp + autocast_copies
 
 
+def logits_bytes_formula(tokens, vocab, bytes_per_elem=4, losses_held=1):
+    """Bytes of the head's output that a rank holds at its peak, for `tokens` tokens (b·s; s/cp under context
+    parallelism) and `vocab` entries (V/t for a vocabulary-parallel head), counted off model.py's head: the
+    logits in the compute dtype (bf16 under bf16 autocast; train.py's loop keeps them through the backward),
+    and for each micro-batch whose loss is held for backward one fp32 tensor of their shape: F.cross_entropy
+    of the logits' fp32 copy saves its log-softmax output (tensor_parallel.py's vocabulary-parallel loss its
+    exponentials). A pipeline's last stage keeps only that fp32 tensor of each microbatch it holds
+    (losses_held), the logits of one at a time. Transients are left out: under bf16 the fp32 copy itself
+    while log-softmax runs, and in backward the gradients of the log-softmax's output and input (fp32) and
+    under bf16 the input's bf16 cast: a few more tensors of this shape for a moment."""
+    return tokens * vocab * (bytes_per_elem + 4 * losses_held)
+
+
 def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
     """Bytes one rank sends per transformer layer per micro-batch (forward + backward), ring algorithms:
     4 all-reduces of the b*s*h activations, each 2(t-1)/t of it. Sequence parallelism turns each into an

@@ -3,9 +3,11 @@ from the tensors it holds; a bench run produces one table whose rows all reach t
 import json
 import os
 
-from helpers import TINY, check, run_script
+import pytest
+from helpers import REPO, TINY, check, read_log, run_script
 
 import bench
+import formulas
 
 # The ZeRO paper (Rajbhandari et al. 2020), its worked example: Ψ = 7.5B, N = 64, mixed-precision Adam.
 # Published, rounded to 0.1 GB: DP 120 GB, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB per GPU.
@@ -151,3 +153,82 @@ def test_plot_without_matplotlib_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, '__import__', no_matplotlib)
     with pytest.raises(SystemExit, match='pip install matplotlib'):
         bench.plot(_results(), str(tmp_path))
+
+
+# Published parameter counts (Hugging Face's meta-llama/Llama-2-7b-hf and gpt2-xl, as their model cards and
+# num_parameters() give them): each with its own vocabulary, which the config file names in a comment.
+PUBLISHED = {'config/llama2_7b.py': (32000, 6_738_415_616), 'config/gpt2_xl_1.5b.py': (50257, 1_557_611_200)}
+
+
+def test_the_estimate_reads_the_configs_vocabulary():
+    for config, (vocab, params) in PUBLISHED.items():
+        gptconf = bench.gpt_config_from(os.path.join(REPO, config), [], None)
+        assert (gptconf.vocab_size, bench.param_counts(gptconf)['total']) == (vocab, params), config
+    assert bench.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], 96).vocab_size == 96  # --vocab_size
+
+
+def test_logits_are_in_the_estimate_as_the_head_holds_them():
+    """formulas.logits_bytes_formula against the tensors of the logits' shape that a real forward of model.py's
+    GPT leaves held: the logits it returns and what autograd saved for backward (saved-tensor hooks, one count
+    per storage), in fp32 and under bf16 autocast; the planner adds them to every total, and "fits" sees them."""
+    import torch
+    from model import GPT, GPTConfig
+    b, s, V = 3, 16, 80  # (the tensors of V x 32 are the embedding's and the head's weights)
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=s, vocab_size=V)
+    model, x = GPT(config), torch.randint(0, V, (b, s))
+    for mixed in (False, True):
+        held = {}
+
+        def pack(t):
+            if t.dim() and t.size(-1) == V and t.numel() == b * s * V:  # the logits' shape
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=mixed), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits, _ = model(x, x)
+        held[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+        assert sum(held.values()) == formulas.logits_bytes_formula(b * s, V, 2 if mixed else 4) > 0, (mixed, held)
+
+        ddp = bench.estimate(config, 2, 1, b, s, 1, 1, 1, 1, 1, mixed)[0]
+        assert ddp['strategy'] == 'DDP' and ddp['logits_bytes'] == sum(held.values())
+        assert ddp['total_bytes'] == ddp['model_state_bytes'] + ddp['activation_bytes'] + ddp['logits_bytes']
+        limit = (ddp['total_bytes'] - ddp['logits_bytes'] / 2) / 1e9  # room for everything but half the logits
+        assert bench.estimate(config, 2, limit, b, s, 1, 1, 1, 1, 1, mixed)[0]['fits'] != 'yes'
+
+
+def test_pipeline_traffic_is_priced_as_pipeline_py_sends_it(tmp_path):
+    """Under bf16, pipeline.py sends the fp32 residual stream and its fp32 gradient, and with tied embeddings
+    its first and last stage all-reduce the tied weight's fp32 gradient: the planner's PP row per step is what
+    the Comm counted on each stage of a real run (one step of 2 micro-batches; the loss scalars left out)."""
+    out = tmp_path / 'pp'
+    check(run_script('pipeline.py', TINY + [
+        '--dtype=bfloat16', '--pp=2', '--schedule=1f1b', '--n_microbatches=2', '--gradient_accumulation_steps=1',
+        '--max_iters=1', '--eval_interval=100', '--always_save_checkpoint=False', f'--out_dir={out}'], nproc=2))
+    stages = [r for r in read_log(out) if 'stage' in r and 'rank' in r]
+    assert len(stages) == 2
+    gptconf = bench.gpt_config_from(None, TINY, bench.load_dataset('stdlib_char')[1])
+    # 2 GPUs, 1 GB, micro-batch 2 of 16 tokens, tp 1, pp 2, cp 1, 2 micro-batches, ZeRO-1, bf16
+    plan = {r['strategy']: r for r in bench.estimate(gptconf, 2, 1, 2, 16, 1, 2, 1, 2, 1, True)}
+    for r in stages:
+        kinds = r['collective_bytes_by_kind']
+        assert plan['PP=2 1F1B']['comm_bytes_per_step'] == kinds['pp send'] + kinds['embed all_reduce'], r
+
+
+def test_the_two_tables_say_what_their_communication_counts(tmp_path):
+    """The ZeRO paper's table counts one micro-batch per step in 16-bit gradients, the strategies' table a step
+    of m micro-batches as the scripts send it: the two agree where they should (ZeRO-1) and differ by the
+    factors the note names; and the output says what the estimate leaves out."""
+    proc = check(run_script('bench.py', ['--estimate', 'config/llama2_7b.py', '--gpus=8', '--n_microbatches=8',
+                                         f'--out={tmp_path}']))
+    out = proc.stdout
+    assert 'Ψ = 6.74B' in out and 'V 32000)' in out, out[:2000]
+    assert "comm per step (the paper's: 1 micro-batch)" in out and 'comm per step (8 micro-batches)' in out
+    assert 'not counted:' in out and 'logits' in out
+    gptconf = bench.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
+    numel = bench.param_counts(gptconf)['total']
+    rows = {r['strategy']: r for r in bench.estimate(gptconf, 8, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
+    paper = {stage: formulas.comm_bytes_formula(numel, 8, stage, 2) for stage in range(4)}
+    assert rows['ZeRO-1']['comm_bytes_per_step'] == paper[1]
+    assert rows['DDP']['comm_bytes_per_step'] == 2 * paper[0]
+    assert rows['ZeRO-2']['comm_bytes_per_step'] == pytest.approx((8 + 1) / 2 * paper[2])
+    assert rows['ZeRO-3']['comm_bytes_per_step'] == pytest.approx(8 * paper[3])
