@@ -30,7 +30,8 @@ from model import (GRID_DIMS, CheckpointWriter, Comm, StepLogger, StepProfiler, 
                    init_distributed, init_model, init_params, load_dataset, log_rank_rows, materialize, micro_batches,
                    outputs_line, process_grid, profiled, rng_state, run_main, run_shape, seed_dropout, set_rng_state,
                    should_evaluate, should_save, world_size_from_env)
-from pipeline import LastStepReport, Stage, embed_comm, forward_loss, keep_stage, run_schedule
+from pipeline import (LastStepReport, Stage, check_no_compile, check_resume_grid, check_schedule, embed_comm,
+                      forward_loss, keep_stage, run_schedule)
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, shard_gpt, sync_tp_grads,
                              tp_embed, tp_head)
 from zero import Zero, held_bytes
@@ -228,8 +229,9 @@ def main(argv):
             if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
-                             'coords': coords, 'dense_names': dense_names, 'model_args': vars(model.config),
-                             'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
+                             'coords': coords, 'grid': run_grid(cfg, world_size), 'dense_names': dense_names,
+                             'model_args': vars(model.config), 'iter_num': iter_num,
+                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
@@ -254,6 +256,9 @@ def main(argv):
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
+    check_schedule(cfg)  # first: the checks below divide by n_microbatches and virtual_stages
+    if cfg.cp_attention not in ('ring', 'ulysses'):
+        raise SystemExit(f"error: --cp_attention={cfg.cp_attention} is not one of ring, ulysses")
     cells = cfg.pp * cfg.cp * cfg.tp
     if min(cfg.pp, cfg.cp, cfg.tp) < 1 or world_size % cells:
         raise SystemExit(f"error: world size {world_size} is not divisible by pp x cp x tp = {cfg.pp} x {cfg.cp} x "
@@ -277,12 +282,18 @@ def check_config(cfg, world_size):
     if cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel):
         raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (context_parallel.py's "
                          "ring cannot replay dropout; sequence parallelism inside a cp chunk is not composed here)")
-    if cfg.dtype not in ('float32', 'bfloat16') or cfg.compile:
-        raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16 without compile, got dtype="
-                         f"{cfg.dtype!r}, compile={cfg.compile}")
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16, got dtype={cfg.dtype!r}")
+    check_no_compile(cfg, 'parallel_4d.py')
     if cfg.init_from == 'resume' and not os.path.exists(os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt')):
         raise SystemExit(f"error: init_from=resume but there is no checkpoint at "
                          f"{os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt')} (resume needs the same grid)")
+    check_resume_grid(cfg, run_grid(cfg, world_size), os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt'))
+
+
+def run_grid(cfg, world_size):
+    """How this run cuts the model and its AdamW state: a checkpoint resumes only on the same."""
+    return {'pp': cfg.pp, 'cp': cfg.cp, 'tp': cfg.tp, 'virtual_stages': cfg.virtual_stages, 'ranks': world_size}
 
 
 # -----------------------------------------------------------------------------

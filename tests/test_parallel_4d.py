@@ -68,11 +68,50 @@ BAD = [
     (8, ['--tp=2', '--cp=2', '--cp_attention=ulysses', '--n_head=2'], 'must be divisible by tp x cp = 4'),
     (8, ['--cp=2', '--sequence_parallel=True', '--tp=2'], 'sequence_parallel False'),
     (8, ['--pp=2', '--n_layer=3'], 'n_layer (3) must be divisible by pp x virtual_stages = 2'),
+    (8, ['--pp=2', '--compile=True'], 'not supported by parallel_4d.py: pass --compile=False'),
+    (8, ['--pp=1', '--schedule=interleaved', '--virtual_stages=2'], '--virtual_stages=2 needs pp >= 2'),
+    # each of these crashed (ZeroDivisionError; a KeyError after evaluating; mid-run) or silently ran Ulysses
+    (8, ['--pp=2', '--n_microbatches=0'], '--n_microbatches=0 must be at least 1'),
+    (8, ['--pp=2', '--virtual_stages=0'], '--virtual_stages=0 must be 1'),
+    (8, ['--pp=2', '--schedule=foo'], '--schedule=foo is not one of gpipe, 1f1b, interleaved'),
+    (8, ['--pp=2', '--virtual_stages=2', '--schedule=1f1b'], '--virtual_stages=2 must be 1, or more with --schedule=i'),
+    (8, ['--cp=2', '--cp_attention=foo'], '--cp_attention=foo is not one of ring, ulysses'),
 ]
 
 
-@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'heads', 'sp-with-cp', 'layers'])
+@pytest.mark.parametrize('world,args,message', BAD,
+                         ids=['world', 'heads', 'sp-with-cp', 'layers', 'compile', 'v-on-one-stage', 'm-0', 'v-0',
+                              'schedule', 'v-with-1f1b', 'attention'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     import parallel_4d
     argv = TINY + ['--gradient_accumulation_steps=8', f'--out_dir={tmp_path}'] + args
     assert_config_error(parallel_4d.main, argv, world, message, monkeypatch)
+
+
+def one_error_line_per_rank(proc, key, nproc=2):
+    """A non-zero exit and, on every rank, its own line 'error: ...' naming the key (torchrun's summary may quote
+    it again, indented), with no traceback from the script."""
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith('[rank ') and '] error: ' in l]
+    assert sorted(l.split(']')[0] for l in lines) == [f'[rank {r}' for r in range(nproc)], proc.stderr[-3000:]
+    assert all(key in l for l in lines), lines
+    assert 'parallel_4d.py", line' not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize('args,key', [BAD[i][1:] for i in (6, 8, 9)], ids=['m-0', 'schedule', 'v-with-1f1b'])
+def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path, args, key):
+    """Three of the above on 2 ranks (the rest fail the same check function): run_main's line on each."""
+    proc = run_script('parallel_4d.py', TINY + [f'--out_dir={tmp_path}'] + args, nproc=2, timeout=60)
+    one_error_line_per_rank(proc, key)
+    assert not (tmp_path / 'log.jsonl').exists()  # nothing ran
+
+
+def test_resume_on_another_grid_says_what_to_do(tmp_path):
+    """Saved on pp=2 (one iteration, 2 ranks), resumed as tp=2: one line per rank naming the saved grid and
+    consolidate.py, before any work, not a load_state_dict traceback."""
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--eval_iters=1']
+    check(run_script('parallel_4d.py', flags + ['--pp=2'], nproc=2))
+    proc = run_script('parallel_4d.py', flags + ['--tp=2', '--init_from=resume'], nproc=2, timeout=60)
+    one_error_line_per_rank(proc, 'was saved with --pp=2 --cp=1 --tp=1 --virtual_stages=1 on 2 ranks, this run '
+                                  'has --pp=1 --cp=1 --tp=2 --virtual_stages=1 on 2 ranks')
+    assert f'python consolidate.py {tmp_path}' in proc.stderr
