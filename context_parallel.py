@@ -496,7 +496,7 @@ def check_config(cfg, world_size):
         raise SystemExit(f"error: world size {world_size} is not divisible by cp={cfg.cp}")
     check_batch(cfg, world_size // cfg.cp, world_size)
     if cfg.cp_attention not in ('ring', 'ulysses'):
-        raise SystemExit(f"error: cp_attention must be 'ring' or 'ulysses', got {cfg.cp_attention!r}")
+        raise SystemExit(f"error: --cp_attention={cfg.cp_attention} is not one of ring, ulysses")
     if cfg.block_size % (2 * cfg.cp):
         raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp = {2 * cfg.cp}: each "
                          f"rank holds two equal chunks of every sequence (the zig-zag split)")
@@ -509,6 +509,9 @@ def check_config(cfg, world_size):
                          f"probabilities' dropout would have to be replayed block by block in the ring's backward")
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: dtype must be float32 or bfloat16 for context_parallel.py, got {cfg.dtype!r}")
+    if cfg.compile:  # not wired in here: said rather than ignored
+        raise SystemExit("error: --compile=True is not supported by context_parallel.py: pass --compile=False (a "
+                         "config file that sets compile = True needs it after the file)")
 
 
 # -----------------------------------------------------------------------------

@@ -568,7 +568,13 @@ def check_config(cfg, world_size):
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: dtype must be float32 or bfloat16 for tensor_parallel.py, got {cfg.dtype!r} "
                          f"(float16's GradScaler would need its inf check shared by the tp ranks)")
+    if cfg.compile:  # not wired in here: said rather than ignored
+        raise SystemExit("error: --compile=True is not supported by tensor_parallel.py: pass --compile=False (a "
+                         "config file that sets compile = True needs it after the file)")
     if cfg.init_from == 'resume':
+        if os.path.exists(rank_ckpt_path(cfg.out_dir, 0)):  # its grid first (memory-mapped: little is read)
+            check_rank_checkpoint(torch.load(rank_ckpt_path(cfg.out_dir, 0), map_location='cpu', weights_only=False,
+                                             mmap=True), cfg, world_size)
         for r in range(world_size):
             if not os.path.exists(rank_ckpt_path(cfg.out_dir, r)):
                 raise SystemExit(f"error: init_from=resume but there is no checkpoint at "
@@ -577,9 +583,10 @@ def check_config(cfg, world_size):
 
 def check_rank_checkpoint(checkpoint, cfg, world_size):
     if checkpoint['tp'] != cfg.tp or checkpoint['world_size'] != world_size:
-        raise SystemExit(f"error: the checkpoint was written with tp={checkpoint['tp']} on "
-                         f"{checkpoint['world_size']} ranks; resume with the same, or python consolidate.py "
-                         f"{cfg.out_dir} makes a ckpt.pt that train.py and the other scripts continue from")
+        raise SystemExit(f"error: init_from=resume: the checkpoint was written with --tp={checkpoint['tp']} on "
+                         f"{checkpoint['world_size']} ranks, this run has --tp={cfg.tp} on {world_size}: resume with "
+                         f"the saved ones, or python consolidate.py {cfg.out_dir} makes one ckpt.pt, which train.py, "
+                         f"train_ddp.py, zero.py, train_fsdp.py and context_parallel.py continue from")
 
 
 def rank_ckpt_path(out_dir, rank):

@@ -303,7 +303,7 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
 
 def _cfg(**over):
     base = dict(tp=2, gradient_accumulation_steps=2, n_head=4, n_kv_head=None, sequence_parallel=False,
-                block_size=16, dtype='float32', init_from='scratch', out_dir='out')
+                block_size=16, dtype='float32', compile=False, init_from='scratch', out_dir='out')
     return SimpleNamespace(**dict(base, **over))
 
 
@@ -315,6 +315,7 @@ def _cfg(**over):
     (dict(tp=4, sequence_parallel=True, block_size=18), 4, 'block_size (18) divisible by tp=4'),
     (dict(dtype='float16'), 2, 'float32 or bfloat16'),
     (dict(init_from='resume', out_dir='/nonexistent'), 2, 'no checkpoint at'),
+    (dict(compile=True), 2, 'not supported by tensor_parallel.py: pass --compile=False'),
 ])
 def test_bad_config_is_one_clear_error(over, world, message):
     import tensor_parallel as tpm
@@ -324,10 +325,24 @@ def test_bad_config_is_one_clear_error(over, world, message):
     tpm.check_config(_cfg(), 2)  # and the good one passes
 
 
+@pytest.mark.parametrize('saved_tp, saved_world', [(1, 2), (2, 4)])
+def test_resume_with_another_tp_or_world_says_what_to_do(tmp_path, saved_tp, saved_world):
+    """Rank checkpoints saved with another tp or world size: one line naming the saved ones and consolidate.py,
+    before any work (check_config reads rank 0's file), instead of a load_state_dict traceback."""
+    import tensor_parallel as tpm
+    for r in range(saved_world):  # the keys tensor_parallel.py saves that say how the model was cut
+        torch.save({'tp': saved_tp, 'world_size': saved_world, 'iter_num': 2}, tpm.rank_ckpt_path(tmp_path, r))
+    with pytest.raises(SystemExit) as e:
+        tpm.check_config(_cfg(tp=2, init_from='resume', out_dir=str(tmp_path)), 2)
+    assert e.value.code.startswith(f"error: init_from=resume: the checkpoint was written with --tp={saved_tp} on "
+                                   f"{saved_world} ranks, this run has --tp=2 on 2"), e.value.code
+    assert f'python consolidate.py {tmp_path}' in e.value.code
+
+
 def test_heads_not_divisible_exits_on_every_rank(tmp_path):
     proc = run_script('tensor_parallel.py', TINY + ['--tp=2', '--n_kv_head=1', f'--out_dir={tmp_path}'], nproc=2,
                       timeout=120)
     assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if 'error: n_head' in line]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith('[rank ') and '] error: n_head' in line]
     assert sorted(line.split(']')[0] for line in lines) == ['[rank 0', '[rank 1'], proc.stderr[-2000:]
     assert 'tensor_parallel.py", line' not in proc.stderr  # no traceback from the script
