@@ -1,7 +1,7 @@
 # The GPT-2 XL shape (1.5B parameters): 48 layers, hidden 1600, 25 heads, context 1024, GPT-2 layout (LayerNorm
 # with biases, GELU, learned positions, tied embeddings). bench.py --estimate reads this shape (V = 50257, GPT-2's;
 # vocab_size itself is not a config key: it comes from the data set, 50304 for GPT-2 BPE data).
-#   torchrun --nproc_per_node=8 fsdp.py config/gpt2_xl_1.5b.py
+#   torchrun --nproc_per_node=8 train_fsdp.py config/gpt2_xl_1.5b.py
 out_dir = 'out-gpt2-xl'
 n_layer = 48
 n_head = 25

@@ -1,7 +1,7 @@
 # The Llama-2-7B shape: 32 layers, hidden 4096, 32 heads (multi-head: n_kv_head = n_head), SwiGLU MLP of width
 # 11008, RMSNorm, rotary positions, untied head, context 4096. bench.py --estimate reads this shape (V = 32000;
 # vocab_size is not a config key: it comes from the data set, 50304 for GPT-2 BPE data).
-#   torchrun --nnodes=4 --nproc_per_node=8 ... fsdp.py config/llama2_7b.py
+#   torchrun --nnodes=4 --nproc_per_node=8 ... train_fsdp.py config/llama2_7b.py
 out_dir = 'out-llama2-7b'
 n_layer = 32
 n_head = 32

@@ -2,7 +2,7 @@
 # (grouped-query attention), SwiGLU MLP of width 5632, RMSNorm, rotary positions, untied head, context 2048.
 # bench.py --estimate reads this shape; with a 32000-token vocabulary it is 1.1B parameters. vocab_size is not a
 # config key (it comes from the data set: 50304 for GPT-2 BPE data), so a run here has GPT-2's vocabulary:
-#   torchrun --nproc_per_node=8 fsdp.py config/tinyllama_1b.py        # or any other strategy script
+#   torchrun --nproc_per_node=8 train_fsdp.py config/tinyllama_1b.py        # or any other strategy script
 out_dir = 'out-tinyllama'
 n_layer = 22
 n_head = 32
@@ -26,4 +26,5 @@ min_lr = 4e-5
 beta2 = 0.95
 warmup_iters = 2000
 dtype = 'bfloat16'
-compile = True
+compile = False  # pipeline.py, tensor_parallel.py, context_parallel.py and parallel_4d.py do not compile;
+#                  train.py, train_ddp.py, train_fsdp.py and zero.py (stages 0-2) take --compile=True
