@@ -31,7 +31,9 @@ import time
 import torch
 
 import formulas
-from model import GPT, GRID_DIMS, configure, load_dataset, model_config
+from model import GPT
+from training import configure, load_dataset, model_config
+from distributed import GRID_DIMS
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)

@@ -24,7 +24,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from model import GPTConfig, adamw_state_dict, progress, save_checkpoint, train_checkpoint
+from model import GPTConfig
+from training import progress
+from checkpoints import adamw_state_dict, save_checkpoint, train_checkpoint
 from tensor_parallel import join_slices, qkv_split
 
 

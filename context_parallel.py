@@ -29,12 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from formulas import activation_bytes_formula, cp_comm_bytes_formula
-from model import (GPT, CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, apply_rope, autocast_context,
-                   average_gradients, check_batch, comm_report, config_defaults, configure, evaluate,
-                   finish_distributed, gather_rng_states, get_lr, init_distributed, init_model, load_dataset,
-                   log_rank_rows, micro_batches, outputs_line, print_sample, process_grid, profiled, restore_rng,
-                   rope_cos_sin, run_main, run_shape, saved_bytes_counter, set_lr, should_evaluate, should_save,
-                   train_checkpoint, world_size_from_env)
+from model import GPT, apply_rope, rope_cos_sin
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, print_sample, profiled,
+                      run_main, run_shape, set_lr, should_evaluate, should_save)
+from checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
+from distributed import (Comm, average_gradients, finish_distributed, init_distributed, process_grid,
+                         world_size_from_env)
+from measure import StepProfiler, WireMeter, comm_report, saved_bytes_counter
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

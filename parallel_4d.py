@@ -25,11 +25,14 @@ import torch.distributed as dist
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from formulas import model_state_bytes_formula
-from model import (GRID_DIMS, CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context,
-                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
-                   init_distributed, init_model, init_params, load_dataset, log_rank_rows, materialize, micro_batches,
-                   outputs_line, process_grid, profiled, rng_state, run_main, run_shape, seed_dropout, set_rng_state,
-                   should_evaluate, should_save, world_size_from_env)
+from model import init_params, materialize
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape,
+                      should_evaluate, should_save)
+from checkpoints import CheckpointWriter, init_model, rng_state, seed_dropout, set_rng_state
+from distributed import (Comm, GRID_DIMS, finish_distributed, init_distributed, process_grid,
+                         world_size_from_env)
+from measure import StepProfiler, WireMeter, comm_report
 from pipeline import (LastStepReport, Stage, check_no_compile, check_resume_grid, check_schedule, embed_comm,
                       forward_loss, keep_stage, run_schedule)
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, shard_gpt, sync_tp_grads,

@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context, check_batch,
-                   comm_report, config_defaults, configure, evaluate, finish_distributed, gather_rng_states, get_lr,
-                   init_distributed, init_model, init_params, keep_own, load_dataset, log_row, materialize,
-                   micro_batches, outputs_line, process_grid, profiled, restore_rng, run_main, run_shape,
-                   saved_bytes_counter, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
-                   world_size_from_env)
+from model import init_params, keep_own, materialize
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, log_row, micro_batches, outputs_line, profiled, run_main, run_shape,
+                      set_lr, should_evaluate, should_save)
+from checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
+                         train_checkpoint)
+from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
+from measure import StepProfiler, WireMeter, comm_report, saved_bytes_counter
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

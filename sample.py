@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from model import GPT, GPTConfig, autocast_context, config_defaults, configure, get_codec, run_main
+from model import GPT, GPTConfig
+from training import autocast_context, config_defaults, configure, get_codec, run_main
 
 # -----------------------------------------------------------------------------
 # config

@@ -30,11 +30,14 @@ from torch.nn import functional as F
 
 from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula, tp_comm_bytes_formula,
                       tp_edge_comm_bytes_formula)
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context, average_gradients,
-                   check_batch, comm_report, config_defaults, configure, evaluate, finish_distributed, get_lr,
-                   init_distributed, init_model, init_values, load_dataset, log_rank_rows, materialize, micro_batches,
-                   outputs_line, process_grid, profiled, rng_state, run_main, run_shape, saved_bytes_counter,
-                   seed_dropout, set_lr, set_rng_state, should_evaluate, should_save, world_size_from_env)
+from model import init_values, materialize
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape,
+                      set_lr, should_evaluate, should_save)
+from checkpoints import CheckpointWriter, init_model, rng_state, seed_dropout, set_rng_state
+from distributed import (Comm, average_gradients, finish_distributed, init_distributed, process_grid,
+                         world_size_from_env)
+from measure import StepProfiler, WireMeter, comm_report, saved_bytes_counter
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

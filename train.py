@@ -13,10 +13,11 @@ import os
 
 import torch
 
-from model import (CheckpointWriter, StepLogger, StepProfiler, autocast_context, config_defaults, configure,
-                   evaluate, get_lr, init_model, load_dataset, micro_batches, outputs_line, print_sample, profiled,
-                   restore_rng, rng_state, run_main, run_shape, set_lr, should_evaluate, should_save,
-                   train_checkpoint)
+from training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, micro_batches, outputs_line, print_sample, profiled, run_main, run_shape,
+                      set_lr, should_evaluate, should_save)
+from checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
+from measure import StepProfiler
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
-                   configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
-                   load_dataset, micro_batches, outputs_line, print_sample, profiled, restore_rng, run_main,
-                   run_shape, seed_dropout, set_lr, should_evaluate, should_save, train_checkpoint,
-                   world_size_from_env)
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, micro_batches, outputs_line, print_sample, profiled, run_main, run_shape,
+                      set_lr, should_evaluate, should_save)
+from checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
+                         train_checkpoint)
+from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from measure import StepProfiler
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

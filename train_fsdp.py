@@ -29,11 +29,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from formulas import fsdp_held_bytes_formula
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, autocast_context, check_batch, config_defaults,
-                   configure, evaluate, finish_distributed, gather_rng_states, get_lr, init_distributed, init_model,
-                   init_values, load_dataset, load_params, materialize, micro_batches, outputs_line, print_sample,
-                   profiled, restore_rng, run_main, run_shape, seed_dropout, set_lr, should_evaluate, should_save,
-                   train_checkpoint, world_size_from_env)
+from model import init_values, load_params, materialize
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, micro_batches, outputs_line, print_sample, profiled, run_main, run_shape,
+                      set_lr, should_evaluate, should_save)
+from checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
+                         train_checkpoint)
+from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from measure import StepProfiler
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

@@ -33,11 +33,13 @@ import torch
 import torch.nn as nn
 
 from formulas import model_state_bytes_formula
-from model import (CheckpointWriter, Comm, StepLogger, StepProfiler, WireMeter, autocast_context, check_batch,
-                   config_defaults, configure, evaluate, finish_distributed, get_lr, init_distributed, init_model,
-                   init_values, load_dataset, load_params, log_rank_rows, micro_batches, outputs_line, param_groups,
-                   print_sample, profiled, restore_rng, rng_state, run_main, run_shape, seed_dropout, set_rng_state,
-                   should_evaluate, should_save, world_size_from_env)
+from model import init_values, load_params, param_groups
+from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, print_sample, profiled,
+                      run_main, run_shape, should_evaluate, should_save)
+from checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, seed_dropout, set_rng_state
+from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from measure import StepProfiler, WireMeter
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes

@@ -15,7 +15,8 @@ from helpers import REPO
 
 BUILD = r'''
 import sys, types, torch
-from model import GPT, GPTConfig, init_params, keep_own, materialize, peak_resident_bytes
+from model import GPT, GPTConfig, init_params, keep_own, materialize
+from measure import peak_resident_bytes
 import pipeline, tensor_parallel as tpm
 config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
 tiny = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=8)
@@ -38,7 +39,8 @@ else:
         pipeline.keep_stage(model, 1, 4)
         keep = keep_own(model)
     if way.startswith('zero3'):  # rank 3 of 8, ZeRO stage 3: its chunk of the weights, gradients and AdamW state
-        from model import Comm, load_params
+        from model import load_params
+        from distributed import Comm
         from zero import Zero, held_bytes
         zero = Zero(model, 3, 3, 8, 0.1, (0.9, 0.99), 1e-8, 1, torch.float32, Comm(None, 'dp', alone=True), 'cpu')
         if way == 'zero3':

@@ -62,7 +62,8 @@ def _one_case(rank, world_size, p, schedule, layout):
     """One step of pipeline.py's schedule and of PyTorch's schedule of the same name, each against the
     sequential model's loss and gradients, plus the executed order's checks."""
     import pipeline
-    from model import GPT, GPTConfig, process_grid
+    from model import GPT, GPTConfig
+    from distributed import process_grid
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
                        **LAYOUTS[layout])

@@ -42,7 +42,8 @@ def _against_dense(rank, world_size):
     sends and saves for backward, measured."""
     import torch.distributed as dist
     import tensor_parallel as tpm
-    from model import GPT, Comm, GPTConfig
+    from model import GPT, GPTConfig
+    from distributed import Comm
     groups = {}
     for t in (1, 2, 4):  # every rank creates every group, in the same order
         made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, t)]
@@ -101,7 +102,7 @@ def _against_dtensor(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     import tensor_parallel as tpm
-    from model import Comm
+    from distributed import Comm
     mesh = init_device_mesh('cpu', (world_size,))
     g = Comm(None, 'tp')
     errors = {}
@@ -143,7 +144,8 @@ def _dropout_checks(rank, world_size):
     (before c_proj) and the block's output, which is replicated on the tp ranks, and the shared stream after."""
     import torch.distributed as dist
     import tensor_parallel as tpm
-    from model import GPT, Comm, GPTConfig
+    from model import GPT, GPTConfig
+    from distributed import Comm
     made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, 2)]
     tp = tpm.TensorParallel(Comm(made[rank // 2], 'tp'), False)
     config = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=16, vocab_size=32, dropout=0.5, bias=False)
@@ -189,7 +191,8 @@ def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t
 def test_a_sharded_model_refuses_the_dense_forward():
     """After shard_gpt, GPT.forward would give a loss over this rank's slice of the vocabulary: it raises."""
     import tensor_parallel as tpm
-    from model import GPT, Comm, GPTConfig
+    from model import GPT, GPTConfig
+    from distributed import Comm
     model = GPT(GPTConfig(**LAYOUTS['gpt2']))
     tpm.shard_gpt(model, tpm.TensorParallel(Comm(None, 'tp')))
     with pytest.raises(RuntimeError, match='tp_forward'):

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import model as M
+import checkpoints
+import training
 from helpers import REPO, TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses
 
 TRAIN = 'train.py'
@@ -18,8 +20,8 @@ TRAIN = 'train.py'
 
 def test_overfits_one_batch():
     """The model and optimizer of train.py drive the loss on one fixed batch close to zero."""
-    data, vocab = M.load_dataset('stdlib_char')
-    x, y = M.get_batch(data['train'], 0, M.TRAIN_STREAM, 0, 4, 16)
+    data, vocab = training.load_dataset('stdlib_char')
+    x, y = training.get_batch(data['train'], 0, training.TRAIN_STREAM, 0, 4, 16)
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, bias=False))
     optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.99), 'cpu')
@@ -44,7 +46,7 @@ def test_train_logs_and_learns(tmp_path):
     assert [r['iter'] for r in evals] == [0, 30, 60]
     for r in train_rows:
         assert set(r) >= {'iter', 'loss', 'lr', 'ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'}
-    vocab = M.load_dataset('stdlib_char')[1]
+    vocab = training.load_dataset('stdlib_char')[1]
     assert abs(evals[0]['val_loss'] - torch.log(torch.tensor(float(vocab))).item()) < 0.2
     assert evals[-1]['val_loss'] < evals[0]['val_loss'] - 1.0, evals
     assert torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)['iter_num'] == 60
@@ -95,7 +97,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
 
 def test_failed_checkpoint_write_keeps_the_old_one(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
-    M.save_checkpoint({'iter_num': 1, 'w': torch.arange(4)}, path)
+    checkpoints.save_checkpoint({'iter_num': 1, 'w': torch.arange(4)}, path)
     real_save = torch.save
 
     def broken_save(obj, f, *args, **kwargs):
@@ -105,7 +107,7 @@ def test_failed_checkpoint_write_keeps_the_old_one(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, 'save', broken_save)
     with pytest.raises(OSError):
-        M.save_checkpoint({'iter_num': 2, 'w': torch.arange(8)}, path)
+        checkpoints.save_checkpoint({'iter_num': 2, 'w': torch.arange(8)}, path)
     monkeypatch.setattr(torch, 'save', real_save)
     old = torch.load(path, weights_only=False)
     assert old['iter_num'] == 1 and torch.equal(old['w'], torch.arange(4))
@@ -163,19 +165,19 @@ def test_every_shipped_config_sets_only_valid_keys():
     import glob
     import train
     for path in sorted(glob.glob(os.path.join(REPO, 'config', '*.py'))):
-        cfg = M.configure(train.config, [path])
-        M.model_config(cfg, 50304)  # and describes a valid model
+        cfg = training.configure(train.config, [path])
+        training.model_config(cfg, 50304)  # and describes a valid model
 
 
 def test_cpu_default_config_is_the_default():
     import train
-    assert vars(M.configure(train.config, [os.path.join(REPO, 'config', 'train_stdlib_char.py')])) == train.config
+    assert vars(training.configure(train.config, [os.path.join(REPO, 'config', 'train_stdlib_char.py')])) == train.config
 
 
 def test_block_size_too_large():
     import numpy as np
     with pytest.raises(SystemExit, match='block_size 16 is too large'):
-        M.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
+        training.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
 
 
 def test_profile_writes_a_trace_perfetto_opens(tmp_path):
@@ -205,18 +207,18 @@ def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulatio
     """Evaluation batch k is the global batch of (seed, k) whatever the split: a global batch of 12 sequences
     evaluated in one process, as 3 or 12 micro-batches, or over 3 and 4 data-parallel ranks, gives one loss.
     (The mean of a per-sequence loss computed here, apart from estimate_loss, is the reference.)"""
-    data, vocab = M.load_dataset('stdlib_char')
+    data, vocab = training.load_dataset('stdlib_char')
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab)).eval()
     cfg = M.SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
                             seed=7, block_size=16, device='cpu')
     got = {'train': 0.0, 'val': 0.0}
     for rank in range(dp_size):
-        losses = M.estimate_loss(lambda x, y: model(x, y)[1], data, cfg, _RankOfMany(rank, dp_size))
+        losses = training.estimate_loss(lambda x, y: model(x, y)[1], data, cfg, _RankOfMany(rank, dp_size))
         for split, loss in losses.items():
             got[split] += loss
     for split in ('train', 'val'):
-        batches = [M.get_batch(data[split], 7, M.EVAL_STREAM, k, 12, 16) for k in range(2)]
+        batches = [training.get_batch(data[split], 7, training.EVAL_STREAM, k, 12, 16) for k in range(2)]
         want = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
         assert got[split] == pytest.approx(want, rel=1e-6), (split, got[split], want)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import model as M
+import checkpoints
+import measure
 from helpers import TINY, spawn, train_losses
 from test_multinode import assert_mfu_per_device
 
@@ -57,7 +58,7 @@ def test_data_parallel_strategies_agree_and_resume_exactly_with_dropout_on(tmp_p
 
 def _masks(rank, world_size):
     torch.manual_seed(1337)  # every rank built the same model from the seed
-    M.seed_dropout(1337, rank)
+    checkpoints.seed_dropout(1337, rank)
     return torch.nn.functional.dropout(torch.ones(64), 0.5).numpy()
 
 
@@ -74,24 +75,24 @@ def test_each_data_parallel_rank_draws_its_own_masks():
     ('Tesla T4', 'bfloat16', None), ('NVIDIA GeForce RTX 4090', 'float16', 165e12),
     ('Some Future GPU', 'bfloat16', None)])
 def test_peak_flops_table_matches_whole_names(name, dtype, peak):
-    assert M.peak_flops_for('cuda:0', dtype, device_name=name) == peak
-    assert M.peak_flops_for('cpu', dtype) is None and M.peak_flops_for('cpu', dtype, override=5e12) == 5e12
+    assert measure.peak_flops_for('cuda:0', dtype, device_name=name) == peak
+    assert measure.peak_flops_for('cpu', dtype) is None and measure.peak_flops_for('cpu', dtype, override=5e12) == 5e12
 
 
 def test_mfu_divides_by_every_device():
-    assert M.mfu(6e9, 1000.0, 8, 1e15) == pytest.approx(6e9 * 1000 / (8 * 1e15))
-    assert M.mfu(6e9, 1000.0, 8, None) is None
+    assert measure.mfu(6e9, 1000.0, 8, 1e15) == pytest.approx(6e9 * 1000 / (8 * 1e15))
+    assert measure.mfu(6e9, 1000.0, 8, None) is None
 
 
 def test_checkpoint_writer_returns_before_the_disk_and_raises_its_errors(tmp_path, monkeypatch):
-    real_save = M.save_checkpoint
+    real_save = checkpoints.save_checkpoint
 
     def slow_save(obj, path):
         time.sleep(2)
         real_save(obj, path)
 
-    monkeypatch.setattr(M, 'save_checkpoint', slow_save)
-    writer, weights = M.CheckpointWriter(), torch.ones(3)
+    monkeypatch.setattr(checkpoints, 'save_checkpoint', slow_save)
+    writer, weights = checkpoints.CheckpointWriter(), torch.ones(3)
     start = time.time()
     writer.save({'w': weights}, str(tmp_path / 'ckpt.pt'))
     assert time.time() - start < 1.0  # the training thread goes on while the disk works
@@ -102,7 +103,7 @@ def test_checkpoint_writer_returns_before_the_disk_and_raises_its_errors(tmp_pat
     def broken_save(obj, path):
         raise OSError('disk full')
 
-    monkeypatch.setattr(M, 'save_checkpoint', broken_save)
+    monkeypatch.setattr(checkpoints, 'save_checkpoint', broken_save)
     writer.save({'w': weights}, str(tmp_path / 'ckpt.pt'))
     with pytest.raises(OSError, match='disk full'):
         writer.wait()

@@ -120,7 +120,8 @@ def vs_pytorch(rank, world_size):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from model import GPT, Comm, GPTConfig, param_groups
+    from model import GPT, GPTConfig, param_groups
+    from distributed import Comm
     config = GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, vocab_size=64, bias=True)
     lr, betas, wd = 1e-2, (0.9, 0.99), 0.1
 
@@ -171,7 +172,7 @@ def vs_pytorch(rank, world_size):
 
 def full_params(z):
     """{name: full parameter} from every rank's fp32 master chunks (any stage)."""
-    from model import all_gather_single
+    from distributed import all_gather_single
     full = {}
     for b in z.buckets:
         if z.stage == 0:
@@ -241,7 +242,8 @@ def test_offload_copies_each_buckets_gradients_to_the_host_during_backward():
 
 
 def offload_copy_during_backward(rank, world_size):
-    from model import GPT, Comm, GPTConfig
+    from model import GPT, GPTConfig
+    from distributed import Comm
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, vocab_size=64))
     z = zero.Zero(model, 2, rank, world_size, 0.1, (0.9, 0.99), 1e-8, 700, torch.float32, Comm(None, 'dp'),
@@ -286,7 +288,7 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
 
 
 def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
-    from model import configure
+    from training import configure
     cfg = zero.apply_deepspeed_config(configure(zero.config, []), os.path.join(REPO, 'config/ds_zero2.json'), 4)
     assert (cfg.stage, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.grad_clip, cfg.dtype) == \
         (2, 16, 4, 1.0, 'float32')
@@ -326,7 +328,7 @@ def launch_ranks(args, world_size=2, timeout=90):
 ])
 def test_bad_config_one_line_nonzero_on_every_rank(monkeypatch, capsys, bad, message):
     """Checked before the process group exists, so each rank is run here, in turn, as torchrun would start it."""
-    from model import run_main
+    from training import run_main
     for rank in range(2):
         monkeypatch.setattr(os, 'environ', dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2'))
         monkeypatch.setattr(sys, 'argv', ['zero.py'] + TINY + ['--gradient_accumulation_steps=2'] + bad)
@@ -396,7 +398,7 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
 def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     """--print_ds_config prints the DeepSpeed JSON of the run; reading it back gives the same run."""
     import json
-    from model import configure
+    from training import configure
     monkeypatch.setenv('WORLD_SIZE', '4')
     argv = ['--stage=3', '--dtype=bfloat16', '--batch_size=4', '--gradient_accumulation_steps=8', '--grad_clip=0.5',
             '--learning_rate=3e-4', '--beta2=0.95', '--weight_decay=0.05', '--adam_eps=1e-6']

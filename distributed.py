@@ -1,0 +1,208 @@
+"""
+Process groups and the collectives every parallel script calls: init_distributed / finish_distributed (torchrun's
+group: NCCL on GPUs, gloo on CPU), the dp x pp x cp x tp grid, and Comm, one group's collectives with every byte
+handed to them counted (the papers' ring formula beside it).
+"""
+
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from measure import peak_memory_bytes
+
+
+def is_master():
+    """Rank 0, or the only process: it logs, prints and writes the files the ranks share."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+# torch 2.13 named these all_gather_single / reduce_scatter_single and deprecated the old names; requirements.txt
+# allows torch 2.6, which has only the old ones (same arguments). One choice here, for every file.
+all_gather_single = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+
+
+reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
+
+
+# What a ring algorithm sends per rank, as a multiple of the full tensor's bytes (n ranks in the group): an
+# all-reduce is a reduce-scatter then an all-gather. A send moves the tensor once.
+RING_FACTOR = {'all_reduce': lambda n: 2 * (n - 1) / n, 'reduce_scatter': lambda n: (n - 1) / n,
+               'all_gather': lambda n: (n - 1) / n, 'all_to_all': lambda n: (n - 1) / n, 'send': lambda n: 1.0}
+
+
+class Comm:
+    """One process group (name: 'dp', 'tp', 'pp', ...), the rank's place in it, and its collectives. Every
+    collective and send of a strategy goes through one, so the bytes are counted in one place:
+    collective_bytes[kind] counts the bytes of the tensors handed to each kind of call (the full tensor for a
+    reduce-scatter or all-gather), wire_bytes_formula[kind] what ring algorithms send for those calls (the papers'
+    number). What really crosses the wire depends on the backend: see WireMeter. A group of one moves nothing."""
+
+    def __init__(self, group=None, name='dp', alone=False):
+        self.group, self.name = group, name  # group None: the whole world; alone: a group of this rank only
+        self.rank = dist.get_rank(group) if dist.is_initialized() and not alone else 0
+        self.size = dist.get_world_size(group) if dist.is_initialized() and not alone else 1
+        self.collective_bytes, self.wire_bytes_formula = Counter(), Counter()
+        self.observe = None  # a function to call at every collective, as it is posted (to sample memory there)
+
+    def count(self, kind, tensor, op=None):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.collective_bytes[kind] += nbytes
+        self.wire_bytes_formula[kind] += RING_FACTOR[op or kind](self.size) * nbytes
+        if self.observe is not None:
+            self.observe()
+
+    def clear(self):
+        self.collective_bytes.clear()
+        self.wire_bytes_formula.clear()
+
+    def all_reduce(self, x, op=dist.ReduceOp.SUM, async_op=False, kind='all_reduce'):
+        if self.size == 1:
+            return None
+        self.count(kind, x, 'all_reduce')
+        return dist.all_reduce(x, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, out, full, async_op=False):
+        """out (this rank's 1/size) = its chunk of the sum over ranks of full."""
+        if self.size == 1:
+            out.copy_(full)
+            return None
+        self.count('reduce_scatter', full)
+        return reduce_scatter_single(out, full, group=self.group, async_op=async_op)
+
+    def all_gather(self, full, shard, async_op=False):
+        """full = every rank's shard, in rank order."""
+        if self.size == 1:
+            full.copy_(shard)
+            return None
+        self.count('all_gather', full)
+        return all_gather_single(full, shard, group=self.group, async_op=async_op)
+
+    def all_to_all(self, out, inp):
+        """out's i-th 1/size slice (dim 0) = rank i's inp's slice for this rank: each rank sends (size-1)/size."""
+        if self.size == 1:
+            out.copy_(inp)
+            return None
+        self.count('all_to_all', inp)
+        return dist.all_to_all_single(out, inp, group=self.group)
+
+    def global_rank(self, group_rank):
+        """The global rank of this group's rank group_rank (point-to-point calls take global ranks)."""
+        if self.size == 1:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
+
+    def send_recv(self, sends, recvs, kind='send'):
+        """Post sends [(tensor, global peer rank[, tag])] and receives [(buffer, peer[, tag])] together in one
+        batch_isend_irecv (as Megatron does: two neighbours sending to each other at once cannot deadlock, on NCCL
+        too). Returns (works of the sends, works of the receives); the caller waits for them."""
+        ops = [dist.P2POp(dist.isend, t, peer, tag=rest[0] if rest else 0) for t, peer, *rest in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=rest[0] if rest else 0) for t, peer, *rest in recvs]
+        for t, *_ in sends:
+            self.count(kind, t, 'send')
+        if not ops:
+            return [], []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # a backend that coalesces the batch into one work: it covers everything
+            return [], works
+        return works[:len(sends)], works[len(sends):]
+
+
+def average_gradients(params, comm):
+    """Data parallelism by hand: every gradient averaged over comm's ranks, in one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if comm.size > 1 and grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce(flat)
+        flat /= comm.size
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
+
+
+_GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down
+
+
+def init_distributed(timeout_s, group_of_one=False):
+    """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run as
+    one process without it (group_of_one: in a group of one, for code that needs a group, as FSDP2 does). NCCL
+    with one GPU per process when CUDA is there, gloo on CPU. Inside a process group that already exists (a
+    notebook, a test harness) it joins that one and leaves it standing at the end.
+    Returns (rank, local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
+    import datetime
+    global _GROUP_IS_OURS
+    local_rank = int(os.environ.get('LOCAL_RANK', '0'))
+    device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
+    if dist.is_initialized():
+        return dist.get_rank(), local_rank, dist.get_world_size(), device
+    if 'RANK' not in os.environ:
+        script = os.path.basename(sys.argv[0])
+        print(f"running as a single process (started without torchrun); for N processes: torchrun --standalone "
+              f"--nproc_per_node=N {script} {' '.join(sys.argv[1:])}".rstrip(), flush=True)
+    if 'RANK' not in os.environ and not group_of_one:
+        return 0, 0, 1, ('cuda' if torch.cuda.is_available() else 'cpu')
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    backend, timeout = 'nccl' if torch.cuda.is_available() else 'gloo', datetime.timedelta(seconds=timeout_s)
+    if 'RANK' in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    _GROUP_IS_OURS = True
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def finish_distributed(cfg=None):
+    """Leave together: every rank's peak memory reported (with cfg: one line, and one row in log.jsonl), then a
+    barrier, then tear down the group init_distributed made (tearing gloo down under a peer still inside a
+    collective can abort it)."""
+    global _GROUP_IS_OURS
+    if cfg is not None and dist.is_initialized():
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak_memory_bytes(cfg.device))
+        if dist.get_rank() == 0:
+            kind = 'allocated on the GPU' if cfg.device.startswith('cuda') else 'resident set'
+            print(f"peak memory per rank ({kind}, measured): " + ', '.join(f"{p / 2**20:.0f}" for p in peaks)
+                  + f" MiB; the largest {max(peaks) / 2**20:.0f} MiB", flush=True)
+            with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
+                f.write(json.dumps({'peak_mem_bytes_by_rank': peaks}) + '\n')
+    if dist.is_initialized() and _GROUP_IS_OURS:
+        dist.barrier()
+        dist.destroy_process_group()
+        _GROUP_IS_OURS = False
+
+
+GRID_DIMS = ('dp', 'pp', 'cp', 'tp')
+
+
+def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
+    """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank is
+    ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group, which
+    talks the most, is neighbouring ranks (one node's GPUs). A dimension's groups are the ranks that differ only in
+    that coordinate. Every rank creates every group in the same order (new_group is collective).
+    Returns (grid, {dim: this rank's coordinate}, {dim: Comm of this rank's group along dim})."""
+    sizes = dict(dp=dp, pp=pp, cp=cp, tp=tp)
+    if dp * pp * cp * tp != world_size:
+        raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp}")
+    grid = torch.arange(world_size).view(dp, pp, cp, tp)
+    coords = dict(zip(GRID_DIMS, (int(i) for i in (grid == rank).nonzero()[0])))
+    comms = {}
+    for d, dim in enumerate(GRID_DIMS):
+        if sizes[dim] == 1:
+            comms[dim] = Comm(None, dim, alone=True)
+        elif sizes[dim] == world_size:
+            comms[dim] = Comm(None, dim)  # the whole world: its default group
+        else:
+            for members in grid.movedim(d, -1).reshape(-1, sizes[dim]).tolist():
+                group = dist.new_group(members)
+                if rank in members:
+                    comms[dim] = Comm(group, dim)
+    return grid, coords, comms
+
+
+def world_size_from_env():
+    """WORLD_SIZE as torchrun sets it (1 without torchrun): known before the process group exists, so bad
+    combinations can be rejected before any work."""
+    return int(os.environ.get('WORLD_SIZE', '1'))

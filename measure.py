@@ -1,0 +1,197 @@
+"""
+What the scripts measure, apart from what they compute: the bytes each rank's own sockets sent, the peak memory
+(the allocator on GPU, the resident set on CPU), the bytes autograd keeps for backward, MFU against the device's
+peak, and torch.profiler traces.
+"""
+
+import os
+import re
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+# Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core peak
+# where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word, so 'L4'
+# is not found inside 'L40S'.
+PEAK_FLOPS = {
+    'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    'A100': {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12},
+    'L40S': {'bfloat16': 362e12, 'float16': 362e12, 'float32': 183e12},
+    'A10G': {'bfloat16': 70e12, 'float16': 70e12, 'float32': 35e12},
+    'L4': {'bfloat16': 121e12, 'float16': 121e12, 'float32': 60e12},
+    'RTX 4090': {'bfloat16': 165e12, 'float16': 165e12, 'float32': 83e12},
+    'RTX 3090': {'bfloat16': 71e12, 'float16': 71e12, 'float32': 36e12},
+    'V100': {'float16': 125e12, 'float32': 15.7e12},  # no bf16, no TF32
+    'T4': {'float16': 65e12, 'float32': 8.1e12},
+}
+
+
+def peak_flops_for(device, dtype, override=None, device_name=None):
+    """The peak FLOP/s of one device that MFU divides by: the peak_flops config key if set, else the table, else
+    None (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
+    if override:
+        return override
+    if device.startswith('cuda') or device_name:
+        name = device_name or torch.cuda.get_device_name(device)
+        for key, by_dtype in PEAK_FLOPS.items():
+            if re.search(rf'(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])', name):
+                return by_dtype.get(dtype)
+    return None
+
+
+def mfu(flops_per_token, tokens_per_sec, n_devices, peak_flops):
+    """Model FLOPs utilisation per device: the whole model's training FLOPs per token times the tokens per second
+    of the whole run (every rank together), over n_devices devices' peak. None where the peak is unknown."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_sec / (n_devices * peak_flops)
+
+
+def saved_bytes_counter(model):
+    """Measured activations: saved_tensors_hooks that note every distinct storage autograd keeps for backward,
+    the model's parameters left out. Use `with hooks:` around a forward; sum(seen.values()) is the bytes held.
+    Returns (hooks, seen: {storage: bytes})."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+
+
+def peak_memory_bytes(device):
+    """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on CPU."""
+    if device.startswith('cuda'):
+        return torch.cuda.max_memory_allocated(device)
+    return peak_resident_bytes()
+
+
+def peak_resident_bytes():
+    """This process's peak resident set: Linux's VmHWM, which starts afresh at exec (getrusage's ru_maxrss keeps
+    the parent's resident set from before the exec, so a child of a big process would report the parent's)."""
+    try:
+        with open('/proc/self/status') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == 'darwin' else 1024)
+
+
+class StepProfiler:
+    """--profile=N: N training steps (after one warm-up step) under torch.profiler, written per rank as a
+    Chrome/Perfetto trace, out_dir/trace_rank{r}.json: kernels, collectives and waits on one time axis (open it at
+    ui.perfetto.dev or chrome://tracing). step() after every iteration; stop() after the loop."""
+
+    def __init__(self, n_steps, out_dir, rank, device):
+        self.path, self.prof = os.path.join(out_dir, f'trace_rank{rank}.json'), None
+        if n_steps > 0:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.startswith('cuda'):
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(
+                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=n_steps, repeat=1),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(self.path))
+            self.prof.start()
+
+    def step(self):
+        if self.prof is not None:
+            self.prof.step()
+
+    def stop(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+            if os.path.exists(self.path):
+                print(f"wrote {self.path} (open it at ui.perfetto.dev)", flush=True)
+
+
+def comm_report(comms):
+    """{'collective_bytes': {'dp all_reduce': ...}, 'wire_bytes_formula': {...}} over several groups' Comms."""
+    out = {'collective_bytes': {}, 'wire_bytes_formula': {}}
+    for c in comms:
+        for key in out:
+            for kind, value in getattr(c, key).items():
+                out[key][f'{c.name} {kind}'] = out[key].get(f'{c.name} {kind}', 0) + value
+    return out
+
+
+def loopback_bytes_sent():
+    """Bytes this whole machine has sent through its loopback interface since boot (Linux's /proc/net/dev), or
+    None. Every process's traffic is in it, so it is only a cross-check (the tests use it to see their flood)."""
+    try:
+        with open('/proc/net/dev') as f:
+            for line in f:
+                name, _, counters = line.partition(':')
+                if name.strip() == 'lo':
+                    return int(counters.split()[8])  # transmit bytes
+    except OSError:
+        return None
+    return None
+
+
+TCPI_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in Linux's struct tcp_info (linux/tcp.h, Linux >= 4.19)
+
+
+def tcp_bytes_sent_by_socket():
+    """{socket inode: payload bytes sent} for every TCP socket this process holds open, from the kernel's own
+    per-socket count (getsockopt TCP_INFO, tcpi_bytes_sent), or None where the kernel does not keep it.
+    gloo talks over TCP sockets of the process itself, so this is this rank's own traffic and nobody else's."""
+    if not hasattr(socket, 'TCP_INFO') or not os.path.isdir('/proc/self/fd'):
+        return None
+    sent = {}
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            target = os.readlink(f'/proc/self/fd/{fd}')
+            if not target.startswith('socket:'):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate descriptor: closing it leaves ours open
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        if len(info) < TCPI_BYTES_SENT + 8:
+            return None  # a kernel older than 4.19
+        sent[target] = int.from_bytes(info[TCPI_BYTES_SENT:TCPI_BYTES_SENT + 8], sys.byteorder)
+    return sent
+
+
+class WireMeter:
+    """Measured: the bytes this rank itself sent over a window of steps. gloo moves every collective and send over
+    TCP sockets that this process owns, and the kernel counts each socket's payload bytes (TCP_INFO): summed over
+    the process's sockets at the end of the window minus at its start, that is exactly this rank's traffic,
+    whoever else uses the network, on one machine or between machines. Both ends sit behind a barrier, so every
+    collective of the window has finished on every rank (what this rank sent has left it). NCCL moves its
+    bytes over NVLink or InfiniBand, past the process's sockets: then the meter reports None and says why."""
+
+    def __init__(self):
+        self.why_not = None
+        if not dist.is_initialized():
+            self.why_not = 'not measured: one process'
+        elif dist.get_backend() != 'gloo':
+            self.why_not = 'not measured: NCCL moves its bytes past the process\'s sockets'
+        elif tcp_bytes_sent_by_socket() is None:
+            self.why_not = 'not measured: this OS gives no per-socket TCP counters'
+        self.start_sent = None
+
+    def start(self):
+        if self.why_not is None:
+            dist.barrier()
+            self.start_sent = tcp_bytes_sent_by_socket()
+
+    def stop(self):
+        """The bytes this rank sent since start(), or None. A socket opened in the window counts from zero."""
+        if self.why_not is not None or self.start_sent is None:
+            return None
+        dist.barrier()
+        now = tcp_bytes_sent_by_socket()
+        return sum(n - self.start_sent.get(sock, 0) for sock, n in now.items())

@@ -1,0 +1,400 @@
+"""
+What every training loop shares, named once so that each script's main() reads like train.py's: the config
+(nanoGPT's override rule), the data (the global batch as a pure function of seed and iteration), the LR
+schedule, evaluation, the log line and log.jsonl, and run_main (a bad input is one line on every rank).
+"""
+
+import ast
+import contextlib
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import fields
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import distributed
+from distributed import is_master
+from measure import mfu, peak_flops_for, peak_memory_bytes
+from model import GPTConfig
+
+
+def config_defaults(script_globals):
+    """The config of a script: its module-level ints, floats, bools, strings and Nones, plus every GPTConfig field."""
+    cfg = {f.name: f.default for f in fields(GPTConfig)}
+    for k, v in script_globals.items():
+        if not k.startswith('_') and not k.isupper() and isinstance(v, (int, float, bool, str, type(None))):
+            cfg[k] = v
+    cfg.pop('vocab_size')  # comes from the data set
+    return cfg
+
+
+def _checked(key, value, default):
+    """value, if it has the type of default (an int is a fine float, None fits a None default), else SystemExit."""
+    if default is None or value is None and key in ('n_kv_head', 'n_hidden', 'peak_flops'):
+        return value
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise SystemExit(f"error: config key '{key}' must be {type(default).__name__}, got {value!r}")
+    return value
+
+
+def configure(defaults, argv):
+    """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order.
+    A config file is Python that assigns keys; values on the command line are Python literals (or plain strings).
+    An unknown key or a value of the wrong type exits before any work, naming the key and the valid ones."""
+    cfg = dict(defaults)
+
+    def set_key(key, value, source):
+        if key not in defaults:
+            raise SystemExit(f"error: unknown config key '{key}' (from {source}); "
+                             f"valid keys: {', '.join(sorted(defaults))}")
+        cfg[key] = _checked(key, value, defaults[key])
+
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not os.path.isfile(arg):
+                raise SystemExit(f"error: config file {arg} not found")
+            namespace = {}
+            exec(open(arg).read(), {}, namespace)
+            for key, value in namespace.items():
+                if not key.startswith('_') and not inspect.ismodule(value):
+                    set_key(key, value, arg)
+        else:
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise SystemExit(f"error: expected --key=value, got {arg}")
+            try:
+                value = ast.literal_eval(text)
+            except (SyntaxError, ValueError):
+                value = text  # a bare word is a string
+            set_key(key, value, arg)
+    return SimpleNamespace(**cfg)
+
+
+def model_config(cfg, vocab_size):
+    """The GPTConfig that the run's config describes."""
+    args = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if f.name != 'vocab_size'}
+    args['vocab_size'] = vocab_size
+    try:
+        return GPTConfig(**args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def prepare_once(data_dir, prepare):
+    """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the first
+    to lock data_dir/.prepare.lock prepares, the others wait on the lock and then find the files (written under
+    temporary names and renamed, so nobody reads half a file)."""
+    import fcntl
+    import runpy
+    with open(os.path.join(data_dir, '.prepare.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+            print(f"{data_dir} is missing its data: preparing it now (python {os.path.relpath(prepare)})",
+                  flush=True)
+            runpy.run_path(prepare, run_name='__main__')
+
+
+def load_dataset(dataset):
+    """Memmaps of data/<dataset>/{train,val}.bin and the vocabulary size (from meta.pkl, else GPT-2's 50304).
+    The default data set (stdlib_char) is built here on first use; any other missing one names its command."""
+    import pickle
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+        prepare = os.path.join(data_dir, 'prepare.py')
+        if dataset == 'stdlib_char' and os.path.exists(prepare):
+            prepare_once(data_dir, prepare)
+        else:
+            hint = (f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else
+                    "see data/ for the prepare scripts")
+            raise SystemExit(f"error: data set '{dataset}' not found in {data_dir}; make it with: {hint}")
+    data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+            for split in ('train', 'val')}
+    vocab_size = 50304
+    meta_path = os.path.join(data_dir, 'meta.pkl')
+    if os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            vocab_size = pickle.load(f)['vocab_size']
+    return data, vocab_size
+
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def get_batch(tokens, seed, stream, step, n_rows, block_size, rows=None, device='cpu'):
+    """Rows `rows` (a slice; default all) of the batch of n_rows sequences for (seed, stream, step).
+    The batch is a pure function of those numbers, so every strategy and world size sees the same global batch
+    at iteration `step` and each data-parallel rank just takes its own contiguous slice of it; resume needs no
+    data-loader state. x is the sequence, y the same shifted by one token."""
+    if len(tokens) <= block_size + 1:
+        raise SystemExit(f"error: block_size {block_size} is too large for a data split of {len(tokens)} tokens")
+    rng = np.random.default_rng([seed, stream, step])
+    starts = rng.integers(0, len(tokens) - block_size - 1, size=n_rows)
+    if rows is not None:
+        starts = starts[rows]
+    window = np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)], dtype=np.int64)  # one gather
+    xy = torch.from_numpy(window)
+    x, y = xy[:, :-1], xy[:, 1:]
+    if device.startswith('cuda'):
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.contiguous(), y.contiguous()
+
+
+def micro_batch_rows(cfg, dp_rank, dp_size, micro_step):
+    """The one batch rule of this repo. The global batch is batch_size * gradient_accumulation_steps sequences,
+    whatever the world size. Each of the dp_size data-parallel ranks owns a contiguous block of it and walks
+    through that block batch_size sequences per micro-step, gradient_accumulation_steps // dp_size micro-steps."""
+    rows_per_rank = cfg.batch_size * (cfg.gradient_accumulation_steps // dp_size)
+    first = dp_rank * rows_per_rank + micro_step * cfg.batch_size
+    return slice(first, first + cfg.batch_size)
+
+
+def get_lr(it, cfg):
+    """Linear warm-up for warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+@torch.no_grad()
+def estimate_loss(loss_of, data, cfg, dp=None):
+    """Mean loss over eval_iters global batches for each split, by training's one batch rule: evaluation batch k
+    is the global batch (batch_size * gradient_accumulation_steps sequences) of (seed, EVAL_STREAM, k), each
+    data-parallel rank (dp: their Comm) takes its contiguous slice in micro-batches of batch_size, and one
+    all-reduce adds the sums up. So the losses are equal for every strategy, world size and split of the batch.
+    loss_of(x, y) returns the mean loss of one micro-batch however the strategy computes it."""
+    dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
+    n_micro, global_rows = cfg.gradient_accumulation_steps, cfg.batch_size * cfg.gradient_accumulation_steps
+    sums = torch.zeros(2, device=cfg.device)
+    for i, split in enumerate(('train', 'val')):
+        for k in range(cfg.eval_iters):
+            for micro_step in range(n_micro // dp_size):
+                x, y = get_batch(data[split], cfg.seed, EVAL_STREAM, k, global_rows, cfg.block_size,
+                                 rows=micro_batch_rows(cfg, dp_rank, dp_size, micro_step), device=cfg.device)
+                sums[i] += loss_of(x, y).float()
+    if dp is not None:
+        dp.all_reduce(sums)
+    n = cfg.eval_iters * n_micro  # micro-batches of equal size: their mean is the global batch's
+    return {'train': sums[0].item() / n, 'val': sums[1].item() / n}
+
+
+def autocast_context(device_type, dtype):
+    """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32. On CUDA, float32 matmuls
+    run on the TF32 tensor cores, as nanoGPT sets them (so MFU divides by the TF32 peak)."""
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if dtype == 'float32':
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
+
+
+def progress(done, total, what):
+    """For a long step (consolidating, preparing data): 'what: done/total (pct)' each time it crosses a tenth."""
+    if total and (done == total or int(10 * done / total) != int(10 * (done - 1) / total)):
+        print(f"{what}: {done}/{total} ({100 * done / total:.0f}%)", flush=True)
+
+
+def run_shape(shape, cfg, n_params):
+    """The line every training script prints when it starts: the run's shape, in one place."""
+    rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    return (f"run: {shape}; global batch {rows} sequences x {cfg.block_size} tokens = {rows * cfg.block_size:,} "
+            f"tokens per step; {n_params / 1e6:.2f}M parameters; {cfg.dtype} on {cfg.device}; outputs in "
+            f"{cfg.out_dir}/")
+
+
+def profiled(cfg):
+    """The trace files of --profile, for outputs_line."""
+    return ['trace_rank*.json (--profile: open at ui.perfetto.dev)'] if cfg.profile else []
+
+
+def outputs_line(out_dir, *files):
+    """The line every training script prints when it ends: where its outputs are."""
+    return f"done; outputs in {out_dir}/: log.jsonl (every logged row as JSON), " + ', '.join(files)
+
+
+def log_row(out_dir, row):
+    """Append one row to out_dir/log.jsonl and print it as one human line."""
+    with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
+        f.write(json.dumps(row) + '\n')
+    if 'val_loss' in row:
+        print(f"step {row['iter']}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}", flush=True)
+    elif 'loss' in row:
+        mfu = f"{100 * row['mfu']:.2f}%" if row.get('mfu') is not None else 'n/a'
+        print(f"iter {row['iter']}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
+              f"{row['tokens_per_sec']:.0f} tok/s, mfu {mfu}, peak mem {row['peak_mem_bytes'] / 2**20:.0f} MiB",
+              flush=True)
+
+
+def log_rank_rows(out_dir, row):
+    """Every rank's row (a collective: each rank passes its own), in rank order; rank 0 appends them to
+    out_dir/log.jsonl. Returns the rows on every rank."""
+    rows = [row]
+    if dist.is_initialized():
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+    if is_master():
+        with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
+            f.writelines(json.dumps(r) + '\n' for r in rows)
+    return rows
+
+
+def get_codec(dataset):
+    """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl if it
+    has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
+    import pickle
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset or '', 'meta.pkl')
+    if dataset is not None and os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            meta = pickle.load(f)
+        stoi, itos = meta['stoi'], meta['itos']
+        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
+    import tiktoken
+    try:
+        enc = tiktoken.get_encoding('gpt2')
+    except Exception as e:  # offline on first use: tiktoken cannot fetch its vocabulary files
+        raise SystemExit(f"error: tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it is "
+                         f"downloaded on first use, so run once with network access")
+    return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+
+
+def check_batch(cfg, dp_size, world_size):
+    """The one batch rule needs whole micro-batches on every data-parallel rank."""
+    if cfg.gradient_accumulation_steps % dp_size:
+        fits = math.ceil(cfg.gradient_accumulation_steps / dp_size) * dp_size
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
+                         f"by the data-parallel size dp={dp_size} (world size {world_size}): each data-parallel "
+                         f"rank takes whole micro-batches; use --gradient_accumulation_steps={fits} or fewer "
+                         f"processes")
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+
+
+def should_evaluate(iter_num, cfg):
+    return iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+
+
+def evaluate(loss_of, model, data, cfg, iter_num, lr, dp=None):
+    """estimate_loss with the model in eval mode (no dropout), logged by rank 0. Every rank must call it (the
+    data-parallel ranks share the batches). A loss that is not finite stops the run, keeping the last checkpoint."""
+    model.eval()
+    losses = estimate_loss(loss_of, data, cfg, dp)
+    model.train()
+    if is_master():
+        log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'], 'lr': lr})
+    if not math.isfinite(losses['val']):
+        raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
+    return losses
+
+
+def should_save(iter_num, val_loss, best_val_loss, cfg):
+    return iter_num > 0 and (val_loss < best_val_loss or cfg.always_save_checkpoint)
+
+
+def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
+    """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch rule)."""
+    global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    return [get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size,
+                      micro_batch_rows(cfg, dp_rank, dp_size, micro_step), cfg.device)
+            for micro_step in range(cfg.gradient_accumulation_steps // dp_size)]
+
+
+class StepLogger:
+    """The line logged every log_interval iterations: the time per iteration since the last line (host clock,
+    after the loss's .item() has waited for the device), tokens per second of the whole run, MFU per device, peak
+    memory. Every iteration it checks that the loss is finite."""
+
+    def __init__(self, cfg, flops_per_token, n_devices):
+        self.cfg, self.flops_per_token, self.n_devices = cfg, flops_per_token, n_devices
+        self.peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
+        self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+        self.restart()
+
+    def restart(self):
+        """Time afresh from now (after an evaluation: eval time is not training time)."""
+        self.t_last, self.iters = time.time(), 0
+
+    def step(self, iter_num, loss, lr):
+        if not math.isfinite(loss):
+            raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint is kept")
+        self.iters += 1
+        if iter_num % self.cfg.log_interval == 0 and is_master():
+            dt = (time.time() - self.t_last) / self.iters
+            self.restart()
+            tokens_per_sec = self.tokens_per_iter / dt
+            log_row(self.cfg.out_dir, {'iter': iter_num, 'loss': loss, 'lr': lr, 'ms': 1000 * dt,
+                                       'tokens_per_sec': tokens_per_sec,
+                                       'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices, self.peak),
+                                       'peak_mem_bytes': peak_memory_bytes(self.cfg.device)})
+
+
+def print_sample(model, cfg, ctx, show=True, hint='python sample.py --out_dir={out_dir}'):
+    """300 characters sampled from the trained model (every rank of a sharded model must take part; the ones
+    with show print it), and how to sample more."""
+    encode, decode = get_codec(cfg.dataset)
+    model.eval()
+    start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
+    with ctx:
+        text = decode(model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
+    if show:
+        print(f"---------- a sample ----------\n{text}\n------------------------------")
+        print(f"sample more with: {hint.format(out_dir=cfg.out_dir)}")
+
+
+def record_for_torchrun(message, callstack):
+    """Leave the rank's error where torchrun's closing summary reads it (TORCHELASTIC_ERROR_FILE, the format of
+    torch.distributed.elastic's @record), so the user's last screen says what went wrong, not only an exit code."""
+    path = os.environ.get('TORCHELASTIC_ERROR_FILE')
+    if path:
+        with open(path, 'w') as f:
+            json.dump({'message': {'message': message, 'extraInfo': {'py_callstack': callstack,
+                                                                     'timestamp': str(int(time.time()))}}}, f)
+
+
+def run_main(main):
+    """Run main(argv) and turn a config error into one line on stderr and exit code 1 (on every rank); under
+    torchrun that line, or an unexpected error's traceback, is also what torchrun's summary shows."""
+    try:
+        main(sys.argv[1:])
+        # free what the run built (DDP's reducer, gloo's work objects) while the interpreter is whole: freed during
+        # its shutdown instead, a C++ thread can reach for the GIL too late and abort the process (SIGABRT)
+        import gc
+        gc.collect()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            rank = os.environ.get('RANK')
+            line = (f"[rank {rank}] " if rank is not None else '') + e.code + '\n'
+            # the whole line in one write: the ranks share one stderr pipe, and print() writes the text and its
+            # newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run together
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            record_for_torchrun(e.code, line)
+            if dist.is_initialized() and distributed._GROUP_IS_OURS:  # (an error found after joining, e.g. on resume): left to
+                dist.destroy_process_group()  # the interpreter's exit, gloo's threads can abort ('terminate called')
+            sys.exit(1)
+        raise
+    except Exception as e:
+        import traceback
+        record_for_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
