@@ -143,9 +143,9 @@ def test_rank_slices_concatenate_to_the_global_batch(dp_size):
 
 
 def _load_fresh_copy(repo_copy, barrier, results):
-    """One rank of a fresh checkout: import the copy's model.py and load the default data set, which the copy
+    """One rank of a fresh checkout: import the copy's training.py and load the default data set, which the copy
     does not have yet. Puts the sizes it read (or its error) in results."""
-    spec = importlib.util.spec_from_file_location('model_of_copy', os.path.join(repo_copy, 'model.py'))
+    spec = importlib.util.spec_from_file_location('training_of_copy', os.path.join(repo_copy, 'training.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     barrier.wait()  # every rank arrives at once, as torchrun starts them
@@ -163,11 +163,13 @@ def test_ranks_of_a_fresh_checkout_prepare_the_data_once(tmp_path):
     import shutil
     want = training.load_dataset('stdlib_char')
     want = (len(want[0]['train']), len(want[0]['val']), want[1])
-    ctx = mp.get_context('fork')  # no torch in the children: load_dataset is numpy and files
+    ctx = mp.get_context('fork')  # quick to start: the children have torch imported already
     for attempt in range(3):
         repo_copy = tmp_path / f'copy{attempt}'
         os.makedirs(repo_copy / 'data' / 'stdlib_char')
-        shutil.copy(os.path.join(REPO, 'model.py'), repo_copy)
+        for name in os.listdir(REPO):  # model.py and the helper files it takes load_dataset from
+            if name.endswith('.py'):
+                shutil.copy(os.path.join(REPO, name), repo_copy)
         shutil.copy(os.path.join(REPO, 'data', 'stdlib_char', 'prepare.py'), repo_copy / 'data' / 'stdlib_char')
         barrier, results = ctx.Barrier(4), ctx.Queue()
         ranks = [ctx.Process(target=_load_fresh_copy, args=(str(repo_copy), barrier, results)) for _ in range(4)]
