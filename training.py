@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import fields
@@ -25,14 +26,72 @@ from measure import mfu, peak_flops_for, peak_memory_bytes
 from model import GPTConfig
 
 
+# The config keys every training script shares, with nanoGPT's names. train.py spells them out in its own block
+# (tests/test_train.py keeps the two equal); every other script declares only the keys of its idea (and any
+# default it changes) and takes these. `python X.py --help` lists a script's keys with these comments.
+TRAIN_DEFAULTS = dict(
+    out_dir='out',                  # where the checkpoints and log.jsonl go
+    eval_interval=250,              # evaluate (and checkpoint) every this many iterations
+    log_interval=25,                # print and log the loss every this many iterations
+    eval_iters=20,                  # global batches per evaluation of each split
+    eval_only=False,                # evaluate once and exit
+    always_save_checkpoint=True,    # save at every eval, not only when val loss improves
+    init_from='scratch',            # 'scratch', 'resume' (out_dir's checkpoint) or a GPT-2 name: 'gpt2', ...
+    sample_at_end=True,             # print a short sample when training ends
+    dataset='stdlib_char',          # data/<dataset>/{train,val}.bin (stdlib_char is built offline on first use)
+    gradient_accumulation_steps=2,  # micro-steps per iteration, summed over all data-parallel ranks
+    batch_size=8,                   # sequences per micro-step per data-parallel rank
+    block_size=128,                 # tokens per sequence
+    n_layer=4,                      # (every GPTConfig field is a key: norm, mlp, pos, n_kv_head, ...)
+    n_head=4,                       # attention heads
+    n_embd=128,                     # the residual stream's width
+    dropout=0.0,                    # dropout probability (0: every strategy equals train.py to 1e-5)
+    bias=False,                     # biases in Linear and LayerNorm
+    learning_rate=2e-3,             # AdamW's peak learning rate
+    max_iters=1250,                 # iterations to train (~0.12 s each on an idle 2-core CPU)
+    weight_decay=0.1,               # AdamW's weight decay on the 2-D weights
+    beta1=0.9,                      # AdamW's beta1
+    beta2=0.99,                     # AdamW's beta2
+    grad_clip=1.0,                  # clip the global gradient norm to this; 0.0 turns clipping off
+    decay_lr=True,                  # warm up, then cosine decay to min_lr; False: constant learning_rate
+    warmup_iters=50,                # linear warm-up iterations
+    lr_decay_iters=1250,            # cosine decay ends here (usually max_iters)
+    min_lr=2e-4,                    # the learning rate after the decay
+    device='cuda' if torch.cuda.is_available() else 'cpu',  # 'cpu', 'cuda' (each rank takes its LOCAL_RANK)
+    dtype='bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32',  # autocast
+    compile=False,                  # torch.compile the model (train.py)
+    seed=1337,                      # the seed of the initialization, the batches and the dropout streams
+    peak_flops=None,                # the device's peak FLOP/s for MFU; None: looked up by GPU name
+    profile=0,                      # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
+)
+
+
 def config_defaults(script_globals):
-    """The config of a script: its module-level ints, floats, bools, strings and Nones, plus every GPTConfig field."""
+    """The config of a script: every GPTConfig field, then TRAIN_DEFAULTS, then the script's own module-level
+    ints, floats, bools, strings and Nones (the keys of its idea, and any default it changes)."""
     cfg = {f.name: f.default for f in fields(GPTConfig)}
+    cfg.update(TRAIN_DEFAULTS)
     for k, v in script_globals.items():
         if not k.startswith('_') and not k.isupper() and isinstance(v, (int, float, bool, str, type(None))):
             cfg[k] = v
     cfg.pop('vocab_size')  # comes from the data set
     return cfg
+
+
+def config_help(defaults, script):
+    """`python script --help`: every key the script takes, its default and the comment where it is declared
+    (the script's own block, else TRAIN_DEFAULTS, else GPTConfig): the keys of the script's idea first."""
+    sources = [open(p).read() for p in (script, __file__, os.path.join(os.path.dirname(__file__), 'model.py'))
+               if os.path.isfile(p)]
+    said = lambda text, key: re.search(rf'^\s*{key}\s*(?::[^=\n]*)?=[^\n]*?#\s*(.*)$', text, re.M)
+    lines = [f"usage: python {os.path.basename(script)} [config/file.py ...] [--key=value ...]  (torchrun too)"]
+    model_keys = [f.name for f in fields(GPTConfig)]
+    own = [k for k in defaults if k not in TRAIN_DEFAULTS and k not in model_keys]
+    shared = [k for k in TRAIN_DEFAULTS if k in defaults]
+    for key in own + shared + [k for k in model_keys if k in defaults and k not in shared]:
+        words = next((m.group(1) for m in (said(s, key) for s in sources) if m), '')
+        lines.append(f"  --{key}={defaults[key]!r}".ljust(34) + f" {words}".rstrip())
+    return '\n'.join(lines)
 
 
 def _checked(key, value, default):
@@ -56,6 +115,9 @@ def configure(defaults, argv):
     A config file is Python that assigns keys; values on the command line are Python literals (or plain strings).
     An unknown key or a value of the wrong type exits before any work, naming the key and the valid ones."""
     cfg = dict(defaults)
+    if '--help' in argv or '-h' in argv:
+        print(config_help(defaults, os.path.abspath(sys.argv[0])))
+        raise SystemExit(0)
 
     def set_key(key, value, source):
         if key not in defaults:

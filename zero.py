@@ -42,45 +42,8 @@ from distributed import Comm, finish_distributed, init_distributed, world_size_f
 from measure import StepProfiler, WireMeter
 
 # -----------------------------------------------------------------------------
-# config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
-out_dir = 'out'
-eval_interval = 250
-log_interval = 25
-eval_iters = 20
-eval_only = False
-always_save_checkpoint = True   # save at every eval, not only when val loss improves
+# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir's rank shards, else a train.py out_dir/ckpt.pt)
-sample_at_end = True            # print a short sample when training ends
-# data
-dataset = 'stdlib_char'
-gradient_accumulation_steps = 2  # micro-steps per iteration, summed over all data-parallel ranks
-batch_size = 8                   # sequences per micro-step per data-parallel rank
-block_size = 128
-# model (every GPTConfig field is a config key: norm, mlp, pos, n_kv_head, tie_embeddings, ...)
-n_layer = 4
-n_head = 4
-n_embd = 128
-dropout = 0.0
-bias = False
-# AdamW
-learning_rate = 2e-3
-max_iters = 1250                # ~0.12 s per iteration on an idle 2-core CPU: under 3 minutes
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.99
-grad_clip = 1.0                 # clip the global gradient norm to this; 0.0 turns clipping off
-# learning rate schedule
-decay_lr = True
-warmup_iters = 50
-lr_decay_iters = 1250           # usually equal to max_iters
-min_lr = 2e-4
-# system
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
-compile = False
-seed = 1337
-peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
-profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 # ZeRO
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)

@@ -248,3 +248,28 @@ def test_torchrun_summary_carries_the_error_and_plain_python_says_single_process
     proc = check(run_script('train_ddp.py', TINY + ['--max_iters=0', f'--out_dir={tmp_path}']))
     assert 'running as a single process' in proc.stdout and 'torchrun --standalone --nproc_per_node=N ' \
         'train_ddp.py' in proc.stdout, proc.stdout
+
+
+def test_train_py_spells_out_the_shared_config():
+    """train.py keeps nanoGPT's full config block; the other scripts take the same keys from
+    training.TRAIN_DEFAULTS. The two must never drift apart."""
+    import train
+    import training
+    declared = {k: train.config[k] for k in training.TRAIN_DEFAULTS}
+    assert declared == training.TRAIN_DEFAULTS
+    own = set(train.config) - set(training.TRAIN_DEFAULTS) - set(M.GPTConfig.__dataclass_fields__)
+    assert own == set(), own
+
+
+@pytest.mark.parametrize('script', ['train.py', 'zero.py', 'pipeline.py'])
+def test_help_lists_every_key_with_its_default_and_words(script):
+    """`python X.py --help` prints every key the script accepts (its idea's first), its default and the comment
+    where the key is declared, and exits 0 without training."""
+    import importlib
+    proc = check(run_script(script, ['--help']))
+    module = importlib.import_module(script[:-3])
+    listed = [line.split('=')[0].strip()[2:] for line in proc.stdout.splitlines() if line.startswith('  --')]
+    assert sorted(listed) == sorted(module.config), proc.stdout  # each once
+    assert "--batch_size=8" in proc.stdout and 'sequences per micro-step' in proc.stdout
+    if script == 'zero.py':
+        assert listed[0] == 'stage' or listed[1] == 'stage', listed[:3]
