@@ -195,3 +195,35 @@ class WireMeter:
         dist.barrier()
         now = tcp_bytes_sent_by_socket()
         return sum(n - self.start_sent.get(sock, 0) for sock, n in now.items())
+
+
+# -----------------------------------------------------------------------------
+# Measured steps and their report. Measuring costs time (a barrier to line the ranks up, a device synchronize
+# before reading a clock, an all-gather of the numbers), so a script measures only the steps this names and runs
+# the algorithm alone on every other one.
+
+def measured_step(iter_num, first_iter, every=0):
+    """Whether iteration iter_num is measured: the run's first, and every `every`-th (--measure_every; 0: none
+    after the first)."""
+    return iter_num == first_iter or (every > 0 and iter_num % every == 0)
+
+
+def _cell(value):
+    if value is None:
+        return '-'
+    if isinstance(value, float) and abs(value) < 1000:
+        return f"{value:.3g}"
+    return f"{value:,.0f}" if isinstance(value, (int, float)) else str(value)
+
+
+def print_measured(title, lines, notes=()):
+    """A measured step's report: one line per quantity with what was measured (the running system), counted (at
+    our own calls) and modelled (a paper's formula) side by side, '-' where a kind does not apply; then each note
+    that explains a gap between them. lines: [(quantity, measured, counted, modelled)]."""
+    width = max([len(name) for name, *_ in lines] + [8])
+    print(title)
+    print(f"  {'':<{width}}  {'measured':>14}  {'counted':>14}  {'modelled':>14}")
+    for name, *values in lines:
+        print(f"  {name:<{width}}  " + '  '.join(f"{_cell(v):>14}" for v in values))
+    for note in notes:
+        print(f"  ({note})")
