@@ -1,7 +1,7 @@
 """zero.py: every stage on 2 and 3 ranks trains the same numbers as train.py (one process, whole batch) with
-accumulation and clipping; stage 0/1/3 match DDP / ZeroRedundancyOptimizer / FSDP2; the bytes it reports equal
-the ZeRO formulas; shard checkpoints resume exactly and consolidate into a train.py checkpoint; bad input fails
-on every rank with one line."""
+accumulation, clipped (2 ranks) and not (3 ranks); stage 0/1/3 match DDP / ZeroRedundancyOptimizer / FSDP2; the
+bytes it reports equal the ZeRO formulas; shard checkpoints resume exactly and consolidate into a train.py
+checkpoint; bad input fails on every rank with one line."""
 import os
 import shutil
 import subprocess
@@ -47,20 +47,31 @@ def train_py(out_dir, max_iters=3, *extra):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=False)
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-    """train.py, one process on the whole global batch: 3 iterations."""
-    out = train_py_reference(ARGS + ['--max_iters=3', '--eval_interval=3'], tmp_path_factory)
+def train_py_run(tmp_path_factory, *extra):
+    """train.py, one process on the whole global batch: 3 iterations. Returns (out_dir, its checkpoint)."""
+    out = train_py_reference(ARGS + ['--max_iters=3', '--eval_interval=3', *extra], tmp_path_factory)
     return out, torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)
 
 
-@pytest.mark.parametrize('world_size', [2, 3])
-def test_every_stage_matches_train_py_and_formulas(tmp_path, reference, world_size):
-    """Params and AdamW state after 3 steps (accumulation, clipping) equal train.py's to 1e-5, the loss curves to
-    1e-5; the per-rank bytes equal the formulas up to padding; stages 2/3 never hold a full-size gradient."""
-    ref_dir, ref = reference
-    prefetching = [zero_args(tmp_path / f'prefetch{k}', 3, 3, f'--prefetch_blocks={k}') for k in (0, 2)]
-    spawn(run_mains, world_size, 'zero', [zero_args(tmp_path / f's{s}', s) for s in range(4)] + prefetching)
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    return train_py_run(tmp_path_factory)
+
+
+# On 2 ranks clipped (ARGS: a clip that always bites, so the norm over the shards is tested); on 3 unclipped:
+# a clip that bites scales a sum of the ranks' gradients and their mean to the same norm (and AdamW's update
+# barely sees the scale), so summing instead of averaging passed; unclipped, AdamW's moments show it.
+@pytest.mark.parametrize('world_size, clip', [(2, []), (3, ['--grad_clip=0.0'])],
+                         ids=['2-clipped', '3-unclipped'])
+def test_every_stage_matches_train_py_and_formulas(tmp_path, tmp_path_factory, request, world_size, clip):
+    """Params and AdamW state after 3 steps (accumulation; clipping on 2 ranks, none on 3) equal train.py's
+    to 1e-5, the loss curves to 1e-5; the per-rank bytes equal the formulas up to padding; stages 2/3 never
+    hold a full-size gradient."""
+    ref_dir, ref = train_py_run(tmp_path_factory, *clip) if clip else request.getfixturevalue('reference')
+    prefetching = [zero_args(tmp_path / f'prefetch{k}', 3, 3, f'--prefetch_blocks={k}', *clip)
+                   for k in (0, 2)]
+    runs = [zero_args(tmp_path / f's{s}', s, 3, *clip) for s in range(4)]
+    spawn(run_mains, world_size, 'zero', runs + prefetching)
     # stage 3 gathering 0, 1 (the default) or 2 blocks ahead: the same numbers; each block ahead is one more
     # block's full parameters held at the peak, measured
     peaks = {}
