@@ -227,3 +227,60 @@ def print_measured(title, lines, notes=()):
         print(f"  {name:<{width}}  " + '  '.join(f"{_cell(v):>14}" for v in values))
     for note in notes:
         print(f"  ({note})")
+
+
+# -----------------------------------------------------------------------------
+# Executed schedules (pipeline.py): what each rank ran, as ops with a start and an end on its clock, drawn as a
+# text timeline and as a Perfetto trace.
+
+import json  # noqa: E402 (this section's own imports: it was appended)
+
+
+def time_split(records, total):
+    """The stage's share of the step in compute (F and B), in send/recv (W: the transfer, and on a CPU the wait
+    for a neighbour that is still computing) and elsewhere; the bubble is everything that is not compute."""
+    compute = sum(t1 - t0 for op, _, t0, t1 in records if op in 'FB')
+    comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'W')
+    return {'compute': compute / total, 'send_recv': comm / total, 'other': 1 - (compute + comm) / total,
+            'bubble_fraction': 1 - compute / total}
+
+
+def op_label(op, i):
+    """F3 / B3: forward / backward of microbatch 3; with chunks, F3.1: of microbatch 3 on chunk 1."""
+    return f"{op}{i[0]}.{i[1]}" if isinstance(i, (tuple, list)) else f"{op}{i}"
+
+
+def timeline(records, total, n_slots, width):
+    """One line of the stage's step, n_slots equal slices of the clock: each forward and backward once, in the
+    order executed (F3 = forward of microbatch 3, B3 its backward), in the slot where it started, '-' in the slots
+    it goes on running through, '.' where the stage was not computing. An op shorter than a slot, or one starting
+    in a slot already taken, takes the next free slot (the row grows past n_slots rather than drop it)."""
+    slot, cells = total / n_slots, []
+    for op, i, t0, t1 in records:
+        if op not in 'FB':
+            continue
+        start = max(len(cells), int(t0 / slot))
+        cells += ['.'] * (start - len(cells)) + [op_label(op, i)]
+        cells += ['-'] * (round(t1 / slot) - len(cells))  # the slots whose middle it runs through
+    cells += ['.'] * (n_slots - len(cells))
+    return ' '.join(c.ljust(width) for c in cells).rstrip()
+
+
+def write_schedule_trace(stages, total, path):
+    """The executed schedule as a Chrome/Perfetto trace (open it at ui.perfetto.dev): one track per stage, a slice
+    for each forward, backward and send/recv, and 'idle' for the gaps in between, so the bubble is a picture."""
+    events = []
+    for r in stages:
+        track = {'pid': 0, 'tid': r['stage']}
+        events.append(dict(track, ph='M', name='thread_name', args={'name': f"stage {r['stage']}"}))
+        busy = sorted((t0, t1, op_label(op, i) if op in 'FB' else 'send/recv') for op, i, t0, t1 in r['records'])
+        edges = [(0.0, 0.0, None)] + busy + [(total, total, None)]
+        for (_, prev_end, _), (start, _, _) in zip(edges, edges[1:]):
+            if start > prev_end:
+                events.append(dict(track, ph='X', name='idle', cat='idle', ts=1e6 * prev_end,
+                                   dur=1e6 * (start - prev_end)))
+        for t0, t1, name in busy:
+            events.append(dict(track, ph='X', name=name, cat='compute' if name[0] in 'FB' else 'communication',
+                               ts=1e6 * t0, dur=1e6 * (t1 - t0)))
+    with open(path, 'w') as f:
+        json.dump({'traceEvents': events, 'displayTimeUnit': 'ms'}, f)
