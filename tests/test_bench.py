@@ -7,6 +7,8 @@ import pytest
 from helpers import REPO, TINY, check, read_log, run_script
 
 import bench
+import planner
+from training import load_dataset
 import formulas
 
 # The ZeRO paper (Rajbhandari et al. 2020), its worked example: Ψ = 7.5B, N = 64, mixed-precision Adam.
@@ -18,7 +20,7 @@ BENCH_MODEL = ['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16', '-
 
 def test_estimate_reproduces_the_zero_papers_example():
     for stage, paper in enumerate(PAPER_GB):
-        states = bench.model_states(int(7.5e9), 64, stage, mixed_precision=True)
+        states = planner.model_states(int(7.5e9), 64, stage, mixed_precision=True)
         assert abs(sum(states.values()) / 1e9 - paper) <= 0.05, (stage, states)
     proc = check(run_script('bench.py', ['--estimate', '--params=7.5e9', '--gpus=64']))
     for shown in ('120 GB', '31.4 GB', '16.6 GB', '1.88 GB'):
@@ -65,7 +67,7 @@ def test_the_estimate_against_what_the_scripts_measure(tmp_path):
     the activations they save within 10% (the embedding's indices and the like come on top)."""
     config = tmp_path / 'planned.py'
     config.write_text(PLANNED)
-    vocab = bench.load_dataset('stdlib_char')[1]
+    vocab = load_dataset('stdlib_char')[1]
     flags = ['--gpus=2', '--dtype=float32', '--micro_batch=2', '--tp=2', '--pp=2', '--cp=2', '--n_microbatches=2',
              f'--vocab_size={vocab}', f'--out={tmp_path / "plan"}']
     rows = estimate(config, *flags)['strategies']
@@ -105,11 +107,11 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     assert report['all_losses_equal'] is True
 
     # the estimate for this model (Ψ from the meta-device count) against the bytes zero.py measured per rank
-    vocab_size = bench.load_dataset('stdlib_char')[1]
-    gptconf = bench.gpt_config_from(None, TINY + BENCH_MODEL, vocab_size)
-    numel = bench.param_counts(gptconf)['total']
+    vocab_size = load_dataset('stdlib_char')[1]
+    gptconf = planner.gpt_config_from(None, TINY + BENCH_MODEL, vocab_size)
+    numel = planner.param_counts(gptconf)['total']
     for stage in (3,):
-        estimate = bench.model_states(numel, 2, stage, mixed_precision=False)
+        estimate = planner.model_states(numel, 2, stage, mixed_precision=False)
         ranks = results[f'zero{stage}']['ranks']
         assert len(ranks) == 2
         for rank_row in ranks:
@@ -162,9 +164,9 @@ PUBLISHED = {'config/llama2_7b.py': (32000, 6_738_415_616), 'config/gpt2_xl_1.5b
 
 def test_the_estimate_reads_the_configs_vocabulary():
     for config, (vocab, params) in PUBLISHED.items():
-        gptconf = bench.gpt_config_from(os.path.join(REPO, config), [], None)
-        assert (gptconf.vocab_size, bench.param_counts(gptconf)['total']) == (vocab, params), config
-    assert bench.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], 96).vocab_size == 96  # --vocab_size
+        gptconf = planner.gpt_config_from(os.path.join(REPO, config), [], None)
+        assert (gptconf.vocab_size, planner.param_counts(gptconf)['total']) == (vocab, params), config
+    assert planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], 96).vocab_size == 96  # --vocab_size
 
 
 def test_logits_are_in_the_estimate_as_the_head_holds_them():
@@ -189,11 +191,11 @@ def test_logits_are_in_the_estimate_as_the_head_holds_them():
         held[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
         assert sum(held.values()) == formulas.logits_bytes_formula(b * s, V, 2 if mixed else 4) > 0, (mixed, held)
 
-        ddp = bench.estimate(config, 2, 1, b, s, 1, 1, 1, 1, 1, mixed)[0]
+        ddp = planner.estimate(config, 2, 1, b, s, 1, 1, 1, 1, 1, mixed)[0]
         assert ddp['strategy'] == 'DDP' and ddp['logits_bytes'] == sum(held.values())
         assert ddp['total_bytes'] == ddp['model_state_bytes'] + ddp['activation_bytes'] + ddp['logits_bytes']
         limit = (ddp['total_bytes'] - ddp['logits_bytes'] / 2) / 1e9  # room for everything but half the logits
-        assert bench.estimate(config, 2, limit, b, s, 1, 1, 1, 1, 1, mixed)[0]['fits'] != 'yes'
+        assert planner.estimate(config, 2, limit, b, s, 1, 1, 1, 1, 1, mixed)[0]['fits'] != 'yes'
 
 
 def test_pipeline_traffic_is_priced_as_pipeline_py_sends_it(tmp_path):
@@ -206,9 +208,9 @@ def test_pipeline_traffic_is_priced_as_pipeline_py_sends_it(tmp_path):
         '--max_iters=1', '--eval_interval=100', '--always_save_checkpoint=False', f'--out_dir={out}'], nproc=2))
     stages = [r for r in read_log(out) if 'stage' in r and 'rank' in r]
     assert len(stages) == 2
-    gptconf = bench.gpt_config_from(None, TINY, bench.load_dataset('stdlib_char')[1])
+    gptconf = planner.gpt_config_from(None, TINY, load_dataset('stdlib_char')[1])
     # 2 GPUs, 1 GB, micro-batch 2 of 16 tokens, tp 1, pp 2, cp 1, 2 micro-batches, ZeRO-1, bf16
-    plan = {r['strategy']: r for r in bench.estimate(gptconf, 2, 1, 2, 16, 1, 2, 1, 2, 1, True)}
+    plan = {r['strategy']: r for r in planner.estimate(gptconf, 2, 1, 2, 16, 1, 2, 1, 2, 1, True)}
     for r in stages:
         kinds = r['collective_bytes_by_kind']
         assert plan['PP=2 1F1B']['comm_bytes_per_step'] == kinds['pp send'] + kinds['embed all_reduce'], r
@@ -224,9 +226,9 @@ def test_the_two_tables_say_what_their_communication_counts(tmp_path):
     assert 'Ψ = 6.74B' in out and 'V 32000)' in out, out[:2000]
     assert "comm per step (the paper's: 1 micro-batch)" in out and 'comm per step (8 micro-batches)' in out
     assert 'not counted:' in out and 'logits' in out
-    gptconf = bench.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
-    numel = bench.param_counts(gptconf)['total']
-    rows = {r['strategy']: r for r in bench.estimate(gptconf, 8, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
+    gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
+    numel = planner.param_counts(gptconf)['total']
+    rows = {r['strategy']: r for r in planner.estimate(gptconf, 8, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
     paper = {stage: formulas.comm_bytes_formula(numel, 8, stage, 2) for stage in range(4)}
     assert rows['ZeRO-1']['comm_bytes_per_step'] == paper[1]
     assert rows['DDP']['comm_bytes_per_step'] == 2 * paper[0]

@@ -1,0 +1,367 @@
+"""
+The memory planner: per-GPU memory and communication of every strategy for a model too large to run here, from
+the same formulas (formulas.py) the scripts print beside what they measure; the cheapest strategy that fits, its
+DeepSpeed config, and --check: three of the strategies run here on a small shape, estimate beside measured.
+
+    python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
+    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # the same as JSON; the cheapest that fits
+    python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's worked example (model states only)
+"""
+
+import json
+import math
+import os
+import re
+
+import torch
+
+import formulas
+from model import GPT
+from training import configure, model_config
+from distributed import GRID_DIMS
+
+GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
+
+
+def fmt_bytes(n):
+    """1.23 GB / 4.56 MB / 7.8 kB / 12 B; '-' for a missing number."""
+    if n is None:
+        return '-'
+    for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# -----------------------------------------------------------------------------
+# --estimate: per-GPU memory and communication of each strategy, from the formulas of the scripts
+
+# A vocabulary size in a config file's comments: "# vocab_size: 32000", "vocab_size = 32000" or "(V = 32000;"
+# (vocab_size is not a config key: a run takes it from its data set)
+VOCAB_HINT = re.compile(r'^\s*#.*?\b(?:vocab_size\s*[:=]|V\s*=)\s*(\d+)', re.MULTILINE)
+
+
+def config_vocab_size(config_path):
+    """The vocabulary size a config file names in a comment (VOCAB_HINT), else None."""
+    hint = VOCAB_HINT.search(open(config_path).read()) if config_path else None
+    return int(hint.group(1)) if hint else None
+
+
+def gpt_config_from(config_path, overrides, vocab_size):
+    """The GPTConfig that `python train.py config_path overrides...` would build, with vocab_size given (it comes
+    from the data set in a real run); else the one the config file names (config_vocab_size), else 50304."""
+    import train
+    vocab_size = vocab_size or config_vocab_size(config_path) or 50304
+    cfg = configure(train.config, ([config_path] if config_path else []) + list(overrides))
+    return model_config(cfg, vocab_size)
+
+
+def param_counts(gptconf, pp=1):
+    """Parameters counted on the meta device (no memory): the whole model, and the largest pipeline stage (its
+    n_layer/pp blocks, plus the embeddings on the first and the final norm and head on the last; a tied embedding
+    is held by both, as Megatron does)."""
+    with torch.device('meta'):
+        model = GPT(gptconf)
+    total = sum(p.numel() for p in model.parameters())
+    per_block = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
+    first = sum(p.numel() for m in (model.transformer.wte, model.transformer.wpe) if m is not None
+                for p in m.parameters())
+    last = sum(p.numel() for p in model.transformer.ln_f.parameters()) + model.lm_head.weight.numel()
+    stages = [total] if pp == 1 else []
+    if pp > 1 and gptconf.n_layer % pp == 0:
+        k = gptconf.n_layer // pp
+        stages = [sum(per_block[i * k:(i + 1) * k]) for i in range(pp)]
+        stages[0] += first
+        stages[-1] += last
+    return dict(total=total, pp_stage_max=max(stages) if stages else None)
+
+
+def model_states(numel, dp, stage, mixed_precision):
+    """Bytes per rank of parameters, gradients and optimizer state (the ZeRO paper's formula)."""
+    return formulas.model_state_bytes_formula(numel, dp, stage, mixed_precision)
+
+
+def strategies(gpus, tp, pp, cp, zero_stage):
+    """(name, shape) of each strategy the estimate prices, from the least added cost to the most: communication
+    volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives), then the
+    pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
+    def shape(**k):
+        return dict(dict(dp=1, tp=1, pp=1, cp=1, stage=0, sp=False, schedule=None, offload=False), **k)
+    rows = [('DDP', shape(dp=gpus))] + [(f'ZeRO-{s}', shape(dp=gpus, stage=s)) for s in (1, 2, 3)]
+    rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
+    if tp > 1 and gpus % tp == 0 and gpus > tp:
+        rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', shape(dp=gpus // tp, tp=tp, sp=True,
+                                                                         stage=zero_stage))]
+    if tp > 1:
+        rows += [(f'TP={tp}', shape(tp=tp)), (f'TP={tp} + SP', shape(tp=tp, sp=True))]
+    if pp > 1 and gpus % pp == 0 and gpus > pp:
+        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}', shape(dp=gpus // pp, pp=pp, schedule='1f1b',
+                                                                          stage=zero_stage))]
+    if pp > 1:
+        rows += [(f'PP={pp} 1F1B', shape(pp=pp, schedule='1f1b')), (f'PP={pp} GPipe', shape(pp=pp, schedule='gpipe'))]
+    if cp > 1:
+        rows += [(f'CP={cp} ring', shape(dp=gpus // cp, cp=cp))]
+    return rows + [('ZeRO-3 + offload', shape(dp=gpus, stage=3, offload=True))]
+
+
+def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, zero_stage,
+             mixed_precision):
+    """One dict per strategy: model-state bytes, activation and logits bytes with and without activation
+    checkpointing, bytes communicated per step, and whether it fits (activations_of, comm_per_step)."""
+    s, a, L = seq_len, gptconf.n_head, gptconf.n_layer
+    rows = []
+    for name, k in strategies(gpus, tp, pp, cp, zero_stage):
+        dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
+        row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
+                   schedule=k['schedule'], offload=k['offload'], notes=[], **{x: k[x] for x in GRID_DIMS})
+        problems = [msg for bad, msg in [
+            (row['gpus_used'] > gpus, f"needs {row['gpus_used']} GPUs"),
+            (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
+            (L % p, f"n_layer {L} not divisible by pp={p}"),
+            (s % (2 * c) if c > 1 else 0, f"seq_len {s} not divisible by 2 x cp={c} (the zig-zag split)"),
+            (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)")] if bad]
+        if problems:
+            rows.append(dict(row, error=problems[0]))
+            continue
+        counts = param_counts(gptconf, p)
+        numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
+                 counts['pp_stage_max'] if p > 1 else counts['total'])
+        row['params_per_rank'] = numel
+        # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0 scripts
+        # keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
+        row.update(formulas.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0,
+                                                      k['offload']))
+        row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
+        row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
+        if p > 1:
+            row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches)
+        row['comm_bytes_per_step'] = comm_per_step(gptconf, k, s, micro_batch, n_microbatches, numel,
+                                                   mixed_precision)
+        row['total_bytes'] = row['model_state_bytes'] + row['activations_and_logits_bytes']
+        row['total_bytes_ckpt'] = row['model_state_bytes'] + row['activations_and_logits_bytes_ckpt']
+        limit = gpu_mem_gb * GB
+        row['fits'] = ('yes' if row['total_bytes'] <= limit else
+                       'with ckpt' if row['total_bytes_ckpt'] <= limit else 'no')
+        rows.append(row)
+    return rows
+
+
+def activations_of(gptconf, k, s, b, m, mixed_precision):
+    """A rank's activations for strategy shape k: what this repo's blocks save for backward
+    (formulas.saved_bytes_formula, read off model.py's code and tested equal to the bytes measured) for the
+    micro-batches a rank holds at once (1 without a pipeline, else formulas.peak_microbatches_formula: the
+    first stage holds the most, GPipe m, 1F1B min(p, m)); with checkpointing each block's input plus one block
+    recomputed at a time. The logits (formulas.logits_bytes_formula) come on top where the head is: every rank
+    without a pipeline, else the last stage, with its own blocks' activations (GPipe: m micro-batches', 1F1B:
+    one's). activations_and_logits_bytes: the larger of the first and the last stage's."""
+    t, p, c, stage, V = k['tp'], k['pp'], k['cp'], k['stage'], gptconf.vocab_size
+    act_bytes = 2 if mixed_precision else 4
+    tokens, h = s // c, gptconf.n_embd  # context parallelism: each rank holds 1/cp of the sequence
+    # zero.py and FSDP2 compute with bf16 weights; the others autocast fp32 weights (a bf16 copy per layer)
+    layer = formulas.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0)
+    block_input = tokens * b * h * (4 if mixed_precision else act_bytes) // (t if k['sp'] else 1)
+    first, last = ((1, 1) if p == 1 else
+                   (formulas.peak_microbatches_formula(k['schedule'], p, m, stage=i) for i in (0, p - 1)))
+    layers = gptconf.n_layer // p
+    # a vocabulary-parallel head (tensor_parallel.py) holds ceil(V/t) of the vocabulary on each rank
+    logits = formulas.logits_bytes_formula(b * tokens, -(-V // t), act_bytes, losses_held=last)
+    row = dict(activation_bytes_per_layer=layer, layers_per_rank=layers, microbatches_in_flight=first,
+               activation_bytes=layers * first * layer,
+               activation_bytes_ckpt=layers * first * block_input + layer, logits_bytes=logits)
+    row['activations_and_logits_bytes'] = max(row['activation_bytes'], layers * last * layer + logits)
+    row['activations_and_logits_bytes_ckpt'] = max(row['activation_bytes_ckpt'],
+                                                   layers * last * block_input + layer + logits)
+    return row
+
+
+def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
+    """Bytes the busiest rank of strategy shape k sends per optimizer step: m micro-batches of b sequences of
+    s tokens, then one gradient synchronisation, in the dtype each script sends: the stage-0 scripts
+    all-reduce fp32 gradients, zero.py reduces bf16 ones under bf16 (and ZeRO-2/3 at every micro-batch);
+    tensor parallelism's collectives carry bf16 activations; a pipeline sends the fp32 residual stream and its
+    fp32 gradient (pipeline.py's buffers, whatever the dtype); the ring sends bf16 kv blocks and fp32 dK, dV
+    (formulas.cp_comm_bytes_formula). A few scalars (the loss, the gradient norm) are left out."""
+    dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
+    h, a, L = gptconf.n_embd, gptconf.n_head, gptconf.n_layer
+    act_bytes = 2 if mixed_precision else 4
+    grad_bytes = act_bytes if stage > 0 else 4
+    comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
+    if t > 1:
+        per_layer = formulas.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
+        edges = formulas.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
+        comm += (per_layer * L + edges) * m
+    if p > 1:  # the busiest stage: a middle one, or the first, which with tied embeddings also all-reduces the
+        # tied weight's fp32 gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron does)
+        tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, 4) if gptconf.tie_embeddings else 0
+        comm += max(formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4),
+                    formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=0) + tied)
+    if c > 1:
+        comm += L * m * formulas.cp_comm_bytes_formula(s, b, a, gptconf.n_kv_head, h // a, c, 'ring',
+                                                       act_bytes)
+    return comm
+
+
+def cheapest(rows, gpus):
+    """The first strategy, in the table's order of added cost, that fits on all the GPUs: without activation
+    checkpointing if any does (recomputing costs a third more compute), else with it. None if nothing fits."""
+    for fits in ('yes', 'with ckpt'):
+        for r in rows:
+            if r.get('fits') == fits and r['gpus_used'] == gpus:
+                return r['strategy'] + (' + ckpt' if fits == 'with ckpt' else '')
+    return None
+
+
+def estimate_json(rows):
+    """{name: {param_bytes, grad_bytes, optim_bytes, activation_bytes, logits_bytes, total_bytes, fits, ...}}:
+    each strategy twice, as is and '+ ckpt' (full activation checkpointing). total_bytes = the model states +
+    activations_and_logits_bytes (the blocks' activations plus the logits, on the stage where they peak)."""
+    out = {}
+    for r in rows:
+        for ckpt in (False, True):
+            name = r['strategy'] + (' + ckpt' if ckpt else '')
+            entry = {k: r.get(k) for k in ('param_bytes', 'grad_bytes', 'optim_bytes')}
+            entry.update({x: r[x] for x in GRID_DIMS + ('zero_stage', 'sequence_parallel', 'schedule', 'offload',
+                                                        'gpus_used')})
+            entry['activation_checkpointing'] = ckpt
+            if 'error' in r:
+                out[name] = dict(entry, activation_bytes=None, logits_bytes=None, total_bytes=None,
+                                 fits=False, error=r['error'])
+                continue
+            suffix = '_ckpt' if ckpt else ''
+            out[name] = dict(entry, activation_bytes=r['activation_bytes' + suffix],
+                             logits_bytes=r['logits_bytes'],
+                             activations_and_logits_bytes=r['activations_and_logits_bytes' + suffix],
+                             total_bytes=r['total_bytes' + suffix],
+                             fits=r['fits'] == 'yes' or (ckpt and r['fits'] == 'with ckpt'),
+                             host_bytes=r.get('host_bytes', 0), comm_bytes_per_step=r['comm_bytes_per_step'],
+                             activation_bytes_per_layer=r['activation_bytes_per_layer'],
+                             layers_per_rank=r['layers_per_rank'],
+                             microbatches_in_flight=r['microbatches_in_flight'],
+                             params_per_rank=r['params_per_rank'])
+    return out
+
+
+def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixed_precision):
+    """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision), as
+    zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
+    import zero
+    cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
+    ranks = row['dp'] * row['cp']
+    cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
+    cfg.batch_size, cfg.gradient_accumulation_steps = micro_batch, n_microbatches * ranks
+    cfg.dtype = 'bfloat16' if mixed_precision else 'float32'
+    return zero.deepspeed_config_of(cfg, ranks)
+
+
+def estimate_markdown(rows, header, n_micro, mixed_precision):
+    lines = [header, '',
+             '| strategy | GPUs (dp x tp x pp x cp) | params | grads | optimizer | activations | '
+             f'act. (ckpt) | logits | total | total (ckpt) | comm per step ({n_micro} micro-batches) '
+             '| fits |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        grid = f"{r['gpus_used']} ({r['dp']} x {r['tp']} x {r['pp']} x {r['cp']})"
+        if 'error' in r:
+            lines.append(f"| {r['strategy']} | {grid} | n/a: {r['error']} |" + ' |' * 9)
+            continue
+        extra = f" (bubble {100 * r['bubble_fraction']:.0f}%)" if 'bubble_fraction' in r else ''
+        optim = fmt_bytes(r['optim_bytes']) + (f" (+ {fmt_bytes(r['host_bytes'])} host)" if r['offload'] else '')
+        lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | "
+                     f"{fmt_bytes(r['grad_bytes'])} | {optim} | "
+                     f"{fmt_bytes(r['activation_bytes'])} | {fmt_bytes(r['activation_bytes_ckpt'])} | "
+                     f"{fmt_bytes(r['logits_bytes'])} | {fmt_bytes(r['total_bytes'])} | "
+                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])} | {r['fits']} |")
+    notes = sorted({n for r in rows for n in r.get('notes', [])}) + [
+        "activations: what this repo's blocks save for backward (formulas.saved_bytes_formula, equal to the "
+        "bytes measured), for the micro-batches a rank holds at once (a pipeline's first stage: the most)",
+        "act. (ckpt): full activation checkpointing, each block's input kept plus one block recomputed at a time",
+        "logits: b x s x V per rank (s/cp, V/tp) in the compute dtype, plus the fp32 log-softmax the loss "
+        "keeps for backward (formulas.logits_bytes_formula); a pipeline's on its last stage, one fp32 "
+        "log-softmax per micro-batch it holds. total = states + activations + logits, but a pipeline's is "
+        "its larger stage's: the first's activations, or the last's (fewer) activations plus the logits",
+        f"comm per step: what the busiest rank sends per optimizer step of {n_micro} micro-batches, in the "
+        f"dtype each script sends (fp32 gradients for DDP, the fp32 residual stream between pipeline stages, "
+        f"fp32 dK/dV around the ring). The model-state table above gives the ZeRO paper's count, one "
+        f"micro-batch per step in {'16' if mixed_precision else '32'}-bit gradients: "
+        + ("DDP's row here is twice it (fp32 gradients), " if mixed_precision else '')
+        + f"ZeRO-2's (m+1)/2 times and ZeRO-3's m times it (they reduce at every micro-batch), m = {n_micro}",
+        "bf16: the rows without ZeRO keep fp32 weights and gradients under autocast (4+4+8 bytes per "
+        "parameter, and a bf16 copy of each block's weights among its activations); the ZeRO rows hold bf16 "
+        "weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count)",
+        "not counted: the loss's transients (a few more logits-sized tensors for a moment: the fp32 copy of "
+        "bf16 logits, their gradients in backward), the embedding's output, ZeRO-3's and FSDP2's gathered "
+        "parameters (the block computing and the one prefetched) and communication buffers, a pipeline's "
+        "in-flight send and receive buffers, the optimizer step's temporaries, the framework's own memory "
+        "(CUDA context, NCCL) and the allocator's caching and fragmentation: leave headroom",
+        "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / no)"]
+    return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
+
+
+def model_state_markdown(numel, gpus, mixed_precision):
+    """The ZeRO paper's table: model states per GPU for DP and ZeRO stages 1-3 (no shape needed)."""
+    lines = [f"Model states per GPU, Ψ = {numel / 1e9:.3g}B parameters, N = {gpus} GPUs, "
+             f"{'mixed-precision Adam (2+2+12 bytes)' if mixed_precision else 'fp32 Adam (4+4+8 bytes)'}:", '',
+             "| stage | params | grads | optimizer | total per GPU "
+             "| comm per step (the paper's: 1 micro-batch) |",
+             '|---|---|---|---|---|---|']
+    for stage, name in enumerate(['DDP (ZeRO-0)', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3 / FSDP']):
+        m = model_states(numel, gpus, stage, mixed_precision)
+        comm = formulas.comm_bytes_formula(numel, gpus, stage, 2 if mixed_precision else 4)
+        lines.append(f"| {name} | {fmt_bytes(m['param_bytes'])} | {fmt_bytes(m['grad_bytes'])} | "
+                     f"{fmt_bytes(m['optim_bytes'])} | {fmt_bytes(sum(m.values()))} | {fmt_bytes(comm)} |")
+    return '\n'.join(lines)
+
+
+def largest_divisor(limit, *numbers):
+    return max(d for d in range(1, limit + 1) if all(n % d == 0 for n in numbers))
+
+
+def run_estimate(args, overrides, check=None):
+    mixed = args.dtype != 'float32'
+    if args.params:
+        print(model_state_markdown(int(float(args.params)), args.gpus, mixed))
+        return
+    if not args.estimate or not os.path.isfile(args.estimate):
+        raise SystemExit(f"error: --estimate needs a config file (or --params=N), got {args.estimate!r}")
+    gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
+    hinted = args.vocab_size or config_vocab_size(args.estimate)
+    vocab_note = '' if hinted else ' (the default: pass --vocab_size=N for another vocabulary)'
+    seq_len = args.seq_len or gptconf.block_size
+    # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at most 4;
+    # cp: the sequence in 2·cp zig-zag chunks, at most 4)
+    args.tp = args.tp or largest_divisor(min(args.gpus, 8), gptconf.n_head, gptconf.n_kv_head)
+    args.pp = args.pp or largest_divisor(min(args.gpus, 4), gptconf.n_layer)
+    args.cp = args.cp or largest_divisor(min(args.gpus, 4), seq_len // 2, args.gpus)
+    numel = param_counts(gptconf)['total']
+    n_micro = args.n_microbatches or max(1, 2 * args.pp)
+    rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
+                    n_micro, args.zero_stage, mixed)
+    best = cheapest(rows, args.gpus)
+    ds_path = None
+    if best:
+        best_row = next(r for r in rows if best.startswith(r['strategy']))
+        os.makedirs(args.out, exist_ok=True)
+        ds_path = os.path.join(args.out, 'ds_config.json')
+        with open(ds_path, 'w') as f:
+            json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f, indent=2)
+    checked = check(args, overrides, rows, best, ds_path, n_micro) if args.check and check else None
+    if args.json:
+        print(json.dumps({'config': args.estimate, 'params': numel, 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
+                          'dtype': args.dtype, 'micro_batch': args.micro_batch, 'seq_len': seq_len,
+                          'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
+                          'ds_config': ds_path, 'checked': checked}, indent=1))
+        return
+    header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
+              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}); {args.gpus} GPUs of "
+              f"{args.gpu_mem_gb} GB; micro-batch {args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches "
+              f"per step; {'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
+    print(model_state_markdown(numel, args.gpus, mixed) + '\n')
+    print(estimate_markdown(rows, header, n_micro, mixed))
+    print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; without "
+          f"recomputation if possible): {best or 'none'}" + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
+    if checked:
+        print('\nThe estimate against what the scripts measured, run here on ' + f"{args.gpus} processes:\n")
+        print('| strategy | script | what | estimate | measured | measured / estimate |\n|---|---|---|---|---|---|')
+        for c in checked:
+            print(f"| {c['strategy']} | {c['script']} | {c['what']} | {c['estimate']:,} | {c['measured']:,} | "
+                  f"{c['measured'] / c['estimate']:.4f} |")
