@@ -30,11 +30,12 @@ from torch.nn import functional as F
 
 from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula, tp_comm_bytes_formula,
                       tp_edge_comm_bytes_formula)
-from model import init_values, materialize
+from model import GPTConfig, init_values, materialize
 from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape,
-                      set_lr, should_evaluate, should_save)
-from checkpoints import CheckpointWriter, init_model, rng_state, seed_dropout, set_rng_state
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, progress, run_main,
+                      run_shape, set_lr, should_evaluate, should_save)
+from checkpoints import (CheckpointWriter, adamw_state_dict, init_model, rng_state, seed_dropout, set_rng_state,
+                         train_checkpoint)
 from distributed import (Comm, average_gradients, finish_distributed, init_distributed, process_grid,
                          world_size_from_env)
 from measure import StepProfiler, WireMeter, comm_report, saved_bytes_counter
@@ -557,6 +558,32 @@ def check_rank_checkpoint(checkpoint, cfg, world_size):
 
 def rank_ckpt_path(out_dir, rank):
     return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
+
+
+def consolidate(out_dir):
+    """The slices of data-parallel replica 0's tp ranks, joined (join_slices) into train.py's checkpoint dict: the
+    whole model, and AdamW's state in train.py's order, each parameter with its own step."""
+    def load(r):
+        if not os.path.exists(rank_ckpt_path(out_dir, r)):
+            raise SystemExit(f"error: consolidate: {out_dir} holds no {rank_ckpt_path(out_dir, r)}")
+        return torch.load(rank_ckpt_path(out_dir, r), map_location='cpu', weights_only=False, mmap=True)
+    first = load(0)
+    ranks = [first] + [load(r) for r in range(1, first['tp'])]
+    if len({r['iter_num'] for r in ranks}) != 1:  # a run stopped while saving can leave some ranks a save behind
+        raise SystemExit(f"error: consolidate: the files ckpt_rank*.pt in {out_dir} are from different iterations")
+    qkv_sizes, model_sd, states = qkv_split(GPTConfig(**first['model_args'])), {}, {}
+    for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
+        progress(i + 1, len(first['layout']), f"consolidating {len(ranks)} tensor-parallel ranks (parameters)")
+        model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv_sizes).clone()
+        saved = [r['optimizer']['state'].get(r['param_order'].index(local)) for r in ranks]
+        if saved[0] is not None:  # (AdamW has no state for a parameter that never had a gradient)
+            states[dense] = {k: torch.tensor(float(v)) if k == 'step' else
+                             join_slices([s[k] for s in saved], kind, qkv_sizes) for k, v in saved[0].items()}
+    if first['model_args'].get('tie_embeddings', True):  # train.py knows a tied embedding by both its names
+        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
+    cfg = dict(first['config'], init_from='resume')
+    return train_checkpoint(model_sd, adamw_state_dict(first['model_args'], states, cfg), [first['rng']],
+                            first['model_args'], first['iter_num'], first['best_val_loss'], cfg)
 
 
 def checkpoint_layout(model, layout, optimizer):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY, assert_same_losses, check, read_log, run_script, spawn, train_losses, train_py_reference
+from helpers import (TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, check, read_log, run_script,
+                     spawn, train_losses, train_py_reference)
 
 import formulas
 
@@ -250,6 +251,8 @@ def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path, tmp_path_factor
     # dp=2 x tp=2: the first 2 iterations, one checkpoint per rank; consolidated offline into a train.py ckpt.pt
     check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
     check(run_script('consolidate.py', [str(tp_dir)]))
+    import tensor_parallel as tpm  # its own join of its own files: the same checkpoint as consolidate.py writes
+    assert_same_checkpoint(tpm.consolidate(str(tp_dir)), str(tp_dir / 'ckpt.pt'), atol=0)
     full.mkdir()
     shutil.move(str(tp_dir / 'ckpt.pt'), str(full / 'ckpt.pt'))
     shutil.copy(tp_dir / 'log.jsonl', full / 'log.jsonl')
