@@ -205,3 +205,41 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
         return
     set_rng_state({'cpu': checkpoint['rng_state'], 'cuda': checkpoint.get('cuda_rng_state')})
     seed_dropout(seed, dp_rank, pp_rank)
+
+
+# -----------------------------------------------------------------------------
+# Sharded checkpoints back into train.py's: what every script's consolidate(out_dir) shares (consolidate.py
+# finds which script wrote out_dir and calls that script's function)
+
+def load_mmap(path):
+    """A checkpoint file memory-mapped: a tensor is read from disk when it is used."""
+    return torch.load(path, map_location='cpu', weights_only=False, mmap=True)
+
+
+def load_world(out_dir, pattern, count):
+    """The files pattern.format(r) for r < count, memory-mapped: all must exist and be from one iteration (each
+    file is written atomically, but a run stopped while saving can leave some ranks' files a save behind)."""
+    paths = [os.path.join(out_dir, pattern.format(r)) for r in range(count)]
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {count} but not {', '.join(missing)}")
+    files = [load_mmap(p) for p in paths]
+    iters = sorted({f['iter_num'] for f in files})
+    if len(iters) != 1:
+        raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from different "
+                         f"iterations ({', '.join(map(str, iters))})")
+    return files
+
+
+def joined_checkpoint(model_sd, state_by_name, first, rng_states, cfg):
+    """train.py's checkpoint from a consolidation's parts: the whole model's tensors, AdamW's state by parameter
+    name, the first file's model_args / iter_num / best_val_loss, every rank's random streams, the run's config.
+    A tied embedding is known to train.py by both its names; each parameter gets its own step tensor (one shared
+    by all would be advanced once per parameter per step)."""
+    if first['model_args'].get('tie_embeddings', True):
+        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
+    state_by_name = {n: dict(s, step=torch.tensor(float(s['step']))) for n, s in state_by_name.items()}
+    cfg = dict(cfg, init_from='resume')
+    optimizer_sd = adamw_state_dict(first['model_args'], state_by_name, cfg)
+    return train_checkpoint(model_sd, optimizer_sd, rng_states, first['model_args'], first['iter_num'],
+                            first['best_val_loss'], cfg)
