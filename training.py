@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import distributed
 from distributed import is_master
-from measure import mfu, peak_flops_for, peak_memory_bytes
+from measure import StepProfiler, mfu, peak_flops_for, peak_memory_bytes
 from model import GPTConfig
 
 
@@ -409,6 +409,33 @@ class StepLogger:
                                        'tokens_per_sec': tokens_per_sec,
                                        'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices, self.peak),
                                        'peak_mem_bytes': peak_memory_bytes(self.cfg.device)})
+
+
+def training_loop(cfg, run, iter_num, best_val_loss):
+    """train.py's loop, for every other script: set the LR, evaluate and checkpoint every eval_interval, one
+    train step, its log line, until max_iters. What differs from script to script comes in `run`, a namespace of:
+    model, optimizer (for the LR), loss_of(x, y) (evaluation), dp (the data-parallel Comm that shares the
+    evaluation, or None), data, step(iter_num) -> the mean loss (one iteration), save(iter_num, best_val_loss),
+    flops_per_token, n_devices, rank. Returns (iter_num, best_val_loss) when it stops."""
+    profiler = StepProfiler(cfg.profile, cfg.out_dir, run.rank, cfg.device)  # --profile=N: a trace per rank
+    logger = StepLogger(cfg, run.flops_per_token, run.n_devices)
+    while True:
+        lr = get_lr(iter_num, cfg)
+        set_lr(run.optimizer, lr)
+        # evaluate, and checkpoint the state from which iteration iter_num starts
+        if should_evaluate(iter_num, cfg):
+            losses = evaluate(run.loss_of, run.model, run.data, cfg, iter_num, lr, run.dp)
+            if should_save(iter_num, losses['val'], best_val_loss, cfg):
+                best_val_loss = min(best_val_loss, losses['val'])
+                run.save(iter_num, best_val_loss)
+            logger.restart()
+        if iter_num == cfg.max_iters or cfg.eval_only:
+            break
+        logger.step(iter_num, run.step(iter_num), lr)  # one iteration, then its log line
+        profiler.step()
+        iter_num += 1
+    profiler.stop()
+    return iter_num, best_val_loss
 
 
 def print_sample(model, cfg, ctx, show=True, hint='python sample.py --out_dir={out_dir}'):
