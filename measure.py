@@ -233,7 +233,9 @@ def print_measured(title, lines, notes=()):
 # Executed schedules (pipeline.py): what each rank ran, as ops with a start and an end on its clock, drawn as a
 # text timeline and as a Perfetto trace.
 
-import json  # noqa: E402 (this section's own imports: it was appended)
+import contextlib  # noqa: E402 (this section's own imports: it was appended)
+import json  # noqa: E402
+import time  # noqa: E402
 
 
 def time_split(records, total):
@@ -241,8 +243,8 @@ def time_split(records, total):
     for a neighbour that is still computing) and elsewhere; the bubble is everything that is not compute."""
     compute = sum(t1 - t0 for op, _, t0, t1 in records if op in 'FB')
     comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'W')
-    return {'compute': compute / total, 'send_recv': comm / total, 'other': 1 - (compute + comm) / total,
-            'bubble_fraction': 1 - compute / total}
+    return {'compute_fraction': compute / total, 'send_recv_fraction': comm / total,
+            'other_fraction': 1 - (compute + comm) / total, 'bubble_fraction': 1 - compute / total}
 
 
 def op_label(op, i):
@@ -266,21 +268,120 @@ def timeline(records, total, n_slots, width):
     return ' '.join(c.ljust(width) for c in cells).rstrip()
 
 
-def write_schedule_trace(stages, total, path):
-    """The executed schedule as a Chrome/Perfetto trace (open it at ui.perfetto.dev): one track per stage, a slice
-    for each forward, backward and send/recv, and 'idle' for the gaps in between, so the bubble is a picture."""
+def write_schedule_trace(tracks, total, path):
+    """The executed schedule as a Chrome/Perfetto trace (open it at ui.perfetto.dev): one track per rank
+    (tracks: {name: records}), a slice for each forward, backward and send/recv, and 'idle' for the gaps in between,
+    so the bubble is a picture."""
     events = []
-    for r in stages:
-        track = {'pid': 0, 'tid': r['stage']}
-        events.append(dict(track, ph='M', name='thread_name', args={'name': f"stage {r['stage']}"}))
-        busy = sorted((t0, t1, op_label(op, i) if op in 'FB' else 'send/recv') for op, i, t0, t1 in r['records'])
+    for tid, (name, records) in enumerate(tracks.items()):
+        track = {'pid': 0, 'tid': tid}
+        events.append(dict(track, ph='M', name='thread_name', args={'name': name}))
+        busy = sorted((t0, t1, op_label(op, i) if op in 'FB' else 'send/recv') for op, i, t0, t1 in records)
         edges = [(0.0, 0.0, None)] + busy + [(total, total, None)]
         for (_, prev_end, _), (start, _, _) in zip(edges, edges[1:]):
             if start > prev_end:
                 events.append(dict(track, ph='X', name='idle', cat='idle', ts=1e6 * prev_end,
                                    dur=1e6 * (start - prev_end)))
-        for t0, t1, name in busy:
-            events.append(dict(track, ph='X', name=name, cat='compute' if name[0] in 'FB' else 'communication',
+        for t0, t1, op in busy:
+            events.append(dict(track, ph='X', name=op, cat='compute' if op[0] in 'FB' else 'communication',
                                ts=1e6 * t0, dur=1e6 * (t1 - t0)))
     with open(path, 'w') as f:
         json.dump({'traceEvents': events, 'displayTimeUnit': 'ms'}, f)
+
+
+def print_timelines(title, tracks, total, n_slots, clock):
+    """Each rank's executed schedule as one text line (timeline), then each one's order of forwards and
+    backwards. tracks: {name: records}; n_slots: the slots a line has; clock: what timed it."""
+    width = max(len(op_label(op, i)) for records in tracks.values() for op, i, _, _ in records if op in 'FB')
+    print(f"{title}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = "
+          f"forward/backward of microbatch 3, F3.1 on chunk 1, - = still running, . = not computing)")
+    for name, records in tracks.items():
+        print(f"{name} | {timeline(records, total, n_slots, width)}")
+    for name, records in tracks.items():
+        print(f"{name} executed: " + ' '.join(op_label(op, i) for op, i, _, _ in records if op in 'FB'))
+
+
+class ScheduleClock:
+    """A measured step's record of the schedules one rank runs. op(name, key) around each op stamps its start and
+    end on the device's clock (CUDA events on a GPU, where kernels run after the host has moved on; the host clock
+    on a CPU); holding(key) around a forward counts the bytes autograd saves for its backward (saved_bytes_counter)
+    until released(key); peak(name, value) keeps a maximum. start() and stop() bracket one schedule: the ranks of
+    comm start it together (a barrier), its length is the slowest rank's (a MAX all-reduce), and it leaves
+    (records in seconds from its start, its length) in self.schedules. One synchronize per schedule, at stop()."""
+
+    def __init__(self, device, comm, model):
+        self.device, self.cuda, self.comm, self.model = device, device.startswith('cuda'), comm, model
+        self.name = 'CUDA events' if self.cuda else 'host clock'
+        self.records, self.schedules, self.peaks, self.held_bytes = [], [], {}, {}
+        self.peak_held = self.peak_held_bytes = self.microbatch_bytes = 0
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end):
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+    def start(self):
+        if self.comm.size > 1:
+            dist.barrier(group=self.comm.group)
+        self.records, self.t0 = [], self.mark()
+
+    @contextlib.contextmanager
+    def op(self, name, key=None):
+        start = self.mark()
+        yield
+        self.records.append((name, key, start, self.mark()))
+
+    @contextlib.contextmanager
+    def holding(self, key):
+        hooks, saved = saved_bytes_counter(self.model)
+        with hooks:
+            yield
+        self.held_bytes[key] = sum(saved.values())
+        self.microbatch_bytes = max(self.microbatch_bytes, self.held_bytes[key])
+        self.peak_held = max(self.peak_held, len(self.held_bytes))
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held_bytes.values()))
+
+    def released(self, key):
+        self.held_bytes.pop(key)
+
+    def peak(self, name, value):
+        self.peaks[name] = max(self.peaks.get(name, 0), value)
+
+    def stop(self):
+        end = self.mark()
+        if self.cuda:
+            torch.cuda.synchronize()
+        total = torch.tensor([self.seconds(self.t0, end)], device=self.device)  # on the GPU for NCCL
+        self.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')
+        seconds = [(op, key, self.seconds(self.t0, a), self.seconds(self.t0, b)) for op, key, a, b in self.records]
+        self.schedules.append((seconds, float(total)))
+
+
+class NotMeasured:
+    """The clock of a step that is not measured: ScheduleClock's calls, each doing nothing."""
+    nothing = contextlib.nullcontext()
+
+    def start(self):
+        pass
+
+    stop = start
+
+    def op(self, name, key=None):
+        return self.nothing
+
+    def holding(self, key):
+        return self.nothing
+
+    def released(self, key):
+        pass
+
+    def peak(self, name, value):
+        pass
+
+
+NOT_MEASURED = NotMeasured()

@@ -1,23 +1,21 @@
 """
 Pipeline parallelism: train.py with the model's blocks split over pp stages, written by hand with point-to-point
 send/recv. Stage 0 holds the embedding, the last stage the final norm, head and loss; each micro-step's batch is
-cut into n_microbatches that flow through the stages. Two schedules, each one straight-line function below:
-GPipe (all forwards, then all backwards) and 1F1B (warm-up, one forward one backward, cool-down).
-Composes with data parallelism: world = dp x pp.
+cut into n_microbatches that flow through the stages. Three schedules, each one straight-line function below:
+GPipe (all forwards, then all backwards), 1F1B (warm-up, one forward one backward, cool-down) and Megatron's
+interleaved 1F1B (v chunks of layers per stage). Composes with data parallelism: world = dp x pp.
 
     torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
     torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
     python consolidate.py out out_full             # out's stage checkpoints -> out_full/ckpt.pt, train.py's format
 
-At the end it prints the schedule each stage actually executed, as a timeline from the clock, with the measured
-bubble fraction beside (p-1)/(m+p-1) and the peak number of microbatches whose activations the stage held.
+On a measured step (the first, and every --measure_every-th) it prints the schedule each stage executed, as a
+timeline from the clock, with the measured bubble beside (p-1)/(m+p-1) and the peak number of microbatches whose
+activations the stage held; every other step runs the schedules alone, with no clock, barrier or counter.
 """
 
-import contextlib
-import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,19 +23,20 @@ import torch.distributed as dist
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from model import init_params, keep_own, materialize
 from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, log_row, micro_batches, outputs_line, profiled, run_main, run_shape,
-                      set_lr, should_evaluate, should_save)
-from checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
-                         train_checkpoint)
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, progress, run_main,
+                      run_shape, set_lr, should_evaluate, should_save)
+from checkpoints import (CheckpointWriter, adamw_state_dict, gather_rng_states, init_model, restore_rng,
+                         seed_dropout, train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
-from measure import (StepProfiler, WireMeter, comm_report, op_label, saved_bytes_counter, time_split, timeline,
-                     write_schedule_trace)
+from measure import (NOT_MEASURED, ScheduleClock, StepProfiler, WireMeter, comm_report, measured_step,
+                     print_measured, print_timelines, time_split, write_schedule_trace)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_stage{r}.pt)
 sample_at_end = False           # (no sampling here: consolidate, then python sample.py)
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
+measure_every = 0               # measure and report every this many steps too; 0: the first step only
 # pipeline
 pp = 2                          # pipeline stages; world size = dp * pp
 schedule = '1f1b'               # 'gpipe', '1f1b' or 'interleaved' (Megatron's interleaved 1F1B)
@@ -148,32 +147,10 @@ def keep_stage(model, stage, pp_size, virtual_stages=1):
     return chunks
 
 
-class Clock:
-    """The step's clock: the device's own on a GPU (CUDA events; kernels run after the host has moved on, so the
-    host clock would time their launches), the host's on a CPU. mark() stamps now; seconds() reads the gaps once
-    the step is over, after one synchronize."""
-
-    def __init__(self, device):
-        self.cuda = device.startswith('cuda')
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start, end):
-        return start.elapsed_time(end) / 1000 if self.cuda else end - start
-
-    def synchronize(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 class Stage:
     """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
-    boundary, and the record of what it executed and held during the last schedule."""
+    boundary, the microbatches whose activations it holds for their backward, and its sends in flight. clock: a
+    measured step's ScheduleClock (what ran when, the bytes held), NOT_MEASURED on every other step."""
 
     def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
         self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
@@ -186,47 +163,10 @@ class Stage:
         # the first chunk's embedding and the last chunk's head and loss: the model's own, unless another
         # parallelism brings its own (parallel_4d.py: vocabulary-parallel, on this rank's part of the sequence)
         self.embed, self.head = model.embed, model.head
-        self.clock = Clock(device)
+        self.clock = NOT_MEASURED
         self.held = {}            # microbatch (and chunk) -> (input, output): activations whose graph is alive
-        self.held_bytes = {}      # microbatch (and chunk) -> bytes autograd saved for its backward, measured
         self.pending_sends = []   # sends not yet complete: each holds its tensor until it is
-        self.splits = []          # every schedule's time split (compute, send/recv, other, bubble)
         self.loss_sum = torch.zeros((), device=device)
-        self.reset()
-
-    def reset(self):
-        """A new schedule: its records start empty."""
-        self.records = []         # (op, microbatch, start mark, end mark): F, B, or W (waiting in send/recv)
-        self.peak_held, self.peak_held_bytes, self.peak_pending_sends = 0, 0, 0
-        self.microbatch_bytes = 0  # the most one microbatch's saved activations took
-        self.t0 = self.clock.mark()
-
-    # What the schedules measure goes through these two: the clock around each F, B and wait (the timeline and
-    # the bubble), and the activations a microbatch keeps from its forward to its backward (the memory peak).
-
-    @contextlib.contextmanager
-    def timed(self, op, i=None):
-        start = self.clock.mark()
-        yield
-        self.records.append((op, i, start, self.clock.mark()))
-        self.peak_pending_sends = max(self.peak_pending_sends, len(self.pending_sends))
-
-    @contextlib.contextmanager
-    def holding(self, i):
-        """Around microbatch i's forward: counts the bytes autograd saves for its backward (saved_tensors_hooks),
-        held until backward_step lets them go (Stage.release)."""
-        hooks, saved = saved_bytes_counter(self.model)
-        with hooks:
-            yield
-        self.held_bytes[i] = sum(saved.values())
-        self.microbatch_bytes = max(self.microbatch_bytes, self.held_bytes[i])
-        self.peak_held = max(self.peak_held, len(self.held))
-        self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held_bytes.values()))
-
-    def release(self, i):
-        """Microbatch i's kept input and output, for its backward; its activations are no longer held."""
-        self.held_bytes.pop(i)
-        return self.held.pop(i)
 
 
 # -----------------------------------------------------------------------------
@@ -237,8 +177,8 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
     """Post this stage's sends and receives together (Comm.send_recv: one batch_isend_irecv), and wait for the
     receives. The sends are waited for at the next exchange (the compute in between overlaps them), so a sent
     buffer is let go one exchange later, not kept until the schedule ends. The shape is known from the config,
-    so there is no shape handshake. Returns (from_prev, from_next); the time spent is recorded as W."""
-    with stage.timed('W'):
+    so there is no shape handshake. Returns (from_prev, from_next); a measured step's clock records it as W."""
+    with stage.clock.op('W'):
         finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
         # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two stages
         # both go to the same peer, and the tags keep them apart
@@ -252,7 +192,8 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
         for w in recv_works:
             w.wait()
         stage.pending_sends += [(w, t) for w, (t, _, _) in zip(send_works, sends)]
-        return from_prev, from_next
+    stage.clock.peak('pending_sends', len(stage.pending_sends))
+    return from_prev, from_next
 
 
 def finish_sends(stage):
@@ -302,7 +243,7 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
     stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
     model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
     first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
-    with stage.timed('F', i), stage.holding(i), stage.ctx:
+    with stage.clock.op('F', i), stage.clock.holding(i), stage.ctx:
         if first:
             x = None
             h = stage.embed(idx[microbatch])
@@ -324,8 +265,9 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
 def backward_step(stage, i, grad_output, chunk=0):
     """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or from
     the received gradient of its output, free its activations, return the gradient of its input (to send back)."""
-    with stage.timed('B', i):
-        x, out = stage.release(i)
+    with stage.clock.op('B', i):
+        x, out = stage.held.pop(i)
+        stage.clock.released(i)
         if stage.is_last and chunk == len(stage.chunks) - 1:
             out.backward()
         else:
@@ -333,7 +275,6 @@ def backward_step(stage, i, grad_output, chunk=0):
     return None if stage.is_first and chunk == 0 else x.grad
 
 
-# -----------------------------------------------------------------------------
 # the schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
 def gpipe(stage, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
@@ -461,20 +402,13 @@ SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1
 
 
 def run_schedule(stage, name, m, x, y, loss_scale):
-    """Split the micro-step's batch into m microbatches and run the schedule; all stages start together (a
-    barrier), so that their clocks start at the same moment. The records are this schedule's."""
+    """Split the micro-step's batch into m microbatches and run the schedule. The clock is a measured step's (all
+    stages start together, and it keeps what each executed) or a no-op."""
     idx, targets = list(x.chunk(m)), list(y.chunk(m))
-    if stage.comm.size > 1:
-        dist.barrier(group=stage.comm.group)
-    stage.reset()
+    stage.clock.start()
     SCHEDULES[name](stage, m, idx, targets, loss_scale)
     finish_sends(stage)
-    stage.t_end = stage.clock.mark()
-    stage.records_s = schedule_record(stage)  # one synchronize per schedule on a GPU
-    total = torch.tensor([stage.clock.seconds(stage.t0, stage.t_end)], device=stage.device)  # on the GPU for NCCL
-    stage.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')  # the step is the slowest stage's
-    stage.total = float(total)
-    stage.splits.append(time_split(stage.records_s, stage.total))
+    stage.clock.stop()
 
 
 @torch.no_grad()
@@ -497,123 +431,6 @@ def forward_loss(stage, x, y):
     finish_sends(stage)
     stage.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
     return loss
-
-
-# -----------------------------------------------------------------------------
-# what was executed: a timeline per stage from the clock, the measured bubble and held activations
-
-
-def schedule_record(stage):
-    """The last schedule in seconds since its start: [(op, microbatch, start, end)], after one synchronize."""
-    stage.clock.synchronize()
-    seconds = stage.clock.seconds
-    return [(op, i, seconds(stage.t0, a), seconds(stage.t0, b)) for op, i, a, b in stage.records]
-
-
-class LastStepReport:
-    """The last iteration, measured: the schedule each stage executed (its records, from the clock) and the bytes
-    sent in that step, counted by the Comms and measured on the wire; report_schedule prints them."""
-
-    def __init__(self, stage, comms, cfg, rank, dp_rank):
-        self.stage, self.comms, self.cfg, self.rank, self.dp_rank = stage, comms, cfg, rank, dp_rank
-        self.wire = WireMeter()
-
-    def start(self, iter_num):
-        if iter_num == self.cfg.max_iters - 1:
-            for comm in self.comms:
-                comm.clear()
-            self.wire.start()
-
-    def finish(self, iter_num):
-        if iter_num == self.cfg.max_iters - 1:
-            wire_bytes = self.wire.stop()
-            micro_steps = self.cfg.gradient_accumulation_steps // self.comms[0].size
-            report_schedule(self.stage, self.cfg, self.rank, self.dp_rank, iter_num, micro_steps, self.comms,
-                            wire_bytes, self.wire.why_not)
-
-
-def report_schedule(stage, cfg, rank, dp_rank, iter_num, micro_steps, comms, wire_bytes, wire_why_not):
-    """Gather every stage's record to rank 0, print the timelines and the measured-vs-formula lines, log one row
-    per stage (dp replica 0's pipeline)."""
-    records, total = stage.records_s, stage.total
-    # the split: the median over the run's schedules (the first one, a warm-up, left out when there are more)
-    splits = stage.splits[1:] or stage.splits
-    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
-    sent = comm_report(comms)
-    m, p = cfg.n_microbatches, cfg.pp
-    mine = dict({'rank': rank, 'stage': stage.index, 'dp_rank': dp_rank, 'records': records,
-                 'p2p_bytes': stage.comm.collective_bytes['send'],
-                 'peak_microbatches_held': stage.peak_held, 'peak_activation_bytes': stage.peak_held_bytes,
-                 'activation_bytes_per_microbatch': stage.microbatch_bytes,
-                 'peak_pending_sends': stage.peak_pending_sends,
-                 'collective_bytes': sum(sent['collective_bytes'].values()),
-                 'collective_bytes_by_kind': sent['collective_bytes'],
-                 'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
-                 'wire_bytes': wire_bytes, 'wire_bytes_note': wire_why_not, 'n_schedules': len(splits)}, **split)
-    everyone = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    if rank != 0:
-        return
-    stages = sorted((r for r in everyone if r['dp_rank'] == 0), key=lambda r: r['stage'])
-    v = cfg.virtual_stages
-    n_slots = 3 * (v * m + p - 1)  # about one forward per slot when a backward costs two forwards
-    width = len(str(m - 1)) + (3 if v > 1 else 1)
-    clock = 'CUDA events' if stage.clock.cuda else 'host clock'
-    print(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches{f', v={v} chunks per stage' if v > 1 else ''}, "
-          f"iter {iter_num}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; "
-          f"F3/B3 = forward/backward of microbatch 3{', F3.1 on chunk 1' if v > 1 else ''}, - = still running, "
-          f". = not computing)")
-    for r in stages:
-        print(f"stage {r['stage']} | {timeline(r['records'], total, n_slots, width)}")
-    for r in stages:
-        order = ' '.join(op_label(op, i) for op, i, _, _ in r['records'] if op in 'FB')
-        print(f"stage {r['stage']} executed: {order}")
-    trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
-    write_schedule_trace(stages, total, trace)
-    print(f"the same schedule as a trace, one track per stage: {trace} (open it at ui.perfetto.dev)")
-    formula = bubble_fraction_formula(p, m, v)
-    b, h = cfg.batch_size // m, stage.model.config.n_embd
-    for r in stages:
-        held_formula = peak_microbatches_formula(cfg.schedule, p, m, r['stage'], v)
-        bytes_formula = micro_steps * p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, r['stage'], v)
-        wire = r['wire_bytes_note'] if r['wire_bytes'] is None else f"{r['wire_bytes']:,.0f}"
-        print(f"stage {r['stage']} (median of {r['n_schedules']} schedules): compute {r['compute']:.1%}, in send/recv "
-              f"{r['send_recv']:.1%}, other "
-              f"{r['other']:.1%}: bubble (not computing) {r['bubble_fraction']:.3f}, formula (p-1)/(v·m+p-1) = "
-              f"{formula:.3f} (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute); activations held at "
-              f"peak {r['peak_activation_bytes']:,} B = {r['peak_microbatches_held']} microbatches (formula "
-              f"{ {'gpipe': 'm', '1f1b': 'p-r'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')} = "
-              f"{held_formula} x {r['activation_bytes_per_microbatch']:,} B); p2p bytes sent {r['p2p_bytes']:,} "
-              f"(formula {bytes_formula:,}); all sent: collective bytes {r['collective_bytes']:,}, wire "
-              f"{r['wire_bytes_formula']:,.0f} (ring formula), {wire} (measured, loopback, mean per rank)")
-        log_row(cfg.out_dir, {
-            'iter': iter_num, 'rank': r['rank'], 'stage': r['stage'], 'schedule': cfg.schedule,
-            'compute_fraction': r['compute'], 'send_recv_fraction': r['send_recv'], 'other_fraction': r['other'],
-            'bubble_fraction': r['bubble_fraction'], 'bubble_fraction_formula': formula,
-            'peak_microbatches_held': r['peak_microbatches_held'], 'peak_microbatches_held_formula': held_formula,
-            'peak_activation_bytes': r['peak_activation_bytes'],
-            'peak_activation_bytes_formula': held_formula * r['activation_bytes_per_microbatch'],
-            'peak_pending_sends': r['peak_pending_sends'],
-            'p2p_bytes_per_step': r['p2p_bytes'], 'p2p_bytes_per_step_formula': bytes_formula,
-            'collective_bytes': r['collective_bytes'], 'collective_bytes_by_kind': r['collective_bytes_by_kind'],
-            'wire_bytes_formula': r['wire_bytes_formula'], 'wire_bytes': r['wire_bytes'],
-            'wire_bytes_note': r['wire_bytes_note']})
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: one file per stage (consolidate.py merges them into train.py's format)
-
-
-def stage_ckpt_path(out_dir, stage):
-    return os.path.join(out_dir, f'ckpt_stage{stage}.pt')
-
-
-def optimizer_param_names(model, optimizer):
-    """The names of the optimizer's parameters in its order (the order its state_dict numbers them)."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group['params']]
 
 
 # -----------------------------------------------------------------------------
@@ -660,9 +477,9 @@ def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
     """train.py's GPT on the meta device, cut to this stage's blocks (keep_stage), which alone get storage and then
     values: train.py's (init_params, one tensor at a time) or this stage's checkpoint; then this rank's dropout
     stream (its own saved one, or seeded per replica and stage), and its AdamW. Returns (model, its chunks of
-    layers, the optimizer, iter_num, best_val_loss, the whole model's parameters and FLOPs per token)."""
+    layers, the optimizer, iter_num, best_val_loss, the whole model's FLOPs per token)."""
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
-    n_params, flops_per_token = model.get_num_params(), model.flops_per_token()  # of the full model
+    n_params, flops_per_token = model.get_num_params(), model.flops_per_token(cfg.block_size)  # the whole model's
     chunks = keep_stage(model, pp_rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
     materialize(model, cfg.device)  # storage for this stage's part alone
     if checkpoint is not None:
@@ -681,7 +498,143 @@ def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
-    return model, chunks, optimizer, iter_num, best_val_loss, n_params, flops_per_token
+    return model, chunks, optimizer, iter_num, best_val_loss, flops_per_token
+
+
+def build(cfg, rank, world_size, vocab_size):
+    """The grid (dp x pp, every collective and send through a Comm, which counts it), this rank's Stage of
+    train.py's GPT and its optimizer. Returns (stage, optimizer, dp, embed, iter_num, best_val_loss, FLOPs per
+    token of the whole model)."""
+    grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
+    dp, pp_comm = comms['dp'], comms['pp']
+    embed = embed_comm(grid, rank, cfg.tie_embeddings)
+    if rank == 0:
+        print(f"process grid (dp={dp.size} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
+              f"{grid.view(dp.size, cfg.pp)}")
+    model, chunks, optimizer, iter_num, best_val_loss, flops_per_token = build_stage_model(
+        cfg, vocab_size, pp_comm.rank, dp, stage_ckpt_path(cfg.out_dir, pp_comm.rank))
+    ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
+    stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
+                  (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device, ctx, pp_comm)
+    return stage, optimizer, dp, embed, iter_num, best_val_loss, flops_per_token
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: one file per stage, its parameters under the whole model's names; consolidate() joins them
+
+
+def stage_ckpt_path(out_dir, stage):
+    return os.path.join(out_dir, f'ckpt_stage{stage}.pt')
+
+
+def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
+    """This stage's part in train.py's checkpoint format, with every replica's dropout stream and the names of the
+    optimizer's parameters in its order; written by dp replica 0 (the replicas of a stage are equal)."""
+    rng_states = gather_rng_states(dp)
+    if dp.rank == 0:
+        name_of = {id(p): n for n, p in stage.model.named_parameters()}
+        checkpoint = train_checkpoint(stage.model.state_dict(), optimizer.state_dict(), rng_states,
+                                      vars(stage.model.config), iter_num, best_val_loss, vars(cfg))
+        checkpoint.update(param_names=[name_of[id(p)] for g in optimizer.param_groups for p in g['params']],
+                          stage=stage.index)
+        writer.save(checkpoint, stage_ckpt_path(cfg.out_dir, stage.index))
+
+
+def consolidate(out_dir):
+    """out_dir's stage files joined into train.py's checkpoint dict: the parameters merged by name (a tied weight's
+    two copies, on the first and last stage, are equal: the first stage's is taken), AdamW's state in
+    configure_optimizers' order, each parameter with its own step. The files are memory-mapped, read a tensor at
+    a time; all of them must exist and be from one iteration."""
+    first = torch.load(stage_ckpt_path(out_dir, 0), map_location='cpu', weights_only=False, mmap=True)
+    paths = [stage_ckpt_path(out_dir, s) for s in range(first['config']['pp'])]
+    if missing := [p for p in paths if not os.path.exists(p)]:
+        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {len(paths)} but not {', '.join(missing)}")
+    model_sd, states, iters = {}, {}, set()
+    for s, path in enumerate(paths):
+        progress(s + 1, len(paths), 'consolidating the stages')
+        ck = torch.load(path, map_location='cpu', weights_only=False, mmap=True)
+        iters.add(ck['iter_num'])
+        for name, values in ck['model'].items():
+            model_sd.setdefault(name, values)
+        for i, name in enumerate(ck['param_names']):
+            if name not in states and i in ck['optimizer']['state']:
+                state = ck['optimizer']['state'][i]  # (a step tensor of its own: one shared is advanced per use)
+                states[name] = dict(state, step=torch.tensor(float(state['step'])))
+    if len(iters) != 1:
+        raise SystemExit(f"error: consolidate: the files ckpt_stage*.pt in {out_dir} are from different "
+                         f"iterations ({', '.join(map(str, sorted(iters)))})")
+    if 'lm_head.weight' in states:  # (tied: AdamW knows the weight by its first name, train.py by both)
+        states.setdefault('transformer.wte.weight', states['lm_head.weight'])
+    args = first['model_args']
+    if args.get('tie_embeddings', True):
+        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
+    cfg = {k: v for k, v in first['config'].items() if k != 'consolidate'} | {'init_from': 'resume'}
+    return train_checkpoint(model_sd, adamw_state_dict(args, states, cfg), first['rng_states'], args,
+                            first['iter_num'], first['best_val_loss'], cfg)
+
+
+# -----------------------------------------------------------------------------
+# a measured step: its counts from zero, the clock on, the bytes on the wire; then each stage's numbers
+
+
+def start_measuring(stage, comms, wire):
+    for comm in comms:
+        comm.clear()
+    wire.start()
+    stage.clock = ScheduleClock(stage.device, stage.comm, stage.model)
+
+
+def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
+    """Each rank's numbers beside the formulas, a log row each; rank 0 prints dp replica 0's stages."""
+    clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
+    stage.clock = NOT_MEASURED
+    splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]  # (the 1st: warm-up)
+    sent, held = comm_report(comms), peak_microbatches_formula(cfg.schedule, p, m, s, v)
+    p2p = p2p_comm_bytes_formula(cfg.block_size, cfg.batch_size // m, stage.model.config.n_embd, p, m, 4, s, v)
+    row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
+           **{k: statistics.median(split[k] for split in splits) for k in splits[0]}, 'n_schedules': len(splits),
+           'bubble_fraction_formula': bubble_fraction_formula(p, m, v),
+           'peak_microbatches_held': clock.peak_held, 'peak_microbatches_held_formula': held,
+           'peak_activation_bytes': clock.peak_held_bytes, 'activation_bytes_per_microbatch': clock.microbatch_bytes,
+           'peak_activation_bytes_formula': held * clock.microbatch_bytes,
+           'peak_pending_sends': clock.peaks.get('pending_sends', 0),
+           'p2p_bytes_per_step': stage.comm.collective_bytes['send'],
+           'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p,
+           'collective_bytes': sum(sent['collective_bytes'].values()),
+           'collective_bytes_by_kind': sent['collective_bytes'], 'wire_bytes': wire.stop(),
+           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not,
+           'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
+    stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
+    if rank == 0:
+        print_schedule(stages, cfg, iter_num, clock.name)
+
+
+def print_schedule(stages, cfg, iter_num, clock):
+    """The timelines of the stages' last schedule, its Perfetto trace, and every stage's numbers in one table."""
+    m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
+    tracks, total = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s']
+    print_timelines(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per stage, iter "
+                    f"{iter_num}", tracks, total, 3 * (v * m + p - 1), clock)  # a slot: about one forward
+    trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
+    write_schedule_trace(tracks, total, trace)
+    lines = [(f"stage {r['stage']} {name}", *values) for r in stages for name, *values in (
+        ('in compute', r['compute_fraction'], None, None), ('in send/recv', r['send_recv_fraction'], None, None),
+        ('other', r['other_fraction'], None, None),
+        ('bubble (not computing)', r['bubble_fraction'], None, r['bubble_fraction_formula']),
+        ('microbatches held at peak', r['peak_microbatches_held'], None, r['peak_microbatches_held_formula']),
+        ('activation bytes at peak', r['peak_activation_bytes'], None, r['peak_activation_bytes_formula']),
+        ('p2p bytes sent', None, r['p2p_bytes_per_step'], r['p2p_bytes_per_step_formula']),
+        ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'], r['wire_bytes_formula']))]
+    held = {'gpipe': 'm', '1f1b': 'p-r'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
+    print_measured(f"measured at iter {iter_num}, the median of {stages[0]['n_schedules']} schedule(s); formulas: "
+                   f"bubble (p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute), held "
+                   f"{held} microbatches x the most one held; bytes sent: counted at the calls, the ring formula, "
+                   f"measured on the stage's own sockets", lines,
+                   [f"the schedule as a trace, one track per stage: {trace} (open it at ui.perfetto.dev)"] +
+                   [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv):
@@ -689,71 +642,40 @@ def main(argv):
     validate(cfg, world_size_from_env())
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
-    grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
-    dp, pp_comm = comms['dp'], comms['pp']  # every collective and send goes through a Comm, and is counted there
-    embed = embed_comm(grid, rank, cfg.tie_embeddings)
-    if rank == 0:
-        print(f"process grid (dp={dp.size} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
-              f"{grid.view(dp.size, cfg.pp)}")
-
-    # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
-
-    # data
     data, vocab_size = load_dataset(cfg.dataset)
-
-    # model: this stage's part of train.py's GPT (build_stage_model)
-    ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
-    model, chunks, optimizer, iter_num, best_val_loss, n_params, flops_per_token = build_stage_model(
-        cfg, vocab_size, pp_comm.rank, dp, ckpt_path)
-    stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
-                  (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device, ctx, pp_comm)
-
-    def loss_of(x, y):
-        return forward_loss(stage, x, y)
-
-    # training loop
+    stage, optimizer, dp, embed, iter_num, best_val_loss, flops_per_token = build(cfg, rank, world_size, vocab_size)
+    comms, first_iter, wire = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter()
     writer = CheckpointWriter()  # every stage writes its file in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
     logger = StepLogger(cfg, flops_per_token, n_devices=world_size)
-    report = LastStepReport(stage, [c for c in (dp, pp_comm, embed) if c], cfg, rank, dp.rank)
     while True:
         lr = get_lr(iter_num, cfg)
         set_lr(optimizer, lr)
-
-        # evaluate, and checkpoint the state from which iteration iter_num starts
-        if should_evaluate(iter_num, cfg):
-            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)  # each pipeline its share of the batches
+        if should_evaluate(iter_num, cfg):  # evaluate, and checkpoint the state from which iteration iter_num starts
+            losses = evaluate(lambda x, y: forward_loss(stage, x, y), stage.model, data, cfg, iter_num, lr, dp)
             if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
-                rng_states = gather_rng_states(dp)  # every replica's dropout stream for this stage
-                if dp.rank == 0:  # the dp replicas of a stage are equal: one file per stage
-                    checkpoint = train_checkpoint(model.state_dict(), optimizer.state_dict(), rng_states,
-                                                  vars(model.config), iter_num, best_val_loss, vars(cfg))
-                    checkpoint.update(param_names=optimizer_param_names(model, optimizer), stage=pp_comm.rank)
-                    writer.save(checkpoint, ckpt_path)
-                    checkpoint = None
+                save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg)
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
-
-        # one iteration, then its log line (the last one also reports its schedule, as executed)
-        report.start(iter_num)
+        if measured := measured_step(iter_num, first_iter, cfg.measure_every):
+            start_measuring(stage, comms, wire)
         loss = train_step(stage, optimizer, micro_batches(data, cfg, iter_num, dp.rank, dp.size), cfg, dp, embed)
         logger.step(iter_num, loss, lr)
-        report.finish(iter_num)
+        if measured:
+            report(stage, cfg, comms, wire, iter_num, rank, dp.rank)
+            logger.restart()  # the report's time is not training time
         profiler.step()
         iter_num += 1
     profiler.stop()
     writer.wait()
-
     if rank == 0:
         print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python consolidate.py "
                                         f"{cfg.out_dir} makes one ckpt.pt)",
-                           "schedule_trace.json (the last schedule: open at ui.perfetto.dev)", *profiled(cfg)))
+                           "schedule_trace.json (the last measured schedule: open at ui.perfetto.dev)", *profiled(cfg)))
     finish_distributed(cfg)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from helpers import (TINY, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
+from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
                      train_losses, train_py_reference)
 
 import formulas
@@ -64,6 +64,7 @@ def _one_case(rank, world_size, p, schedule, layout):
     import pipeline
     from model import GPT, GPTConfig
     from distributed import process_grid
+    from measure import ScheduleClock
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
                        **LAYOUTS[layout])
@@ -89,19 +90,20 @@ def _one_case(rank, world_size, p, schedule, layout):
     chunks = pipeline.keep_stage(model, stage, p, v)
     st = pipeline.Stage(model, chunks, stage, p, grid[dp_rank, :, 0, 0], (8 // M, 16, 16), 'cpu',
                         torch.autocast('cpu', enabled=False), comms['pp'])
+    st.clock = ScheduleClock('cpu', comms['pp'], model)  # a measured step: what ran when, the bytes held
     pipeline.run_schedule(st, schedule, M, x, y, 1.0 / M)
     _sync_tied(model, st, embed_group)
     mine = {n: p_.grad for n, p_ in model.named_parameters()}
     out['grad_err'] = max(_rel_err(mine[n], ref_grads[n]) for n in mine)
     out['n_grads'] = len(mine)
     out['loss_err'] = _rel_err(st.loss_sum, ref_loss.detach()) if st.is_last else 0.0
-    ops = [(op, i) for op, i, _, _ in st.records if op in 'FB']
+    ops = [(op, i) for op, i, _, _ in st.clock.schedules[-1][0] if op in 'FB']
     keys = [(i, c) for i in range(M) for c in range(v)] if v > 1 else list(range(M))
     out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in 'FB' for i in keys])
     out['b_after_f'] = all(ops.index(('F', i)) < ops.index(('B', i)) for i in keys)
-    out['peak_held'] = st.peak_held
-    out['peak_held_bytes'], out['microbatch_bytes'] = st.peak_held_bytes, st.microbatch_bytes
-    out['peak_pending_sends'] = st.peak_pending_sends
+    out['peak_held'] = st.clock.peak_held
+    out['peak_held_bytes'], out['microbatch_bytes'] = st.clock.peak_held_bytes, st.clock.microbatch_bytes
+    out['peak_pending_sends'] = st.clock.peaks['pending_sends']
     out['peak_held_formula'] = formulas.peak_microbatches_formula(schedule, p, M, stage, v)
     out['ops'] = ops
 
@@ -191,6 +193,72 @@ def _megatron_interleaved_order(p, v, m, r):
     return [op('F', k) for k in range(warmup)] + steady + [op('B', k) for k in range(total - warmup, total)]
 
 
+MEASURING = [('dist', 'barrier'), ('dist', 'all_gather_object'), ('torch.cuda', 'synchronize'),
+             ('torch.cuda', 'Event'), ('time', 'perf_counter'), ('torch.autograd.graph', 'saved_tensors_hooks')]
+
+
+def _step_calls(rank, world_size):
+    """pp=2 with tied embeddings, 2 micro-steps of 2 microbatches: one unmeasured train_step, then one measured.
+    For each: the calls made to what only measuring needs (patched to record them) and every collective a Comm
+    passed on to the group (name, call, kind, op)."""
+    import time
+    from types import SimpleNamespace
+    import pipeline
+    from distributed import Comm, process_grid
+    from measure import ScheduleClock
+    from model import GPT, GPTConfig
+    calls, collectives = [], []
+
+    def recording(name, f, record):
+        def wrapped(*args, **kwargs):
+            record(name, args, kwargs)
+            return f(*args, **kwargs)
+        return wrapped
+    modules = {'dist': dist, 'torch.cuda': torch.cuda, 'time': time, 'torch.autograd.graph': torch.autograd.graph}
+    for module, name in MEASURING:
+        setattr(modules[module], name, recording(name, getattr(modules[module], name), lambda n, a, k: calls.append(n)))
+    for name in ('all_reduce', 'reduce_scatter', 'all_gather', 'all_to_all', 'send_recv'):
+        setattr(Comm, name, recording(name, getattr(Comm, name), lambda n, a, k: a[0].size > 1 and collectives.append(
+            (a[0].name, n, k.get('kind'), str(k.get('op'))))))
+    torch.manual_seed(1337)
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0, bias=False))
+    grid, coords, comms = process_grid(world_size, rank, dp=1, pp=2)
+    embed = pipeline.embed_comm(grid, rank, True)
+    st = pipeline.Stage(model, pipeline.keep_stage(model, coords['pp'], 2), coords['pp'], 2, grid[0, :, 0, 0],
+                        (2, 16, 16), 'cpu', torch.autocast('cpu', enabled=False), comms['pp'])
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    cfg = SimpleNamespace(batch_size=4, n_microbatches=2, block_size=16, schedule='1f1b', device='cpu', grad_clip=1.0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 32, (4, 16), generator=g), torch.randint(0, 32, (4, 16), generator=g))
+               for _ in range(2)]
+    out = []
+    for clock in (None, ScheduleClock('cpu', comms['pp'], model)):
+        if clock is not None:
+            st.clock = clock
+        calls.clear(), collectives.clear()
+        pipeline.train_step(st, optimizer, batches, cfg, comms['dp'], embed)
+        out.append((list(calls), list(collectives)))
+    return out
+
+
+def test_an_unmeasured_step_makes_no_measuring_calls():
+    """A step that is not measured runs the schedules alone: no barrier, no device synchronize or CUDA event, no
+    clock read, no all_gather_object, no saved-tensor hooks (the held-activation count), and the only collectives
+    besides the sends are the algorithm's (the loss and the clip's norm over the pipeline, the tied weight's
+    gradient). The measured step after it makes those calls (the patches see them), a barrier and a MAX
+    all-reduce per schedule among them."""
+    for rank, ((calls, collectives), (measured_calls, measured_collectives)) in enumerate(spawn(_step_calls, 2)):
+        assert calls == [], (rank, sorted(set(calls)))
+        assert sorted(c for c in collectives if c[1] != 'send_recv') == [
+            ('embed', 'all_reduce', None, 'None'), ('pp', 'all_reduce', 'scalars', 'None'),
+            ('pp', 'all_reduce', 'scalars', 'None')], (rank, collectives)
+        assert {'barrier', 'perf_counter', 'saved_tensors_hooks'} <= set(measured_calls), rank
+        assert measured_calls.count('barrier') == 2, (rank, measured_calls.count('barrier'))
+        maxed = [c for c in measured_collectives if 'MAX' in c[3]]
+        assert maxed == [('pp', 'all_reduce', 'scalars', str(dist.ReduceOp.MAX))] * 2, (rank, measured_collectives)
+        assert [c for c in measured_collectives if c not in maxed] == collectives, rank
+
+
 # -----------------------------------------------------------------------------
 # the script, end to end, against train.py
 
@@ -212,14 +280,18 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
     pargs = ARGS + ['--pp=2', '--schedule=1f1b', '--n_microbatches=2', f'--out_dir={pipe}']
     check(run_script('pipeline.py', pargs + ['--max_iters=3'], nproc=2))
     check(run_script('consolidate.py', [str(pipe), str(full)]))
+    import pipeline  # its own join of the stage files: consolidate.py's checkpoint, out_dir aside
+    _assert_same_checkpoint(pipeline.consolidate(pipe), torch.load(f'{full}/ckpt.pt', weights_only=False))
     check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=4))
     check(run_script('train.py', ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume']))
     want = train_losses(baseline)
     assert_same_losses(train_losses(pipe), want, range(6))
     assert_same_losses(eval_losses(pipe), eval_losses(baseline), [0, 3, 6])
     assert_same_losses(train_losses(full), want, range(3, 6))
-    rows = [r for r in read_log(pipe) if 'rank' in r and r['iter'] == 5]  # the resumed run's last step
-    assert sorted(r['rank'] for r in rows) == [0, 1]  # one row per stage (of dp replica 0)
+    rows = [r for r in read_log(pipe) if 'rank' in r]
+    assert sorted(r['iter'] for r in rows) == [0, 0, 3, 3, 3, 3]  # each run's first step only is measured
+    rows = [r for r in rows if r['iter'] == 3]  # the resumed run's: every rank's row, dp x pp
+    assert sorted((r['rank'], r['dp_rank'], r['stage']) for r in rows) == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     for r in rows:
         assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'] == 2 - r['stage']
         assert r['peak_activation_bytes'] == r['peak_activation_bytes_formula'] > 0
@@ -227,7 +299,40 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
         assert r['compute_fraction'] + r['send_recv_fraction'] + r['other_fraction'] == pytest.approx(1)
         assert r['bubble_fraction'] == pytest.approx(1 - r['compute_fraction'])
         assert 0.0 <= r['bubble_fraction'] < 1.0 and r['bubble_fraction_formula'] == pytest.approx(1 / 3)
-        assert r['wire_bytes'] >= r['p2p_bytes_per_step']  # measured: at least the activations went over the wire
+
+
+def _assert_same_checkpoint(a, b):
+    """Two checkpoint dicts hold the same tensors and values (config's out_dir aside)."""
+    assert set(a) == set(b), (set(a) ^ set(b))
+    for key in a:
+        x, y = a[key], b[key]
+        if key == 'config':
+            x, y = dict(x, out_dir=None), dict(y, out_dir=None)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+        elif isinstance(x, dict):
+            _assert_same_checkpoint(x, y)
+        elif isinstance(x, list) and x and isinstance(x[0], dict):
+            assert len(x) == len(y) and all(_assert_same_checkpoint(u, w) is None for u, w in zip(x, y)), key
+        else:
+            assert x == y, key
+
+
+def test_each_stage_measures_its_own_wire_bytes(tmp_path):
+    """With another process flooding the loopback interface, each stage's measured wire bytes are what gloo sends
+    for its own calls (on 2 ranks every call puts its whole tensor on the wire once: sends, the scalars'
+    and the tied embedding's all-reduces), activations large enough (~64 kB) that TCP's headers are noise."""
+    with LoopbackFlood() as flood:
+        check(run_script('pipeline.py', TINY + ['--n_embd=64', '--block_size=64', '--batch_size=8', '--pp=2',
+                                                '--n_microbatches=2', '--max_iters=1', '--eval_interval=100',
+                                                f'--out_dir={tmp_path}'], nproc=2))
+    rows = [r for r in read_log(tmp_path) if 'rank' in r]
+    assert sorted(r['stage'] for r in rows) == [0, 1] and flood.sent > 0
+    for r in rows:
+        counted = r['collective_bytes']
+        assert r['wire_bytes'] is not None, r['wire_bytes_note']
+        assert r['wire_bytes_formula'] == counted and r['p2p_bytes_per_step'] > 0.9 * counted, r
+        assert 0.99 * counted <= r['wire_bytes'] <= 1.05 * counted + 4096, (r['stage'], r['wire_bytes'], counted)
 
 
 def test_resume_with_dropout_is_exact(tmp_path):
@@ -327,20 +432,20 @@ def test_timeline_shows_every_op_once_in_the_order_executed():
     """A stage's row from a known executed order, its ops from 1/1000 of a slot to many slots long (on the bench's
     shape a short B0 used to vanish and a long F2 show three times): every F and B appears exactly once, in the
     order executed; a long op continues with '-'; the waits (W) are not ops."""
-    import pipeline
+    import measure
     ops = [('F', 0, 0.0, 0.001), ('W', 0, 0.001, 0.2), ('F', 1, 0.2, 0.2001), ('B', 0, 0.2001, 0.2002),
            ('F', 2, 0.2002, 0.9), ('B', 1, 0.9, 0.9001), ('F', 3, 0.9001, 0.91), ('B', 2, 0.95, 0.9501),
            ('B', 3, 0.9501, 1.0)]
     for n_slots in (4, 10, 40):
-        row = pipeline.timeline(ops, 1.0, n_slots, 2).split()
+        row = measure.timeline(ops, 1.0, n_slots, 2).split()
         assert [c for c in row if c[0] in 'FB'] == ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3'], (n_slots, row)
         assert set(row) <= {'F0', 'F1', 'F2', 'F3', 'B0', 'B1', 'B2', 'B3', '-', '.'}, row
         assert len(row) >= n_slots
-    row = pipeline.timeline(ops, 1.0, 10, 2).split()
+    row = measure.timeline(ops, 1.0, 10, 2).split()
     # slots of 0.1: F1 and B0 take slots 2 and 3, F2 the next free one, 4, and runs on to 0.9 through slots 5-8
     assert row[:row.index('B1')] == ['F0', '.', 'F1', 'B0', 'F2', '-', '-', '-', '-'], row
     chunks = [('F', (0, 1), 0.0, 0.5), ('B', (0, 1), 0.5, 0.5001)]  # interleaved labels: F<microbatch>.<chunk>
-    assert pipeline.timeline(chunks, 1.0, 4, 4).split() == ['F0.1', '-', 'B0.1', '.']
+    assert measure.timeline(chunks, 1.0, 4, 4).split() == ['F0.1', '-', 'B0.1', '.']
 
 
 def test_traces_open_in_perfetto(tmp_path):
