@@ -1,47 +1,48 @@
 """
 train.py plus fully sharded data parallelism with PyTorch's FSDP2 (fully_shard): like DDP every rank takes its
-slice of the global batch, but each rank stores only 1/N of every parameter, gradient and AdamW moment (ZeRO-3).
-Each block's parameters are all-gathered just before it runs and freed after; gradients are reduce-scattered.
+slice of the global batch, but each rank stores only 1/N of every parameter, gradient and AdamW moment
+(ZeRO-3). Each block's parameters are all-gathered just before it runs and freed after; gradients are
+reduce-scattered. bfloat16 is FSDP's MixedPrecisionPolicy (bf16 compute and all-gathers, fp32 sharded master
+weights and fp32 gradient reduction), not autocast.
 
-    torchrun --standalone --nproc_per_node=2 train_fsdp.py                  # CPU (gloo) or GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py               # CPU (gloo) or GPUs (NCCL)
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --dtype=bfloat16 --activation_checkpointing=True
-    torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume   # from ckpt_dcp/ (or a ckpt.pt)
-    python consolidate.py out      # out/ckpt_dcp/ -> out/ckpt.pt in train.py's format, offline, a tensor at a time
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume   # ckpt_dcp/ (or a ckpt.pt)
+    python consolidate.py out      # out/ckpt_dcp/ -> out/ckpt.pt, train.py's format, offline
 
-bfloat16 is FSDP's MixedPrecisionPolicy (bf16 compute and all-gathers, fp32 sharded master weights and fp32
-gradient reduction), not autocast. Checkpoints are sharded (torch.distributed.checkpoint, out_dir/ckpt_dcp/, every
-rank writes its own shards); consolidate.py turns them into train.py's ckpt.pt (full model and AdamW state), from
-which train.py, sample.py and every other script continue (--export=True: rank 0 gathers it at the end instead,
-for small models).
+Checkpoints are sharded (torch.distributed.checkpoint: every rank writes its own shards to out_dir/ckpt_dcp/);
+consolidate.py joins them into train.py's ckpt.pt, from which train.py, sample.py and every script continue.
 """
 
-import json
 import os
 import shutil
+from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     get_state_dict, set_state_dict)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from formulas import fsdp_held_bytes_formula
 from model import init_values, load_params, materialize
-from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, micro_batches, outputs_line, print_sample, profiled, run_main, run_shape,
-                      set_lr, should_evaluate, should_save)
-from checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
-                         train_checkpoint)
+from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
+                      micro_batches, outputs_line, print_sample, profiled, progress, run_main, run_shape,
+                      training_loop)
+from checkpoints import (gather_rng_states, init_model, joined_checkpoint, restore_rng,
+                         seed_dropout, train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from measure import StepProfiler
+from measure import measured_step, print_measured
 
+SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
-export = False                  # when the run ends, rank 0 gathers the whole state into out_dir/ckpt.pt (small models)
+measure_every = 0               # measure and report every this many steps too; 0: the first step only
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -49,8 +50,8 @@ config = config_defaults(globals())
 def shard_model(model, device_type, dp_size, dtype):
     """FSDP2: one sharded group per block, and the root group for the rest (embeddings, final norm, the tied
     head). fully_shard turns each parameter into a DTensor that holds this rank's slice of dim 0 (the last
-    ranks' slices are shorter when dim 0 does not divide). bfloat16 is FSDP's MixedPrecisionPolicy: bf16 compute
-    and all-gathers, fp32 sharded master weights, fp32 gradient reduction."""
+    ranks' slices are shorter when dim 0 does not divide). bfloat16 is FSDP's MixedPrecisionPolicy: bf16
+    compute and all-gathers, fp32 sharded master weights, fp32 gradient reduction."""
     mesh = init_device_mesh(device_type, (dp_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == 'bfloat16' else MixedPrecisionPolicy()
@@ -73,19 +74,140 @@ def keep_shards(model):
     return keep
 
 
+def train_step(model, optimizer, batches, ctx, grad_clip, dp, after_backward=None):
+    """train.py's iteration on this rank's micro-batches: FSDP2 gathers each block's parameters around its
+    forward and backward and reduce-scatters the gradients in the last micro-step's backward. after_backward()
+    runs after each backward on a measured step. Returns the mean loss over the global batch."""
+    loss_sum = 0.0
+    for micro_step, (x, y) in enumerate(batches):
+        # reduce-scatter in the last micro-step's backward only; before it the gradients add up locally
+        # (full size, per block: less communication for more memory)
+        model.set_requires_gradient_sync(micro_step == len(batches) - 1)
+        with ctx:
+            _, loss = model(x, y)
+            loss = loss / len(batches)  # the gradient is the mean over the whole batch (FSDP averages ranks)
+        loss_sum += loss.detach()
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+    if grad_clip != 0.0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the norm of all ranks' shards
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dp.all_reduce(loss_sum)
+    return loss_sum.item() / dp.size
+
+
+def build_fsdp(cfg, vocab_size, dp_rank, dp_size):
+    """train.py's GPT on the meta device, sharded there (shard_model), then each rank's 1/N of every parameter
+    gets storage and train.py's values (init_params), its shards of our sharded checkpoint, or its shards of a
+    train.py-format ckpt.pt (any script's; memory-mapped, so each rank reads only its part), or GPT-2's (one
+    tensor at a time). AdamW is built over the shards: each rank updates and stores only its own. Returns
+    (model, optimizer, iter_num, best_val_loss)."""
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    path = os.path.join(cfg.out_dir, SHARDED)
+    sharded = os.path.exists(path)
+    ckpt_path = os.path.join(path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
+    if dp_rank == 0:
+        print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2)', cfg, model.get_num_params()))
+    model = shard_model(model, device_type, dp_size, cfg.dtype)  # on meta: each rank's 1/N, shapes only
+    materialize(model, cfg.device)  # each rank's 1/N of every parameter gets storage, then its values:
+    if checkpoint is None:  # train.py's initialization, or GPT-2's weights, one tensor at a time
+        init_values(cfg, model.config, keep_shards(model))
+    elif not sharded:  # a whole ckpt.pt: each rank copies out its shard of each parameter
+        load_params(checkpoint['model'].items(), keep_shards(model))
+    # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           device_type)
+    if checkpoint is not None:
+        if sharded:
+            load_sharded(model, optimizer, path)
+        else:
+            load_whole_optimizer(optimizer, checkpoint['optimizer'])
+        # every rank its own saved dropout stream
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)
+    else:
+        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
+    return model, optimizer, iter_num, best_val_loss
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint's shards, every rank writing its own
+
+
+def save_sharded(model, optimizer, rng_states, iter_num, best_val_loss, cfg):
+    """Every rank writes its own shards of the model and AdamW (torch.distributed.checkpoint) into a fresh
+    directory, rank 0 adds the small train.py fields (extras.pt), then swaps the directory in whole, so a
+    crash mid-save leaves the previous checkpoint."""
+    path, master_process = os.path.join(cfg.out_dir, SHARDED), dist.get_rank() == 0
+    tmp, old = path + '.tmp', path + '.old'
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards, keyed by name
+    if master_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=tmp)
+    if master_process:
+        extras = train_checkpoint(None, None, rng_states, vars(model.config), iter_num, best_val_loss,
+                                  vars(cfg))  # the small fields of train.py's checkpoint
+        torch.save(extras, os.path.join(tmp, 'extras.pt'))
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_sharded(model, optimizer, path):
+    """Resume from a sharded checkpoint: every rank reads only its own shards of the model and AdamW."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def load_whole_optimizer(optimizer, osd):
+    """A whole AdamW state_dict (train.py's, memory-mapped) into the optimizer over the shards: each moment
+    cut to this rank's shard as its parameter is, one tensor at a time, before the optimizer sees it."""
+    params = [p for group in optimizer.param_groups for p in group['params']]
+    state = {}
+    for i, moments in osd['state'].items():
+        p = params[i]
+        # src_data_rank=None: each rank cuts its own piece of the whole value (no broadcast)
+        cut = lambda v: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        state[i] = {k: v if k == 'step' else cut(v) for k, v in moments.items()}
+    optimizer.load_state_dict(dict(osd, state=state))
+
+
+def consolidate(out_dir):
+    """out_dir's sharded checkpoint -> train.py's checkpoint, offline (consolidate.py): every tensor read from
+    torch.distributed.checkpoint's files by itself, one at a time."""
+    path = os.path.join(out_dir, SHARDED)
+    extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = [k for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)]
+    model_sd, states = {}, defaultdict(dict)
+    for i, key in enumerate(keys):  # 'model.<name>' or 'optimizer.state.<name>.<step | exp_avg | exp_avg_sq>'
+        progress(i + 1, len(keys), f"consolidating {path}")
+        meta = metadata[key]
+        tensor = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+        dcp.load(tensor, checkpoint_id=path, no_dist=True)
+        if key.startswith('model.'):
+            model_sd[key[len('model.'):]] = tensor[key]
+        else:
+            name, moment = key[len('optimizer.state.'):].rsplit('.', 1)
+            states[name][moment] = tensor[key]
+    return joined_checkpoint(model_sd, states, extras, extras['rng_states'], extras['config'])
+
+
+# -----------------------------------------------------------------------------
+# The report of a measured step: the bytes each rank holds in its shards, beside the formula
+
+
 def nbytes(tensors):
     """Bytes of this rank's part of the tensors (a DTensor's local shard)."""
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
     return sum(t.numel() * t.element_size() for t in local)
-
-
-def held_bytes(model, optimizer):
-    """Measured: the bytes this rank holds between steps in its local shards of the parameters, the gradients
-    and AdamW's two moments (not counting the step counters, one scalar per tensor)."""
-    params = list(model.parameters())
-    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
-    return {'param_bytes': nbytes(params), 'grad_bytes': nbytes(p.grad for p in params),
-            'optim_bytes': nbytes(moments)}
 
 
 def grad_bytes_now(model):
@@ -99,242 +221,77 @@ def grad_bytes_now(model):
         group = getattr(state, '_fsdp_param_group', None)
         for fsdp_param in getattr(group, 'fsdp_params', []):
             try:
-                unsharded = fsdp_param._unsharded_param.grad if hasattr(fsdp_param, '_unsharded_param') else None
+                unsharded = getattr(getattr(fsdp_param, '_unsharded_param', None), 'grad', None)
                 total += nbytes([unsharded, fsdp_param.unsharded_accumulated_grad])
             except AttributeError:
                 return None
     return total
 
 
-class GradPeak:
-    """The most gradient bytes this rank held after any micro-step's backward (grad_bytes_now)."""
+def gradient_meter(model):
+    """A measured step's after_backward, and what it saw: the most gradient bytes this rank held after any
+    micro-step's backward, and after the last one (the reduce-scattered shards it keeps)."""
+    seen = {'peak_grad_bytes': 0, 'grad_bytes': 0}
 
-    def __init__(self, model):
-        self.model, self.peak = model, 0
-
-    def update(self):
-        if self.peak is not None:
-            now = grad_bytes_now(self.model)
-            self.peak = None if now is None else max(self.peak, now)
+    def after_backward():
+        now, peak = grad_bytes_now(model), seen['peak_grad_bytes']
+        seen['peak_grad_bytes'] = None if now is None or peak is None else max(peak, now)
+        seen['grad_bytes'] = nbytes(p.grad for p in model.parameters())
+    return after_backward, seen
 
 
-def log_held_bytes(out_dir, iter_num, model, optimizer, peak_grad_bytes, micro_steps, master_process):
-    """Every rank's measured bytes, gathered to rank 0: one log row per rank with the formula beside each."""
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, dict(held_bytes(model, optimizer), peak_grad_bytes=peak_grad_bytes))
+def report_held_bytes(cfg, iter_num, model, optimizer, grads, micro_steps):
+    """Each rank's bytes (its shards after the step), measured, and the formula: a log row each, one table."""
     numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
-    formula = fsdp_held_bytes_formula(numel, len(rows), micro_steps)
-    for rank, measured in enumerate(rows if master_process else []):
-        row = {'iter': iter_num, 'rank': rank, 'numel': numel, 'micro_steps': micro_steps}
-        for key, value in measured.items():
-            row[key], row[key + '_formula'] = value, formula[key]
-        with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
-            f.write(json.dumps(row) + '\n')
-        peak = 'n/a' if measured['peak_grad_bytes'] is None else f"{measured['peak_grad_bytes']:,}"
-        print(f"rank {rank} holds (measured, its shards): parameters {measured['param_bytes']:,} B, gradients "
-              f"{measured['grad_bytes']:,} B (peak {peak} B over {micro_steps} micro-step(s)), AdamW moments "
-              f"{measured['optim_bytes']:,} B | formula 4Ψ/N, 4Ψ/N (peak {formula['peak_grad_bytes']:,.0f}), 8Ψ/N "
-              f"(Ψ={numel:,}, N={len(rows)}): {formula['param_bytes']:,.0f}, {formula['grad_bytes']:,.0f}, "
-              f"{formula['optim_bytes']:,.0f}")
-
-
-def save_sharded(state, extras, path, master_process):
-    """A sharded checkpoint: every rank writes its own shards of state (torch.distributed.checkpoint) into a
-    fresh directory, rank 0 adds the small train.py fields (extras.pt), then swaps the directory in whole, so a
-    crash mid-save leaves the previous checkpoint."""
-    tmp, old = path + '.tmp', path + '.old'
-    if master_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    if master_process:
-        torch.save(extras, os.path.join(tmp, 'extras.pt'))
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-
-
-def export_full(model, optimizer, rng_states, iter_num, best_val_loss, cfg, writer):
-    """out_dir/ckpt.pt in train.py's format (rank 0 writes it in the background): every rank must call it."""
-    model_sd, optim_sd = full_checkpoint_state(model, optimizer)
-    if model_sd:
-        path = os.path.join(cfg.out_dir, 'ckpt.pt')
-        writer.save(train_checkpoint(model_sd, optim_sd, rng_states, vars(model.config), iter_num, best_val_loss,
-                                     vars(cfg)), path)
-        print(f"exported {path} (train.py's format) at iter {iter_num}")
-
-
-def full_checkpoint_state(model, optimizer):
-    """train.py's 'model' and 'optimizer': the shards gathered to full tensors on rank 0 (on the CPU), the
-    optimizer state keyed by position in configure_optimizers' parameter order, as a plain AdamW's state_dict.
-    Every rank must call it (it gathers); the others get empty dicts."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=options)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
-    if not model_sd:
-        return {}, {}
-    name_of = {p: name for name, p in model.named_parameters()}
-    names = [name_of[p] for group in optimizer.param_groups for p in group['params']]
-    plain = optimizer.state_dict()  # ids 0..n-1 in that order, and the groups' hyperparameters
-    plain['state'] = {i: optim_sd['state'][name] for i, name in enumerate(names) if name in optim_sd['state']}
-    return model_sd, plain
-
-
-def load_whole_optimizer(optimizer, osd):
-    """A whole AdamW state_dict (train.py's, memory-mapped) into the optimizer over the shards: each moment cut to
-    this rank's shard as its parameter is, one tensor at a time, before the optimizer sees it."""
-    params = [p for group in optimizer.param_groups for p in group['params']]
-    state = {}
-    for i, moments in osd['state'].items():
-        p = params[i]
-        # src_data_rank=None: each rank cuts its own piece of the whole value (no broadcast)
-        state[i] = {k: v if k == 'step' else distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
-                                                                src_data_rank=None) for k, v in moments.items()}
-    optimizer.load_state_dict(dict(osd, state=state))
-
-
-def load_sharded(model, optimizer, path):
-    """Resume from a sharded checkpoint: every rank reads only its own shards of the model and optimizer state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {'model': model_sd, 'optimizer': optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optimizer'])
-
-
-def train_step(model, optimizer, batches, ctx, grad_clip, dp, on_micro_step=None):
-    """train.py's iteration on this rank's micro-batches: FSDP2 gathers each block's parameters around its
-    forward and backward and reduce-scatters the gradients in the last micro-step's backward. on_micro_step()
-    runs after each backward (to measure). Returns the mean loss over the global batch."""
-    loss_sum = 0.0
-    for micro_step, (x, y) in enumerate(batches):
-        # reduce-scatter in the last micro-step's backward only; before it the gradients add up locally
-        # (full size, per block: less communication for more memory)
-        model.set_requires_gradient_sync(micro_step == len(batches) - 1)
-        with ctx:
-            _, loss = model(x, y)
-            loss = loss / len(batches)  # the gradient is the mean over the whole batch (FSDP averages ranks)
-        loss_sum += loss.detach()
-        loss.backward()
-        if on_micro_step is not None:
-            on_micro_step()
-    if grad_clip != 0.0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the norm of all ranks' shards
-    optimizer.step()
-    dp.all_reduce(loss_sum)
-    return loss_sum.item() / dp.size
-
-
-def build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path):
-    """train.py's GPT on the meta device, sharded there (shard_model), then each rank's 1/N of every parameter gets
-    storage and train.py's values (init_params), its shards of our sharded checkpoint, or its shards of a
-    train.py-format ckpt.pt (any script's; memory-mapped, so each rank reads only its part), or GPT-2's (one tensor
-    at a time). AdamW is built over the shards: each rank updates and stores only its own.
-    Returns (model, optimizer, iter_num, best_val_loss)."""
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    sharded = os.path.exists(sharded_path)
-    ckpt_path = os.path.join(sharded_path, 'extras.pt') if sharded else os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
-    if dp_rank == 0:
-        print(run_shape(f'world {dp_size} = dp {dp_size} (FSDP2, fully sharded)', cfg, model.get_num_params()))
-    model = shard_model(model, device_type, dp_size, cfg.dtype)  # on meta: each rank's 1/N, shapes only
-    materialize(model, cfg.device)  # each rank's 1/N of every parameter gets storage, then its values:
-    if checkpoint is None:  # train.py's initialization, or GPT-2's weights, one tensor at a time
-        init_values(cfg, model.config, keep_shards(model))
-    elif not sharded:  # a whole ckpt.pt: each rank copies out its shard of each parameter
-        load_params(checkpoint['model'].items(), keep_shards(model))
-    # built over the sharded (DTensor) parameters: each rank's AdamW updates and stores only its shards
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        if sharded:
-            load_sharded(model, optimizer, sharded_path)
-        else:
-            load_whole_optimizer(optimizer, checkpoint['optimizer'])
-        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
-    else:
-        seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
-    return model, optimizer, iter_num, best_val_loss
+    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
+    measured = dict(grads, param_bytes=nbytes(model.parameters()), optim_bytes=nbytes(moments))
+    formula = fsdp_held_bytes_formula(numel, dist.get_world_size(), micro_steps)
+    row = {'iter': iter_num, 'rank': dist.get_rank(), 'numel': numel, 'micro_steps': micro_steps}
+    for key, value in measured.items():
+        row[key], row[key + '_formula'] = value, formula[key]
+    rows = log_rank_rows(cfg.out_dir, row)
+    if dist.get_rank() == 0:
+        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of the "
+                       f"gradients over {micro_steps} micro-steps: 4Ψ unsharded)",
+                       [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
+                        for r in rows for k in measured])
 
 
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), got "
-                         f"{cfg.dtype!r}; float16 needs train.py's loss scaling")
+        raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), "
+                         f"got --dtype={cfg.dtype!r}; float16 needs train.py's loss scaling")
     check_batch(cfg, world_size_from_env(), world_size_from_env())
     dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout, group_of_one=True)  # FSDP2 needs a group
     if 'RANK' in os.environ:
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
-    master_process = dp_rank == 0  # logs, writes the full checkpoint, prints the sample
-    dp = Comm(None, 'dp')
-
-    # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, 'float32')  # no autocast: the MixedPrecisionPolicy casts instead
-
-    # data
+    ctx = autocast_context(cfg.device.split(':')[0], 'float32')  # no autocast: the MixedPrecisionPolicy casts
     data, vocab_size = load_dataset(cfg.dataset)
+    model, optimizer, iter_num, best_val_loss = build_fsdp(cfg, vocab_size, dp_rank, dp_size)
+    compiled, dp, first_iter = torch.compile(model) if cfg.compile else model, Comm(None, 'dp'), iter_num
 
-    # model: this rank's shards of train.py's GPT, and its AdamW over them (build_fsdp)
-    sharded_path = os.path.join(cfg.out_dir, 'ckpt_dcp')
-    model, optimizer, iter_num, best_val_loss = build_fsdp(cfg, vocab_size, dp_rank, dp_size, sharded_path)
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
+    def step(it):  # one iteration; a measured one also reports what each rank holds
+        batches = micro_batches(data, cfg, it, dp_rank, dp_size)
+        if not measured_step(it, first_iter, cfg.measure_every):
+            return train_step(compiled, optimizer, batches, ctx, cfg.grad_clip, dp)
+        after_backward, grads = gradient_meter(model)
+        loss = train_step(compiled, optimizer, batches, ctx, cfg.grad_clip, dp, after_backward)
+        report_held_bytes(cfg, it, model, optimizer, grads, len(batches))
+        return loss
 
-    def loss_of(x, y):
-        with ctx:
-            return model(x, y)[1]
-
-    # training loop
-    writer = CheckpointWriter()  # for the exported ckpt.pt, which rank 0 writes in the background
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp_size)
-    grad_peak = GradPeak(raw_model) if iter_num < cfg.max_iters else None  # the first iteration is measured
-    while True:
-        lr = get_lr(iter_num, cfg)
-        set_lr(optimizer, lr)
-
-        # evaluate, and checkpoint the state from which iteration iter_num starts
-        if should_evaluate(iter_num, cfg):
-            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)
-            if should_save(iter_num, losses['val'], best_val_loss, cfg):
-                best_val_loss = min(best_val_loss, losses['val'])
-                model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # this rank's shards, keyed by name
-                extras = train_checkpoint(None, None, gather_rng_states(dp), vars(raw_model.config), iter_num,
-                                          best_val_loss, vars(cfg))
-                save_sharded({'model': model_sd, 'optimizer': optim_sd}, extras, sharded_path, master_process)
-            logger.restart()
-        if iter_num == cfg.max_iters or cfg.eval_only:
-            break
-
-        # one iteration, then its log line (the first also logs what each rank holds)
-        batches = micro_batches(data, cfg, iter_num, dp_rank, dp_size)
-        loss = train_step(model, optimizer, batches, ctx, cfg.grad_clip, dp,
-                          grad_peak.update if grad_peak else None)
-        if grad_peak is not None:  # once, while the gradients and the AdamW state exist
-            log_held_bytes(cfg.out_dir, iter_num, model, optimizer, grad_peak.peak, len(batches), master_process)
-            grad_peak = None
-        optimizer.zero_grad(set_to_none=True)
-        logger.step(iter_num, loss, lr)
-        profiler.step()
-        iter_num += 1
-    profiler.stop()
-
-    if cfg.export:  # one train.py-format checkpoint of the state from which iteration iter_num starts
-        export_full(raw_model, optimizer, gather_rng_states(dp), iter_num, best_val_loss, cfg, writer)
+    save = lambda it, best: save_sharded(model, optimizer, gather_rng_states(dp), it, best, cfg)
+    run = SimpleNamespace(model=compiled, optimizer=optimizer, loss_of=lambda x, y: compiled(x, y)[1], dp=dp,
+                          data=data, step=step, save=save, n_devices=dp_size, rank=dp_rank,
+                          flops_per_token=model.flops_per_token(cfg.block_size))
+    training_loop(cfg, run, iter_num, best_val_loss)
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (each forward gathers the shards)
-        print_sample(raw_model, cfg, ctx, show=master_process)
-    writer.wait()
-    if master_process:
-        print(outputs_line(cfg.out_dir, f"ckpt_dcp/ (every rank's shards: resume; python consolidate.py {cfg.out_dir} "
-                                        "makes one ckpt.pt)",
-                           *(["ckpt.pt (train.py's format, exported at the end)"] if cfg.export else []),
-                           *profiled(cfg)))
+        print_sample(model, cfg, ctx, show=dp_rank == 0)
+    if dp_rank == 0:
+        print(outputs_line(cfg.out_dir, f"ckpt_dcp/ (every rank's shards: resume; python consolidate.py "
+                                        f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     finish_distributed(cfg)
 
 

@@ -20,8 +20,7 @@ def runs(tmp_path_factory):
     """ref: train.py for 8 iterations. f: FSDP on 2 ranks for 4 (sharded checkpoint), consolidated offline into a
     ckpt.pt, then resumed from the sharded checkpoint alone to 8 and consolidated again. g: a copy of f at 4 that
     train.py continues from the consolidated ckpt.pt. h: another copy that FSDP on 3 ranks continues from that
-    ckpt.pt (each rank reading its shards of it) with activation checkpointing, exporting at the end (rank 0
-    gathers the whole state: --export=True)."""
+    ckpt.pt (each rank reading its shards of it) with activation checkpointing, its shards consolidated at 8."""
     d = {name: str(tmp_path_factory.mktemp(name)) for name in ('f',)}
     d['g'], d['h'] = d['f'] + '_g', d['f'] + '_h'
     d['ref'] = train_py_reference(ARGS + ['--max_iters=8'], tmp_path_factory)
@@ -33,7 +32,8 @@ def runs(tmp_path_factory):
         shutil.rmtree(os.path.join(d[copy], 'ckpt_dcp'))  # only the consolidated ckpt.pt: make sure of it
     check(run_script('train.py', ARGS + [f'--out_dir={d["g"]}', '--max_iters=8', '--init_from=resume']))
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["h"]}', '--max_iters=8', '--init_from=resume',
-                                              '--activation_checkpointing=True', '--export=True'], nproc=3))
+                                              '--activation_checkpointing=True'], nproc=3))
+    check(run_script('consolidate.py', [str(d["h"])]))
     os.remove(os.path.join(d['f'], 'ckpt.pt'))  # resume from the shards alone
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=8', '--init_from=resume'], nproc=2))
     check(run_script('consolidate.py', [str(d["f"])]))
@@ -62,7 +62,7 @@ def test_sharded_resume_is_uninterrupted_run(runs):
 
 def test_three_ranks_continue_from_a_whole_checkpoint_with_activation_checkpointing(runs):
     """Another world size, from the whole ckpt.pt (memory-mapped, each rank copying out its shards), with
-    recomputation: the losses 4..7 and the exported state at 8 are train.py's."""
+    recomputation: the losses 4..7 and the consolidated state at 8 are train.py's."""
     assert_same_losses(train_losses(runs['h']), train_losses(runs['ref']), range(8))
     assert_same_losses(eval_losses(runs['h']), eval_losses(runs['ref']), [0, 4, 8])
     assert_same_checkpoint(os.path.join(runs['h'], 'ckpt.pt'), os.path.join(runs['ref'], 'ckpt.pt'))
