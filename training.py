@@ -32,7 +32,7 @@ from model import GPTConfig
 TRAIN_DEFAULTS = dict(
     out_dir='out',                  # where the checkpoints and log.jsonl go
     eval_interval=250,              # evaluate (and checkpoint) every this many iterations
-    log_interval=25,                # print and log the loss every this many iterations
+    log_interval=25,                # log the loss every this many iterations (a short run: ~10 lines)
     eval_iters=20,                  # global batches per evaluation of each split
     eval_only=False,                # evaluate once and exit
     always_save_checkpoint=True,    # save at every eval, not only when val loss improves
@@ -391,6 +391,7 @@ class StepLogger:
         self.cfg, self.flops_per_token, self.n_devices = cfg, flops_per_token, n_devices
         self.peak = peak_flops_for(cfg.device, cfg.dtype, cfg.peak_flops)
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+        self.every = min(cfg.log_interval, max(1, cfg.max_iters // 10))  # a short run logs ~10 lines too
         self.restart()
 
     def restart(self):
@@ -401,7 +402,7 @@ class StepLogger:
         if not math.isfinite(loss):
             raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint is kept")
         self.iters += 1
-        if iter_num % self.cfg.log_interval == 0 and is_master():
+        if iter_num % self.every == 0 and is_master():
             dt = (time.time() - self.t_last) / self.iters
             self.restart()
             tokens_per_sec = self.tokens_per_iter / dt
@@ -439,13 +440,18 @@ def training_loop(cfg, run, iter_num, best_val_loss):
 
 
 def print_sample(model, cfg, ctx, show=True, hint='python sample.py --out_dir={out_dir}'):
-    """300 characters sampled from the trained model (every rank of a sharded model must take part; the ones
-    with show print it), and how to sample more."""
+    """200 characters sampled from the trained model (every rank of a sharded model must take part; the ones
+    with show print it), and how to sample more. A short run (under 100 iterations) has learned too little to
+    be worth the time: it only says how."""
+    if cfg.max_iters < 100:
+        if show:
+            print(f"(no sample after {cfg.max_iters} iterations; to sample: {hint.format(out_dir=cfg.out_dir)})")
+        return
     encode, decode = get_codec(cfg.dataset)
     model.eval()
     start = torch.tensor([encode('\n')], dtype=torch.long, device=cfg.device)
     with ctx:
-        text = decode(model.generate(start, 300, temperature=0.8, top_k=200)[0].tolist())
+        text = decode(model.generate(start, 200, temperature=0.8, top_k=200)[0].tolist())
     if show:
         print(f"---------- a sample ----------\n{text}\n------------------------------")
         print(f"sample more with: {hint.format(out_dir=cfg.out_dir)}")
