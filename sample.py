@@ -44,10 +44,15 @@ def load_model(cfg):
     if cfg.init_from == 'resume':
         ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
         if not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: no checkpoint at {ckpt_path}; train one first (python train.py) or set --out_dir")
+            shards = os.path.isdir(cfg.out_dir) and any(n != 'log.jsonl' for n in os.listdir(cfg.out_dir))
+            raise SystemExit(f"error: no checkpoint at {ckpt_path}; " + (
+                f"if {cfg.out_dir} holds a sharded one, join it first: python consolidate.py {cfg.out_dir}"
+                if shards else "train one first (python train.py) or set --out_dir"))
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
+        print(f"sampling from {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "
+              f"{checkpoint['best_val_loss']:.4f}, data set {checkpoint['config']['dataset']}")
         return model, checkpoint['config']['dataset']
     if cfg.init_from.startswith('gpt2'):
         return GPT.from_pretrained(cfg.init_from), None

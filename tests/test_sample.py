@@ -32,7 +32,9 @@ def expected_samples(out, start, n, max_new_tokens, seed, top_k):
 def test_sample_from_checkpoint_needs_no_model_flags(trained):
     proc = check(run_script('sample.py', [f'--out_dir={trained}', '--start=def ', '--num_samples=2',
                                           '--max_new_tokens=40', '--seed=3', '--device=cpu']))
-    samples = proc.stdout.split('---------------\n')
+    header, _, printed = proc.stdout.partition('\n')
+    assert header.startswith(f"sampling from {trained}/ckpt.pt: iteration 20, best val loss "), header
+    samples = printed.split('---------------\n')
     assert samples[-1] == '' and len(samples) == 3
     want = expected_samples(trained, 'def ', 2, 40, 3, 200)
     assert [s[:-1] for s in samples[:2]] == want  # print adds the newline
@@ -44,13 +46,15 @@ def test_sample_prompt_from_file(trained, tmp_path):
     prompt.write_text('import os\n')
     proc = check(run_script('sample.py', [f'--out_dir={trained}', f'--start=FILE:{prompt}', '--num_samples=1',
                                           '--max_new_tokens=10', '--top_k=0', '--device=cpu']))
-    assert proc.stdout.split('---------------\n')[0][:-1] == expected_samples(trained, 'import os\n', 1, 10, 1337,
+    assert proc.stdout.partition('\n')[2].split('---------------\n')[0][:-1] == expected_samples(trained, 'import os\n', 1, 10, 1337,
                                                                              None)[0]
 
 
 def test_sample_errors(tmp_path):
     import sample
-    for args, words in [([f'--out_dir={tmp_path}'], 'no checkpoint'), (['--num_sample=2'], "'num_sample'"),
+    (tmp_path / 'zero_rank0.pt').write_bytes(b'')  # a sharded checkpoint's file, and no ckpt.pt
+    for args, words in [([f'--out_dir={tmp_path}'], f'join it first: python consolidate.py {tmp_path}'),
+                        ([f'--out_dir={tmp_path}/none'], 'no checkpoint'), (['--num_sample=2'], "'num_sample'"),
                         (['--start=FILE:/no/such/file'], 'not found'), (['--init_from=bert'], 'init_from')]:
         with pytest.raises(SystemExit) as e:
             sample.main(args)
