@@ -2,7 +2,8 @@
 Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and a
 memory planner for models too large to run here.
 
-    python bench.py                                   # CPU: every row on 2 gloo processes, a few minutes
+    python bench.py                                   # quick: 8 rows, a small model, about a minute on 2 cores
+    python bench.py --full                            # every row, 512 wide (about 10 minutes on 2 cores)
     python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
     python bench.py --plot                            # and draw it: loss curves, memory, communication (matplotlib)
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
@@ -95,6 +96,10 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
 
 # -----------------------------------------------------------------------------
 # the bench: every script on the same small GPT, the same data and the same global batch
+
+# `python bench.py` runs these (about a minute on 2 cores); --full runs every row of bench_rows
+QUICK_ROWS = ['train', 'ddp', 'zero2', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
+
 
 def bench_rows(world_size, n_microbatches):
     """name -> (script, its own flags, processes). The order is the table's."""
@@ -365,7 +370,7 @@ def run_bench(args):
                                        '--batch_size=16', '--gradient_accumulation_steps=1', '--dtype=bfloat16',
                                        '--compile=True', '--bias=True',
                                        f"--dataset={'shakespeare' if bpe else 'stdlib_char'}"], 1)
-    selected = list(rows) if args.rows == 'all' else args.rows.split(',')
+    selected = list(rows) if args.rows == 'all' else args.rows.split(',')  # (quick: QUICK_ROWS)
     unknown = [n for n in selected if n not in rows]
     if unknown:
         raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
@@ -432,14 +437,16 @@ def parse_args(argv):
                    help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
     p.add_argument('--vocab_size', type=int, default=None, help='default: a "# vocab_size: N" line, else 50304')
-    p.add_argument('--rows', default='all', help='comma-separated rows of the bench (default all)')
+    p.add_argument('--full', action='store_true', help='every row, on the 512-wide model, 12 iterations')
+    p.add_argument('--rows', default=None, help=f"comma-separated rows (default {','.join(QUICK_ROWS)}; --full: all)")
     p.add_argument('--world_size', type=int, default=2)
-    p.add_argument('--max_iters', type=int, default=12)
+    p.add_argument('--max_iters', type=int, default=None, help='default 8 (--full: 12)')
     p.add_argument('--warmup', type=int, default=2, help='iterations left out of the timing')
     p.add_argument('--n_layer', type=int, default=4)
     p.add_argument('--n_head', type=int, default=4)
-    p.add_argument('--n_embd', type=int, default=512,
-                   help='wide enough that compute dominates, so the pipeline rows measure a bubble near the formula')
+    p.add_argument('--n_embd', type=int, default=None,
+                   help='default 128; --full: 512, wide enough that compute dominates, so the pipeline rows '
+                        'measure a bubble near the formula')
     p.add_argument('--block_size', type=int, default=128)
     p.add_argument('--learning_rate', type=float, default=3e-4,
                    help='low enough that the 512-wide model trains without a loss spike: a spike amplifies the '
@@ -456,6 +463,9 @@ def parse_args(argv):
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (needs matplotlib)')
     args, rest = p.parse_known_args(argv)
+    args.rows = args.rows or ('all' if args.full else ','.join(QUICK_ROWS))
+    args.max_iters = args.max_iters or (12 if args.full else 8)
+    args.n_embd = args.n_embd or (512 if args.full else 128)
     bad = [a for a in rest if not a.startswith('--') or args.estimate is None]
     if bad:
         raise SystemExit(f"error: unrecognized arguments: {' '.join(bad)}")

@@ -316,6 +316,31 @@ def largest_divisor(limit, *numbers):
     return max(d for d in range(1, limit + 1) if all(n % d == 0 for n in numbers))
 
 
+def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
+    """The torchrun command that runs a planned strategy with this repo's scripts: the script of its idea, its
+    degrees, the micro-batch, and one node of up to 8 GPUs (more: one such command per node, --node_rank=0..)."""
+    shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp') if row[d] > 1]
+    if row['pp'] > 1:  # a pipeline's micro-step is n_micro microbatches of micro_batch sequences
+        script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 else 'parallel_4d.py'), [
+            f"--schedule={row['schedule']}", f"--n_microbatches={n_micro}",
+            f"--batch_size={args.micro_batch * n_micro}", f"--gradient_accumulation_steps={row['dp']}"]
+    else:
+        script = ('train_fsdp.py' if row['strategy'].startswith('FSDP') else
+                  'parallel_4d.py' if row['dp'] > 1 and row['tp'] > 1 else
+                  'tensor_parallel.py' if row['tp'] > 1 else 'context_parallel.py' if row['cp'] > 1 else
+                  'zero.py' if row['zero_stage'] or row['offload'] else 'train_ddp.py')
+        flags = [f"--batch_size={args.micro_batch}", f"--gradient_accumulation_steps={n_micro * row['dp']}"]
+    if script == 'zero.py':
+        flags += [f"--deepspeed_config={ds_path}"] if ds_path else [f"--stage={row['zero_stage']}"]
+    flags += ['--sequence_parallel=True'] * row['sequence_parallel'] + ['--activation_checkpointing=True'] * ckpt
+    flags += [f"--dtype={args.dtype}"] + ([f"--block_size={seq_len}"] if args.seq_len else []) + list(overrides)
+    gpus = row['gpus_used']
+    launch = (f"torchrun --standalone --nproc_per_node={gpus}" if gpus <= 8 else
+              f"torchrun --nnodes={gpus // 8} --nproc_per_node=8 --node_rank=R --rdzv_backend=c10d "
+              f"--rdzv_endpoint=HOST:29500")
+    return ' '.join([launch, script, args.estimate] + shape + flags)
+
+
 def run_estimate(args, overrides, check=None):
     mixed = args.dtype != 'float32'
     if args.params:
@@ -337,19 +362,21 @@ def run_estimate(args, overrides, check=None):
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
                     n_micro, args.zero_stage, mixed)
     best = cheapest(rows, args.gpus)
-    ds_path = None
+    ds_path = command = None
     if best:
         best_row = next(r for r in rows if best.startswith(r['strategy']))
         os.makedirs(args.out, exist_ok=True)
         ds_path = os.path.join(args.out, 'ds_config.json')
         with open(ds_path, 'w') as f:
             json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f, indent=2)
+        command = launch_command(best_row, best.endswith(' + ckpt'), args, overrides, seq_len, n_micro,
+                                 ds_path if best_row['zero_stage'] else None)
     checked = check(args, overrides, rows, best, ds_path, n_micro) if args.check and check else None
     if args.json:
         print(json.dumps({'config': args.estimate, 'params': numel, 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
                           'dtype': args.dtype, 'micro_batch': args.micro_batch, 'seq_len': seq_len,
                           'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
-                          'ds_config': ds_path, 'checked': checked}, indent=1))
+                          'ds_config': ds_path, 'command': command, 'checked': checked}, indent=1))
         return
     header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
               f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}); {args.gpus} GPUs of "
@@ -359,6 +386,8 @@ def run_estimate(args, overrides, check=None):
     print(estimate_markdown(rows, header, n_micro, mixed))
     print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; without "
           f"recomputation if possible): {best or 'none'}" + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
+    if best:
+        print(f"run it with:\n  {command}")
     if checked:
         print('\nThe estimate against what the scripts measured, run here on ' + f"{args.gpus} processes:\n")
         print('| strategy | script | what | estimate | measured | measured / estimate |\n|---|---|---|---|---|---|')

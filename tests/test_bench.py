@@ -234,3 +234,31 @@ def test_the_two_tables_say_what_their_communication_counts(tmp_path):
     assert rows['DDP']['comm_bytes_per_step'] == 2 * paper[0]
     assert rows['ZeRO-2']['comm_bytes_per_step'] == pytest.approx((8 + 1) / 2 * paper[2])
     assert rows['ZeRO-3']['comm_bytes_per_step'] == pytest.approx(8 * paper[3])
+
+
+def test_the_planner_prints_a_command_that_runs_its_recommendation(tmp_path):
+    """bench.py --estimate CONFIG --gpus=N ends with the torchrun command of the cheapest strategy. Every
+    strategy's command names a script that takes all of its flags (each script's own configure rejects an
+    unknown key or a wrong type), and the recommended one, run here for 2 iterations, trains."""
+    import importlib
+    import shlex
+    from types import SimpleNamespace
+    args = SimpleNamespace(micro_batch=1, dtype='bfloat16', seq_len=None, estimate='config/tinyllama_1b.py')
+    gptconf = planner.gpt_config_from(os.path.join(REPO, args.estimate), [], None)
+    rows = [r for r in planner.estimate(gptconf, 8, 80, 1, 2048, 4, 4, 4, 8, 1, True) if 'error' not in r]
+    assert len(rows) >= 10
+    for row in rows:
+        words = shlex.split(planner.launch_command(row, True, args, [], 2048, 8, 'ds.json'))
+        assert words[:3] == ['torchrun', '--standalone', f"--nproc_per_node={row['gpus_used']}"], words
+        script = importlib.import_module(words[3][:-3])
+        cfg = script.configure(script.config, [os.path.join(REPO, words[4])] + [
+            w.replace('ds.json', os.path.join(REPO, 'config/ds_zero1.json')) for w in words[5:]])
+        assert (cfg.tp if hasattr(cfg, 'tp') else 1) == row['tp'] and cfg.activation_checkpointing, words
+    out = str(tmp_path)
+    proc = check(run_script('bench.py', ['--estimate', 'config/train_stdlib_char.py', '--gpus=2',
+                                         f'--out={out}', '--vocab_size=96', '--dtype=float32']))
+    command = shlex.split(proc.stdout.split('run it with:\n')[1].strip())
+    assert command[:3] == ['torchrun', '--standalone', '--nproc_per_node=2'], command
+    check(run_script(command[3], command[4:] + TINY[:4] + ['--max_iters=2', '--eval_interval=2',
+                                                           f'--out_dir={out}/run'], nproc=2))
+    assert [r['iter'] for r in read_log(f'{out}/run') if 'loss' in r] == [0, 1]
