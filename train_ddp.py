@@ -29,6 +29,7 @@ from measure import StepProfiler
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+out_dir = 'out-ddp'             # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from measure import measured_step, print_measured
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+out_dir = 'out-fsdp'            # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
 config = config_defaults(globals())
