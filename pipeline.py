@@ -1,17 +1,15 @@
 """
-Pipeline parallelism: train.py with the model's blocks split over pp stages, written by hand with point-to-point
-send/recv. Stage 0 holds the embedding, the last stage the final norm, head and loss; each micro-step's batch is
-cut into n_microbatches that flow through the stages. Three schedules, each one straight-line function below:
-GPipe (all forwards, then all backwards), 1F1B (warm-up, one forward one backward, cool-down) and Megatron's
-interleaved 1F1B (v chunks of layers per stage). Composes with data parallelism: world = dp x pp.
+Pipeline parallelism: train.py with the model's blocks split over pp stages, by hand with point-to-point
+send/recv. Stage 0 holds the embedding, the last stage the final norm, head and loss; each micro-step's batch
+is cut into n_microbatches that flow through the stages. Three schedules, one straight-line function each:
+GPipe, 1F1B and Megatron's interleaved 1F1B. Composes with data parallelism: world = dp x pp. On a measured
+step (the first, and every --measure_every-th) each stage's executed schedule is printed as a timeline, its
+bubble and held activations beside the formulas; every other step runs the schedules alone (no clock, barrier
+or counter).
 
     torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
     torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
-    python consolidate.py out out_full             # out's stage checkpoints -> out_full/ckpt.pt, train.py's format
-
-On a measured step (the first, and every --measure_every-th) it prints the schedule each stage executed, as a
-timeline from the clock, with the measured bubble beside (p-1)/(m+p-1) and the peak number of microbatches whose
-activations the stage held; every other step runs the schedules alone, with no clock, barrier or counter.
+    python consolidate.py out out_full    # out's stage checkpoints -> out_full/ckpt.pt, train.py's format
 """
 
 import os
@@ -37,10 +35,9 @@ init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_stage{r}.p
 sample_at_end = False           # (no sampling here: consolidate, then python sample.py)
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
-# pipeline
 pp = 2                          # pipeline stages; world size = dp * pp
 schedule = '1f1b'               # 'gpipe', '1f1b' or 'interleaved' (Megatron's interleaved 1F1B)
-virtual_stages = 1              # interleaved: model chunks per rank (each rank holds v non-adjacent groups of layers)
+virtual_stages = 1              # interleaved: model chunks per rank (v non-adjacent groups of layers each)
 n_microbatches = 4              # microbatches per micro-step: batch_size sequences cut into this many
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
@@ -49,39 +46,41 @@ config = config_defaults(globals())
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
     check_schedule(cfg)
-    if cfg.pp < 1 or world_size % cfg.pp != 0:
-        raise SystemExit(f"error: world size {world_size} is not divisible by pp={cfg.pp} (world = dp x pp)")
-    check_batch(cfg, world_size // cfg.pp, world_size)
-    if cfg.n_layer % (cfg.pp * cfg.virtual_stages) != 0:
-        raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp ({cfg.pp}) x virtual_stages "
-                         f"({cfg.virtual_stages}): each stage gets n_layer/pp blocks, in virtual_stages chunks")
-    if cfg.batch_size % cfg.n_microbatches != 0:
-        raise SystemExit(f"error: batch_size ({cfg.batch_size}) must be divisible into n_microbatches "
-                         f"({cfg.n_microbatches}) equal microbatches")
-    if cfg.schedule == '1f1b' and cfg.n_microbatches < cfg.pp:
-        raise SystemExit(f"error: 1f1b needs n_microbatches ({cfg.n_microbatches}) >= pp ({cfg.pp}) to fill the "
-                         f"pipeline")
-    if cfg.schedule == 'interleaved' and cfg.n_microbatches % cfg.pp:
-        raise SystemExit(f"error: interleaved needs n_microbatches ({cfg.n_microbatches}) to be a multiple of pp "
-                         f"({cfg.pp}): the microbatches go through the chunks in groups of pp")
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: pipeline.py trains in float32 or bfloat16, got dtype={cfg.dtype!r} (float16 would "
-                         f"need one loss scale agreed by every stage)")
+    m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
+    if p < 1 or world_size % p:
+        raise SystemExit(f"error: world size {world_size} is not divisible by pp={p} (world = dp x pp)")
+    check_batch(cfg, world_size // p, world_size)
+    for bad, message in (
+            (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
+                                    f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
+            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m}) "
+                                 f"equal microbatches"),
+            (cfg.schedule == '1f1b' and m < p,
+             f"1f1b needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
+            (cfg.schedule == 'interleaved' and m % p,
+             f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): the microbatches go "
+             f"through the chunks in groups of pp"),
+            (cfg.dtype not in ('float32', 'bfloat16'),
+             f"pipeline.py trains in float32 or bfloat16, got dtype={cfg.dtype!r} (float16 would need one "
+             f"loss scale agreed by every stage)")):
+        if bad:
+            raise SystemExit(f"error: {message}")
     check_no_compile(cfg, 'pipeline.py')
-    check_resume_grid(cfg, {'pp': cfg.pp, 'virtual_stages': cfg.virtual_stages}, stage_ckpt_path(cfg.out_dir, 0))
+    check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, stage_ckpt_path(cfg.out_dir, 0))
 
 
 def check_schedule(cfg):
-    """The schedule's keys, checked before any other (the others divide by them); parallel_4d.py checks them too."""
+    """The schedule's keys, checked before any other (the others divide by them); parallel_4d.py checks
+    them too."""
     if cfg.schedule not in SCHEDULES:
         raise SystemExit(f"error: --schedule={cfg.schedule} is not one of {', '.join(SCHEDULES)}")
     if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
         raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} must be 1, or more with "
                          f"--schedule=interleaved (got --schedule={cfg.schedule})")
     if cfg.virtual_stages > 1 and cfg.pp == 1:  # (pp < 1 is the world-size check's)
-        raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} needs pp >= 2: the chunks pass activations "
-                         f"round the ring of stages, and with pp=1 a stage's neighbour is itself; use "
-                         f"--virtual_stages=1")
+        raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} needs pp >= 2: the chunks pass "
+                         f"activations round the ring of stages, and with pp=1 a stage's neighbour is "
+                         f"itself; use --virtual_stages=1")
     if cfg.n_microbatches < 1:
         raise SystemExit(f"error: --n_microbatches={cfg.n_microbatches} must be at least 1")
 
@@ -89,14 +88,14 @@ def check_schedule(cfg):
 def check_no_compile(cfg, script):
     """torch.compile is not wired into the sharded scripts: say so rather than ignore it."""
     if cfg.compile:
-        raise SystemExit(f"error: --compile=True is not supported by {script}: pass --compile=False (a config file "
-                         f"that sets compile = True needs it after the file)")
+        raise SystemExit(f"error: --compile=True is not supported by {script}: pass --compile=False (a "
+                         f"config file that sets compile = True needs it after the file)")
 
 
 def check_resume_grid(cfg, grid, ckpt_path):
-    """init_from=resume: the saved files must be cut as this run cuts the model (grid: {key: this run's value}),
-    else loading them fails deep in load_state_dict. The first file tells (memory-mapped: little is read); its
-    'grid', else its config (a file written before 'grid' was saved)."""
+    """init_from=resume: the saved files must be cut as this run cuts the model (grid: {key: this run's
+    value}), else loading them fails deep in load_state_dict. The first file tells (memory-mapped: little is
+    read): its 'grid', else its config (a file written before 'grid' was saved)."""
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
         return  # (a missing file is init_model's to report, on every rank)
     checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=True)
@@ -104,22 +103,21 @@ def check_resume_grid(cfg, grid, ckpt_path):
     saved = {k: saved[k] for k in grid if k in saved}
     if saved != {k: grid[k] for k in saved}:
         def as_flags(g):
-            return ' '.join(f"--{k}={v}" for k, v in g.items() if k != 'ranks') + \
-                (f" on {g['ranks']} ranks" if 'ranks' in g else '')
-        raise SystemExit(f"error: init_from=resume: {ckpt_path} was saved with {as_flags(saved)}, this run has "
-                         f"{as_flags(grid)}: resume with the saved ones, or python consolidate.py {cfg.out_dir} "
-                         f"makes one ckpt.pt, which train.py, train_ddp.py, zero.py, train_fsdp.py and "
-                         f"context_parallel.py continue from on any number of ranks")
+            ranks = f" on {g['ranks']} ranks" if 'ranks' in g else ''
+            return ' '.join(f"--{k}={v}" for k, v in g.items() if k != 'ranks') + ranks
+        raise SystemExit(f"error: init_from=resume: {ckpt_path} was saved with {as_flags(saved)}, this run "
+                         f"has {as_flags(grid)}: resume with the saved ones, or python consolidate.py "
+                         f"{cfg.out_dir} makes one ckpt.pt, which train.py, train_ddp.py, zero.py, "
+                         f"train_fsdp.py and context_parallel.py continue from on any number of ranks")
 
 
 def embed_comm(grid, rank, tied):
-    """With tied embeddings and pp > 1: the group {first stage, last stage} of this rank's pipeline, which holds the
-    tied weight's two copies (None without). Every rank creates every pair's group, in one order."""
+    """With tied embeddings and pp > 1: the group {first stage, last stage} of this rank's pipeline, which
+    holds the tied weight's two copies (None without). Every rank creates every pair's group, in one order."""
     if not tied or grid.size(1) == 1:
         return None
-    pipelines = grid.movedim(1, -1).reshape(-1, grid.size(1))  # each row one pipeline's ranks, stage by stage
     comm = None
-    for row in pipelines.tolist():
+    for row in grid.movedim(1, -1).reshape(-1, grid.size(1)).tolist():  # a row: one pipeline's ranks
         group = dist.new_group([row[0], row[-1]])
         if rank in (row[0], row[-1]):
             comm = Comm(group, 'embed')
@@ -127,45 +125,44 @@ def embed_comm(grid, rank, tied):
 
 
 def keep_stage(model, stage, pp_size, virtual_stages=1):
-    """Cut the full GPT down to this stage's part, in place: its n_layer/pp blocks (the others become Identity, so
-    parameter names stay the full model's and the stage checkpoints merge by name), the embedding on the first
-    stage, ln_f and lm_head on the last. With tied embeddings and pp > 1 the first stage's wte and the last stage's
-    lm_head are two copies of the one weight, kept equal by summing their gradients (as Megatron does).
-    Returns the stage's chunks of layers: one, or with virtual stages v, the v non-adjacent chunks of the
-    interleaved schedule (chunk c of stage r is virtual stage c·pp + r)."""
+    """Cut the full GPT down to this stage's part, in place: its n_layer/pp blocks (the others become
+    Identity, so parameter names stay the full model's and the stage checkpoints merge by name), the embedding
+    on the first stage, ln_f and lm_head on the last. With tied embeddings and pp > 1 the first stage's wte
+    and the last stage's lm_head are two copies of the one weight, kept equal by summing their gradients (as
+    Megatron does). Returns the stage's chunks of layers: one, or with virtual stages v, the v non-adjacent
+    chunks of the interleaved schedule (chunk c of stage r is virtual stage c·pp + r)."""
     n = model.config.n_layer // (pp_size * virtual_stages)
     chunks = [range((c * pp_size + stage) * n, (c * pp_size + stage + 1) * n) for c in range(virtual_stages)]
     for i in range(model.config.n_layer):
         if not any(i in chunk for chunk in chunks):
             model.transformer.h[i] = torch.nn.Identity()
     if stage != 0:
-        model.transformer['wte'] = None
-        model.transformer['wpe'] = None
+        model.transformer['wte'], model.transformer['wpe'] = None, None
     if stage != pp_size - 1:
-        model.transformer['ln_f'] = None
-        model.lm_head = None
+        model.transformer['ln_f'], model.lm_head = None, None
     return chunks
 
 
 class Stage:
     """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
-    boundary, the microbatches whose activations it holds for their backward, and its sends in flight. clock: a
-    measured step's ScheduleClock (what ran when, the bytes held), NOT_MEASURED on every other step."""
+    boundary, the microbatches whose activations it holds for their backward, and its sends in flight. clock:
+    a measured step's ScheduleClock (what ran when, the bytes held), NOT_MEASURED on every other step."""
 
     def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
         self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
-        self.is_first, self.is_last = index == 0, index == pp_size - 1  # holds the embedding / the head and loss
+        self.is_first, self.is_last = index == 0, index == pp_size - 1  # the embedding / the head and loss
         # neighbours: with chunks, a ring (the last stage's chunk c feeds the first stage's chunk c + 1)
         ring = len(chunks) > 1
         self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
         # the first chunk's embedding and the last chunk's head and loss: the model's own, unless another
-        # parallelism brings its own (parallel_4d.py: vocabulary-parallel, on this rank's part of the sequence)
+        # parallelism brings its own (parallel_4d.py: vocabulary-parallel, on this rank's part of the
+        # sequence)
         self.embed, self.head = model.embed, model.head
         self.clock = NOT_MEASURED
-        self.held = {}            # microbatch (and chunk) -> (input, output): activations whose graph is alive
-        self.pending_sends = []   # sends not yet complete: each holds its tensor until it is
+        self.held = {}           # microbatch (and chunk) -> (input, output): activations whose graph is alive
+        self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
         self.loss_sum = torch.zeros((), device=device)
 
 
@@ -177,11 +174,12 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
     """Post this stage's sends and receives together (Comm.send_recv: one batch_isend_irecv), and wait for the
     receives. The sends are waited for at the next exchange (the compute in between overlaps them), so a sent
     buffer is let go one exchange later, not kept until the schedule ends. The shape is known from the config,
-    so there is no shape handshake. Returns (from_prev, from_next); a measured step's clock records it as W."""
+    so there is no shape handshake. Returns (from_prev, from_next); a measured step's clock records it as W.
+    """
     with stage.clock.op('W'):
         finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
-        # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two stages
-        # both go to the same peer, and the tags keep them apart
+        # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two
+        # stages both go to the same peer, and the tags keep them apart
         sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
                  ((send_next, stage.next_rank, 0), (send_prev, stage.prev_rank, 1)) if t is not None]
         from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
@@ -207,8 +205,7 @@ def recv_forward(stage):
 
 
 def send_forward(stage, y):
-    if not stage.is_last:
-        communicate(stage, send_next=y)
+    return None if stage.is_last else communicate(stage, send_next=y)
 
 
 def recv_backward(stage):
@@ -216,21 +213,17 @@ def recv_backward(stage):
 
 
 def send_backward(stage, dx):
-    if not stage.is_first:
-        communicate(stage, send_prev=dx)
+    return None if stage.is_first else communicate(stage, send_prev=dx)
 
 
 def send_forward_recv_backward(stage, y):
-    """1F1B's steady state: the forward's output goes on while the gradient of an older microbatch comes back."""
-    if stage.is_last:
-        return None
-    return communicate(stage, send_next=y, recv_next=True)[1]
+    """1F1B's steady state: the forward's output goes on while the gradient of an older microbatch comes
+    back."""
+    return None if stage.is_last else communicate(stage, send_next=y, recv_next=True)[1]
 
 
 def send_backward_recv_forward(stage, dx):
-    if stage.is_first:
-        return None
-    return communicate(stage, send_prev=dx, recv_prev=True)[0]
+    return None if stage.is_first else communicate(stage, send_prev=dx, recv_prev=True)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -238,72 +231,62 @@ def send_backward_recv_forward(stage, dx):
 
 
 def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
-    """F of microbatch i (with chunks: of chunk `chunk`, and i is (microbatch, chunk)): embed (the first chunk of
-    the first stage) or take the received activation, run the chunk's blocks, and after the last chunk of the last
-    stage the head and the loss. Keeps the input and output for the backward; returns what to send on."""
+    """F of microbatch i (with chunks: of chunk `chunk`, and i is (microbatch, chunk)): embed (the first chunk
+    of the first stage) or take the received activation, run the chunk's blocks, and after the last chunk of
+    the last stage the head and the loss. Keeps the input and output for the backward; returns what to send on
+    (the residual stream stays float32 under autocast, so the next stage's fp32 buffers fit it)."""
     model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
     first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
     with stage.clock.op('F', i), stage.clock.holding(i), stage.ctx:
         if first:
-            x = None
-            h = stage.embed(idx[microbatch])
+            x, h = None, stage.embed(idx[microbatch])
         else:
-            x.requires_grad_(True)
-            h = x
+            h = x.requires_grad_(True)
         for layer in stage.chunks[chunk]:
             h = model.run_block(model.transformer.h[layer], h)
         if last:
-            _, loss = stage.head(h, targets[microbatch])
-            h = loss * loss_scale  # the gradient is the mean over the global batch
+            h = stage.head(h, targets[microbatch])[1] * loss_scale  # its gradient: the global batch's mean
             stage.loss_sum += h.detach()
         stage.held[i] = (x, h)
-    # the residual stream stays float32 under autocast (fp32 embedding + bf16 branch outputs), so the fp32
-    # buffers of the next stage fit it
     return None if last else h
 
 
 def backward_step(stage, i, grad_output, chunk=0):
-    """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or from
-    the received gradient of its output, free its activations, return the gradient of its input (to send back)."""
+    """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or
+    from the received gradient of its output, free its activations, return the gradient of its input (to send
+    back)."""
     with stage.clock.op('B', i):
         x, out = stage.held.pop(i)
         stage.clock.released(i)
-        if stage.is_last and chunk == len(stage.chunks) - 1:
-            out.backward()
-        else:
-            torch.autograd.backward(out, grad_output)
+        loss = stage.is_last and chunk == len(stage.chunks) - 1
+        torch.autograd.backward(out, None if loss else grad_output)
     return None if stage.is_first and chunk == 0 else x.grad
 
 
+# -----------------------------------------------------------------------------
 # the schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
+
+
 def gpipe(stage, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
     activations before the first backward; the bubble is (p-1) forward slots at the start plus (p-1) backward
     slots at the end."""
     for i in range(m):
-        x = recv_forward(stage)
-        y = forward_step(stage, i, x, idx, targets, loss_scale)
-        send_forward(stage, y)
+        send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale))
     for i in range(m):
-        dy = recv_backward(stage)
-        dx = backward_step(stage, i, dy)
-        send_backward(stage, dx)
+        send_backward(stage, backward_step(stage, i, recv_backward(stage)))
 
 
 def one_f_one_b(stage, m, idx, targets, loss_scale):
-    """1F1B (PipeDream-Flush, Megatron's non-interleaved schedule). Stage r first does p-r-1 forwards to fill the
-    pipeline, then alternates one forward and one backward, then drains the last backwards. The same bubble as
-    GPipe, but a stage never holds more than p-r microbatches' activations."""
+    """1F1B (PipeDream-Flush, Megatron's non-interleaved schedule). Stage r first does p-r-1 forwards to fill
+    the pipeline, then alternates one forward and one backward, then drains the last backwards. The same
+    bubble as GPipe, but a stage never holds more than p-r microbatches' activations."""
     warmup = min(stage.pp - stage.index - 1, m)
     steady = m - warmup
-    # warm-up: forwards only
-    for i in range(warmup):
-        x = recv_forward(stage)
-        y = forward_step(stage, i, x, idx, targets, loss_scale)
-        send_forward(stage, y)
+    for i in range(warmup):  # warm-up: forwards only
+        send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale))
     x = recv_forward(stage) if steady > 0 else None
-    # steady state: forward of microbatch warmup+k, then backward of microbatch k
-    for k in range(steady):
+    for k in range(steady):  # steady state: forward of microbatch warmup+k, then backward of microbatch k
         y = forward_step(stage, warmup + k, x, idx, targets, loss_scale)
         dy = send_forward_recv_backward(stage, y)
         dx = backward_step(stage, k, dy)
@@ -311,55 +294,39 @@ def one_f_one_b(stage, m, idx, targets, loss_scale):
             send_backward(stage, dx)
         else:
             x = send_backward_recv_forward(stage, dx)
-    # cool-down: the backwards of the warm-up microbatches
-    for k in range(steady, m):
-        dy = recv_backward(stage)
-        dx = backward_step(stage, k, dy)
-        send_backward(stage, dx)
+    for k in range(steady, m):  # cool-down: the backwards of the warm-up microbatches
+        send_backward(stage, backward_step(stage, k, recv_backward(stage)))
 
 
 def interleaved_1f1b(stage, m, idx, targets, loss_scale):
-    """Megatron's interleaved 1F1B (Narayanan et al. 2021). Each stage holds v chunks of layers; chunk c of stage r
-    is virtual stage c·p + r, so a microbatch goes around the ring of stages v times. The k-th forward of a stage
-    works on chunk (k mod p·v) // p and microbatch (k // p·v)·p + k mod p: groups of p microbatches through one
-    chunk, then the next chunk. Warm-up is 2(p-r-1) + (v-1)·p forwards, then one forward one backward, then the
-    remaining backwards; every exchange posts the sends and receives of that moment together, and received
-    tensors wait in a queue per chunk until their forward or backward comes. The bubble shrinks v times."""
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021). Each stage holds v chunks of layers; chunk c of
+    stage r is virtual stage c·p + r, so a microbatch goes around the ring of stages v times. The k-th
+    forward of a stage works on chunk (k mod p·v) // p and microbatch (k // p·v)·p + k mod p: groups of p
+    microbatches through one chunk, then the next chunk (the k-th backward: chunk v-1 minus that). Warm-up
+    is 2(p-r-1) + (v-1)·p forwards, then one forward one backward, then the remaining backwards; every
+    exchange posts the sends and receives of that moment together, and received tensors wait in a queue per
+    chunk until their forward or backward comes. The bubble shrinks v times."""
     p, v, r = stage.pp, len(stage.chunks), stage.index
-    total = m * v
-    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    total, warmup = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
+    inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # received, waiting for their F / B
 
     def chunk_of(k, forward=True):
         c = (k % (p * v)) // p
         return c if forward else v - 1 - c
 
-    def microbatch_of(k):
-        return (k // (p * v)) * p + k % p
-
-    def is_first(c):  # the embedding's chunk
-        return r == 0 and c == 0
-
-    def is_last(c):  # the loss's chunk
-        return r == p - 1 and c == v - 1
-
-    inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # received, waiting for their F / B
-
-    def forward(k):
+    def forward(k):  # (the embedding's chunk receives nothing; forward_step sends nothing from the loss's)
         c = chunk_of(k)
-        x = None if is_first(c) else inputs[c].pop(0)
-        y = forward_step(stage, (microbatch_of(k), c), x, idx, targets, loss_scale, c)
-        return None if is_last(c) else y
+        x = None if r == 0 and c == 0 else inputs[c].pop(0)
+        return forward_step(stage, ((k // (p * v)) * p + k % p, c), x, idx, targets, loss_scale, c)
 
     def backward(k):
         c = chunk_of(k, forward=False)
-        dy = None if is_last(c) else grads[c].pop(0)
-        dx = backward_step(stage, (microbatch_of(k), c), dy, c)
-        return None if is_first(c) else dx
+        dy = None if r == p - 1 and c == v - 1 else grads[c].pop(0)
+        return backward_step(stage, ((k // (p * v)) * p + k % p, c), dy, c)
 
     if r != 0:
         inputs[0].append(communicate(stage, recv_prev=True)[0])
-    # warm-up: forwards only (the last one also receives the first gradient)
-    for k in range(warmup):
+    for k in range(warmup):  # warm-up: forwards only (the last one also receives the first gradient)
         y = forward(k)
         recv_prev = not (r == 0 and chunk_of(k + 1) == 0) and k != total - 1
         recv_next = k == warmup - 1 and warmup < total and r != p - 1
@@ -368,8 +335,7 @@ def interleaved_1f1b(stage, m, idx, targets, loss_scale):
             inputs[chunk_of(k + 1)].append(x)
         if recv_next:
             grads[v - 1].append(dy)
-    # steady state: forward k + warmup, backward k, one exchange both ways
-    for k in range(total - warmup):
+    for k in range(total - warmup):  # steady state: forward k + warmup, backward k, one exchange both ways
         y, dx = forward(k + warmup), backward(k)
         if r == 0:  # the first stage's next input comes from the last stage, p - 1 forwards behind
             next_f = chunk_of(k + warmup - (p - 1)) + 1
@@ -387,13 +353,11 @@ def interleaved_1f1b(stage, m, idx, targets, loss_scale):
             inputs[next_f].append(x)
         if recv_next:
             grads[next_b].append(dy)
-    # cool-down: the remaining backwards
-    if warmup == total and r != p - 1:
+    if warmup == total and r != p - 1:  # cool-down: the remaining backwards
         grads[v - 1].append(communicate(stage, recv_next=True)[1])
     for k in range(total - warmup, total):
-        dx = backward(k)
         recv_next = not (r == p - 1 and chunk_of(k + 1, forward=False) == v - 1) and k != total - 1
-        _, dy = communicate(stage, send_prev=dx, recv_next=recv_next)
+        _, dy = communicate(stage, send_prev=backward(k), recv_next=recv_next)
         if recv_next:
             grads[chunk_of(k + 1, forward=False)].append(dy)
 
@@ -402,22 +366,22 @@ SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1
 
 
 def run_schedule(stage, name, m, x, y, loss_scale):
-    """Split the micro-step's batch into m microbatches and run the schedule. The clock is a measured step's (all
-    stages start together, and it keeps what each executed) or a no-op."""
-    idx, targets = list(x.chunk(m)), list(y.chunk(m))
+    """Split the micro-step's batch into m microbatches and run the schedule. The clock is a measured step's
+    (all stages start together, and it keeps what each executed) or a no-op."""
     stage.clock.start()
-    SCHEDULES[name](stage, m, idx, targets, loss_scale)
+    SCHEDULES[name](stage, m, list(x.chunk(m)), list(y.chunk(m)), loss_scale)
     finish_sends(stage)
     stage.clock.stop()
 
 
 @torch.no_grad()
 def forward_loss(stage, x, y):
-    """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every rank."""
+    """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every
+    rank."""
     stage.act_shape = (x.size(0),) + tuple(stage.act_shape[1:])  # whole batches: more rows, same tokens
-    model, last_chunk = stage.model, len(stage.chunks) - 1
+    model, loss = stage.model, torch.zeros((), device=stage.device)
     for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of every stage
-        first, last = stage.is_first and chunk == 0, stage.is_last and chunk == last_chunk
+        first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
         h = stage.embed(x) if first else communicate(stage, recv_prev=True)[0]
         with stage.ctx:
             for layer in layers:
@@ -426,8 +390,6 @@ def forward_loss(stage, x, y):
                 loss = stage.head(h, y)[1].float()
         if not last:
             communicate(stage, send_next=h)
-    if not stage.is_last:
-        loss = torch.zeros((), device=stage.device)
     finish_sends(stage)
     stage.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
     return loss
@@ -437,9 +399,9 @@ def forward_loss(stage, x, y):
 
 
 def train_step(stage, optimizer, batches, cfg, dp, embed):
-    """One iteration: the schedule over each micro-step's microbatches, then the gradient syncs a pipeline adds:
-    each stage's gradients averaged over its data-parallel column, the tied embedding's two copies summed, the
-    clip over every stage. Returns the mean loss over the global batch."""
+    """One iteration: the schedule over each micro-step's microbatches, then the gradient syncs a pipeline
+    adds: each stage's gradients averaged over its data-parallel column, the tied embedding's two copies
+    summed, the clip over every stage. Returns the mean loss over the global batch."""
     model = stage.model
     stage.loss_sum = torch.zeros((), device=cfg.device)
     stage.act_shape = (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd)
@@ -462,10 +424,11 @@ def train_step(stage, optimizer, batches, cfg, dp, embed):
 
 
 def clip_grad_norm(stage, grads, max_norm, embed):
-    """clip_grad_norm_ over the whole model: every stage's squared norm, summed over the pipeline. A tied weight
-    counts once: on the last stage lm_head.weight is a copy of the first stage's wte."""
+    """clip_grad_norm_ over the whole model: every stage's squared norm, summed over the pipeline. A tied
+    weight counts once: on the last stage lm_head.weight is a copy of the first stage's wte."""
     tied_copy = stage.model.lm_head.weight if embed is not None and stage.is_last else None
-    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters() if p.grad is not None and p is not tied_copy)
+    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters()
+             if p.grad is not None and p is not tied_copy)
     sq = torch.as_tensor(sq, dtype=torch.float32, device=stage.device)
     stage.comm.all_reduce(sq, kind='scalars')
     clip_coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
@@ -473,49 +436,39 @@ def clip_grad_norm(stage, grads, max_norm, embed):
         grad.mul_(clip_coef)
 
 
-def build_stage_model(cfg, vocab_size, pp_rank, dp, ckpt_path):
-    """train.py's GPT on the meta device, cut to this stage's blocks (keep_stage), which alone get storage and then
-    values: train.py's (init_params, one tensor at a time) or this stage's checkpoint; then this rank's dropout
-    stream (its own saved one, or seeded per replica and stage), and its AdamW. Returns (model, its chunks of
-    layers, the optimizer, iter_num, best_val_loss, the whole model's FLOPs per token)."""
+def build(cfg, rank, world_size, vocab_size):
+    """The grid (dp x pp; every collective and send goes through a Comm, which counts it), then train.py's GPT
+    on the meta device cut to this stage's blocks (keep_stage), which alone get storage and then values:
+    train.py's (init_params, one tensor at a time) or this stage's checkpoint; this rank's dropout stream (its
+    own saved one, or seeded per replica and stage, as Megatron), and its AdamW. Returns (the Stage, the
+    optimizer, the dp and embed Comms, iter_num, best_val_loss, the whole model's FLOPs per token)."""
+    grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
+    dp, pp_comm, embed = comms['dp'], comms['pp'], embed_comm(grid, rank, cfg.tie_embeddings)
+    ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
-    n_params, flops_per_token = model.get_num_params(), model.flops_per_token(cfg.block_size)  # the whole model's
-    chunks = keep_stage(model, pp_rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
+    n_params, flops_per_token = model.get_num_params(), model.flops_per_token(cfg.block_size)  # (whole model)
+    chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
     materialize(model, cfg.device)  # storage for this stage's part alone
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
-    else:  # train.py's values, one tensor at a time; this stage keeps its own
-        init_params(model.config, cfg.seed, keep_own(model))
-    if checkpoint is not None:
-        restore_rng(checkpoint, dp.rank, dp.size, cfg.seed, dp.rank, pp_rank)  # this rank's own dropout stream
+        restore_rng(checkpoint, dp.rank, dp.size, cfg.seed, dp.rank, pp_comm.rank)
     else:
-        seed_dropout(cfg.seed, dp.rank, pp_rank)  # each replica, and each stage (as Megatron), its own masks
-    if dp.rank == pp_rank == 0:
-        print(run_shape(f"world {dp.size * cfg.pp} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} "
-                        f"blocks per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
-                        f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    return model, chunks, optimizer, iter_num, best_val_loss, flops_per_token
-
-
-def build(cfg, rank, world_size, vocab_size):
-    """The grid (dp x pp, every collective and send through a Comm, which counts it), this rank's Stage of
-    train.py's GPT and its optimizer. Returns (stage, optimizer, dp, embed, iter_num, best_val_loss, FLOPs per
-    token of the whole model)."""
-    grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
-    dp, pp_comm = comms['dp'], comms['pp']
-    embed = embed_comm(grid, rank, cfg.tie_embeddings)
+        init_params(model.config, cfg.seed, keep_own(model))
+        seed_dropout(cfg.seed, dp.rank, pp_comm.rank)
     if rank == 0:
         print(f"process grid (dp={dp.size} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
-              f"{grid.view(dp.size, cfg.pp)}")
-    model, chunks, optimizer, iter_num, best_val_loss, flops_per_token = build_stage_model(
-        cfg, vocab_size, pp_comm.rank, dp, stage_ckpt_path(cfg.out_dir, pp_comm.rank))
-    ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
+              f"{grid.view(dp.size, cfg.pp)}\n" + run_shape(
+                  f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
+                  f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
+                  f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
-                  (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device, ctx, pp_comm)
+                  (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device,
+                  autocast_context(device_type, cfg.dtype), pp_comm)
     return stage, optimizer, dp, embed, iter_num, best_val_loss, flops_per_token
 
 
@@ -528,8 +481,8 @@ def stage_ckpt_path(out_dir, stage):
 
 
 def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
-    """This stage's part in train.py's checkpoint format, with every replica's dropout stream and the names of the
-    optimizer's parameters in its order; written by dp replica 0 (the replicas of a stage are equal)."""
+    """This stage's part in train.py's checkpoint format, with every replica's dropout stream and the names of
+    the optimizer's parameters in its order; written by dp replica 0 (the replicas of a stage are equal)."""
     rng_states = gather_rng_states(dp)
     if dp.rank == 0:
         name_of = {id(p): n for n, p in stage.model.named_parameters()}
@@ -541,14 +494,15 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
 
 
 def consolidate(out_dir):
-    """out_dir's stage files joined into train.py's checkpoint dict: the parameters merged by name (a tied weight's
-    two copies, on the first and last stage, are equal: the first stage's is taken), AdamW's state in
-    configure_optimizers' order, each parameter with its own step. The files are memory-mapped, read a tensor at
-    a time; all of them must exist and be from one iteration."""
+    """out_dir's stage files joined into train.py's checkpoint dict: the parameters merged by name (a tied
+    weight's two copies are equal: the first stage's is taken), AdamW's state in configure_optimizers' order,
+    each parameter with its own step. The files are memory-mapped; all must exist and be from one iteration.
+    """
     first = torch.load(stage_ckpt_path(out_dir, 0), map_location='cpu', weights_only=False, mmap=True)
     paths = [stage_ckpt_path(out_dir, s) for s in range(first['config']['pp'])]
     if missing := [p for p in paths if not os.path.exists(p)]:
-        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {len(paths)} but not {', '.join(missing)}")
+        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {len(paths)} but not "
+                         f"{', '.join(missing)}")
     model_sd, states, iters = {}, {}, set()
     for s, path in enumerate(paths):
         progress(s + 1, len(paths), 'consolidating the stages')
@@ -558,7 +512,7 @@ def consolidate(out_dir):
             model_sd.setdefault(name, values)
         for i, name in enumerate(ck['param_names']):
             if name not in states and i in ck['optimizer']['state']:
-                state = ck['optimizer']['state'][i]  # (a step tensor of its own: one shared is advanced per use)
+                state = ck['optimizer']['state'][i]  # (its own step: a shared one advances per parameter)
                 states[name] = dict(state, step=torch.tensor(float(state['step'])))
     if len(iters) != 1:
         raise SystemExit(f"error: consolidate: the files ckpt_stage*.pt in {out_dir} are from different "
@@ -574,7 +528,7 @@ def consolidate(out_dir):
 
 
 # -----------------------------------------------------------------------------
-# a measured step: its counts from zero, the clock on, the bytes on the wire; then each stage's numbers
+# a measured step: the counts from zero, the clock on, the bytes on the wire; then each stage's numbers
 
 
 def start_measuring(stage, comms, wire):
@@ -588,15 +542,17 @@ def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
     """Each rank's numbers beside the formulas, a log row each; rank 0 prints dp replica 0's stages."""
     clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
     stage.clock = NOT_MEASURED
-    splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]  # (the 1st: warm-up)
+    splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]  # (1st: warm-up)
     sent, held = comm_report(comms), peak_microbatches_formula(cfg.schedule, p, m, s, v)
-    p2p = p2p_comm_bytes_formula(cfg.block_size, cfg.batch_size // m, stage.model.config.n_embd, p, m, 4, s, v)
+    p2p = p2p_comm_bytes_formula(cfg.block_size, cfg.batch_size // m, stage.model.config.n_embd, p, m, 4, s,
+                                 v)
     row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
-           **{k: statistics.median(split[k] for split in splits) for k in splits[0]}, 'n_schedules': len(splits),
+           **{k: statistics.median(split[k] for split in splits) for k in splits[0]},
+           'n_schedules': len(splits),
            'bubble_fraction_formula': bubble_fraction_formula(p, m, v),
            'peak_microbatches_held': clock.peak_held, 'peak_microbatches_held_formula': held,
-           'peak_activation_bytes': clock.peak_held_bytes, 'activation_bytes_per_microbatch': clock.microbatch_bytes,
-           'peak_activation_bytes_formula': held * clock.microbatch_bytes,
+           'peak_activation_bytes': clock.peak_held_bytes, 'peak_activation_bytes_formula':
+               held * clock.microbatch_bytes, 'activation_bytes_per_microbatch': clock.microbatch_bytes,
            'peak_pending_sends': clock.peaks.get('pending_sends', 0),
            'p2p_bytes_per_step': stage.comm.collective_bytes['send'],
            'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p,
@@ -606,32 +562,32 @@ def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
            'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
     stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
     if rank == 0:
-        print_schedule(stages, cfg, iter_num, clock.name)
+        trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
+        tracks, total = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s']
+        print_timelines(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per stage, "
+                        f"iter {iter_num}", tracks, total, 3 * (v * m + p - 1), clock.name)  # a slot ~ one F
+        write_schedule_trace(tracks, total, trace)
+        held = {'gpipe': 'm', '1f1b': 'p-r'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
+        print_measured(f"measured at iter {iter_num}, the median of {stages[0]['n_schedules']} schedule(s); "
+                       f"formulas: bubble (p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the "
+                       f"ideal compute), held {held} microbatches x the most one held; bytes: counted at the "
+                       f"calls, the ring formula, on the stage's own sockets",
+                       [line for r in stages for line in stage_lines(r)],
+                       [f"the schedule as a trace, one track per stage: {trace} (open at ui.perfetto.dev)"] +
+                       [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
 
 
-def print_schedule(stages, cfg, iter_num, clock):
-    """The timelines of the stages' last schedule, its Perfetto trace, and every stage's numbers in one table."""
-    m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
-    tracks, total = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s']
-    print_timelines(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per stage, iter "
-                    f"{iter_num}", tracks, total, 3 * (v * m + p - 1), clock)  # a slot: about one forward
-    trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
-    write_schedule_trace(tracks, total, trace)
-    lines = [(f"stage {r['stage']} {name}", *values) for r in stages for name, *values in (
-        ('in compute', r['compute_fraction'], None, None), ('in send/recv', r['send_recv_fraction'], None, None),
+def stage_lines(r):
+    """A stage's (quantity, measured, counted, modelled) lines for print_measured."""
+    return [(f"stage {r['stage']} {name}", *values) for name, *values in (
+        ('in compute', r['compute_fraction'], None, None),
+        ('in send/recv', r['send_recv_fraction'], None, None),
         ('other', r['other_fraction'], None, None),
         ('bubble (not computing)', r['bubble_fraction'], None, r['bubble_fraction_formula']),
         ('microbatches held at peak', r['peak_microbatches_held'], None, r['peak_microbatches_held_formula']),
         ('activation bytes at peak', r['peak_activation_bytes'], None, r['peak_activation_bytes_formula']),
         ('p2p bytes sent', None, r['p2p_bytes_per_step'], r['p2p_bytes_per_step_formula']),
         ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'], r['wire_bytes_formula']))]
-    held = {'gpipe': 'm', '1f1b': 'p-r'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
-    print_measured(f"measured at iter {iter_num}, the median of {stages[0]['n_schedules']} schedule(s); formulas: "
-                   f"bubble (p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute), held "
-                   f"{held} microbatches x the most one held; bytes sent: counted at the calls, the ring formula, "
-                   f"measured on the stage's own sockets", lines,
-                   [f"the schedule as a trace, one track per stage: {trace} (open it at ui.perfetto.dev)"] +
-                   [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
 
 
 # -----------------------------------------------------------------------------
@@ -645,16 +601,17 @@ def main(argv):
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     data, vocab_size = load_dataset(cfg.dataset)
-    stage, optimizer, dp, embed, iter_num, best_val_loss, flops_per_token = build(cfg, rank, world_size, vocab_size)
+    stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
     comms, first_iter, wire = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter()
     writer = CheckpointWriter()  # every stage writes its file in the background
     profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, flops_per_token, n_devices=world_size)
+    logger = StepLogger(cfg, flops, n_devices=world_size)
     while True:
         lr = get_lr(iter_num, cfg)
         set_lr(optimizer, lr)
-        if should_evaluate(iter_num, cfg):  # evaluate, and checkpoint the state from which iteration iter_num starts
-            losses = evaluate(lambda x, y: forward_loss(stage, x, y), stage.model, data, cfg, iter_num, lr, dp)
+        if should_evaluate(iter_num, cfg):  # evaluate; save the state from which iteration iter_num starts
+            loss_of = lambda x, y: forward_loss(stage, x, y)  # noqa: E731
+            losses = evaluate(loss_of, stage.model, data, cfg, iter_num, lr, dp)
             if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg)
@@ -663,7 +620,8 @@ def main(argv):
             break
         if measured := measured_step(iter_num, first_iter, cfg.measure_every):
             start_measuring(stage, comms, wire)
-        loss = train_step(stage, optimizer, micro_batches(data, cfg, iter_num, dp.rank, dp.size), cfg, dp, embed)
+        batches = micro_batches(data, cfg, iter_num, dp.rank, dp.size)
+        loss = train_step(stage, optimizer, batches, cfg, dp, embed)
         logger.step(iter_num, loss, lr)
         if measured:
             report(stage, cfg, comms, wire, iter_num, rank, dp.rank)
@@ -673,9 +631,9 @@ def main(argv):
     profiler.stop()
     writer.wait()
     if rank == 0:
-        print(outputs_line(cfg.out_dir, "ckpt_stage*.pt (one per stage: resume; python consolidate.py "
+        print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (one per stage: resume; python consolidate.py "
                                         f"{cfg.out_dir} makes one ckpt.pt)",
-                           "schedule_trace.json (the last measured schedule: open at ui.perfetto.dev)", *profiled(cfg)))
+                           "schedule_trace.json (the last measured schedule)", *profiled(cfg)))
     finish_distributed(cfg)
 
 
