@@ -177,6 +177,20 @@ def finish_distributed(cfg=None):
 GRID_DIMS = ('dp', 'pp', 'cp', 'tp')
 
 
+def data_parallel_size(world_size, **degrees):
+    """dp, what is left of the world once the model-parallel degrees (tp=, pp=, cp=) divide it; when they do
+    not, one line that says which flag to change."""
+    product = 1
+    for degree in degrees.values():
+        product *= degree
+    if product < 1 or world_size % product:
+        named = ' x '.join(f"{k}={v}" for k, v in degrees.items())
+        raise SystemExit(f"error: world size {world_size} is not divisible by {named} = {product}: start a "
+                         f"multiple of {product} processes (torchrun --nproc_per_node={product}), or lower "
+                         + ' / '.join(f"--{k}" for k in degrees))
+    return world_size // product
+
+
 def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
     """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank is
     ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group, which
