@@ -1,18 +1,21 @@
 """context_parallel.py: ring attention and Ulysses, each on cp = 2 and 4 ranks, equal dense causal attention (its
 output and the gradients of q, k, v) and the whole model (loss and every gradient) with learned positions and with
-RoPE + grouped-query attention; the bytes they hand to the ring or the all-to-alls are the formula's; the script
-trains train.py's curve for cp=2 and dp=2 x cp=2, resumes exactly, and rejects bad input on every rank.
+RoPE + grouped-query attention; the bytes they hand to the ring or the all-to-alls are the formula's (fp32 and
+bf16), and each rank's own wire bytes are what gloo sends for them; an unmeasured step makes no measuring call;
+the script trains train.py's curve for cp=2 and dp=2 x cp=2, resumes exactly, and rejects bad input on every rank.
 
 torch.distributed.tensor.experimental.context_parallel is not compared here: on a CPU it fails with "Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered" (torch
 2.14), so it has no CPU run to compare against."""
+import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
 
-from helpers import (TINY, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
-                     train_losses, train_py_reference)
+from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses, read_log,
+                     run_script, spawn, train_losses, train_py_reference)
 
 import formulas
 
@@ -81,7 +84,58 @@ def _checks(rank, world_size):
                     grad_err=max(_rel_err(a.grad, b.grad) for a, b in zip(model.parameters(), dense.parameters())),
                     sent=sent, sent_formula=config.n_layer * formulas.cp_comm_bytes_formula(
                         16, 2, config.n_head, config.n_kv_head, config.n_embd // config.n_head, C, attention))
+    results.update(_measuring_calls(groups[2][rank // 2]))
     return results
+
+
+def _measuring_calls(group):
+    """dp=2 x cp=2: one unmeasured train_step (what main runs on every step but the measured ones) and one
+    measured_train_step, each with dist.barrier, torch.cuda.synchronize, time.perf_counter and
+    dist.all_gather_object patched to record their calls, and the raw collectives counted."""
+    import tempfile
+    import time
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    import context_parallel as cpm
+    from model import GPT, GPTConfig
+    from distributed import Comm
+    out = {}
+    for attention in ('ring', 'ulysses'):
+        cp, dp_cp = cpm.ContextParallel(Comm(group, 'cp'), attention), Comm(None, 'dp_cp')
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**LAYOUTS['gpt2']))
+        cpm.shard_sequence(model, cp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        batches = [(torch.randint(0, 40, (2, 16), generator=gen), torch.randint(0, 40, (2, 16), generator=gen))]
+        cfg = SimpleNamespace(block_size=16, batch_size=2, dtype='float32', gradient_accumulation_steps=2,
+                              grad_clip=1.0, out_dir=tempfile.mkdtemp())
+        for measured in (False, True):
+            calls = {}
+
+            def recording(name, fn=None):
+                def call(*args, **kwargs):
+                    calls[name] = calls.get(name, 0) + 1
+                    return fn(*args, **kwargs) if fn else None
+                return call
+            with mock.patch.object(dist, 'barrier', recording('barrier', dist.barrier)), \
+                    mock.patch.object(torch.cuda, 'synchronize', recording('synchronize')), \
+                    mock.patch.object(time, 'perf_counter', recording('perf_counter', time.perf_counter)), \
+                    mock.patch.object(dist, 'all_gather_object', recording('all_gather_object',
+                                                                           dist.all_gather_object)), \
+                    mock.patch.object(dist, 'all_reduce', recording('all_reduce', dist.all_reduce)), \
+                    mock.patch.object(dist, 'all_to_all_single', recording('all_to_all_single',
+                                                                           dist.all_to_all_single)), \
+                    mock.patch.object(dist, 'batch_isend_irecv', recording('batch_isend_irecv',
+                                                                           dist.batch_isend_irecv)):
+                cp.group.clear(), dp_cp.clear()
+                if measured:
+                    cpm.measured_train_step(model, optimizer, batches, contextlib.nullcontext(), cfg, cp, dp_cp, 0)
+                else:
+                    cpm.train_step(model, optimizer, batches, contextlib.nullcontext(), 1.0, cp, dp_cp)
+            out[('calls', attention, measured)] = dict(calls, kinds=sorted(cp.group.collective_bytes)
+                                                       + sorted(dp_cp.collective_bytes))
+    return out
 
 
 @pytest.fixture(scope='module')
@@ -101,6 +155,24 @@ def test_equals_dense_attention_and_model(spawned, C, attention, layout):
         assert r['sent'] == pytest.approx(r['sent_formula']) and r['sent'] > 0, (rank, r)  # counted calls
 
 
+def test_an_unmeasured_step_makes_no_measuring_call(spawned):
+    """Measuring is off the hot path: a step that is not measured runs no barrier, device synchronize, timer or
+    all_gather_object, and no collective but the algorithm's (per layer, ring: 1 kv exchange forward, 1 kv and
+    2 dkv backward; Ulysses: 4 all-to-alls forward, 4 backward; then the gradients' and the loss's
+    all-reduces). The measured step does measure (the patches see it)."""
+    n_layer = LAYOUTS['gpt2']['n_layer']
+    algorithm = {'ring': {'batch_isend_irecv': n_layer * 4, 'all_reduce': 2},
+                 'ulysses': {'all_to_all_single': n_layer * 8, 'all_reduce': 2}}
+    kinds = {'ring': ['dkv', 'kv', 'all_reduce', 'scalars'], 'ulysses': ['all_to_all', 'all_reduce', 'scalars']}
+    for rank, results in enumerate(spawned):
+        for attention in ('ring', 'ulysses'):
+            unmeasured = results[('calls', attention, False)]
+            assert unmeasured == dict(algorithm[attention], kinds=kinds[attention]), (rank, attention, unmeasured)
+            measured = results[('calls', attention, True)]
+            assert measured['barrier'] >= 2 and measured['perf_counter'] > 0, (rank, attention, measured)
+            assert measured['all_gather_object'] == 1, (rank, attention, measured)
+
+
 # --- the script -------------------------------------------------------------------------------------------------
 
 FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
@@ -112,22 +184,29 @@ LLAMA = ['--n_embd=32', '--n_head=4', '--n_kv_head=2', '--norm=rmsnorm', '--mlp=
 def test_ring_cp2_and_ulysses_dp2_x_cp2_train_train_py_curve(tmp_path, tmp_path_factory):
     ref = train_py_reference(FLAGS + LLAMA, tmp_path_factory)
     ring, ulysses = tmp_path / 'ring', tmp_path / 'ulysses'
-    check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', f'--out_dir={ring}'], nproc=2))
-    check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', '--cp_attention=ulysses',
-                                                             f'--out_dir={ulysses}'], nproc=4))
+    with LoopbackFlood():  # other traffic on the machine: each rank's wire bytes must still be its own
+        check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', '--measure_every=2', f'--out_dir={ring}'],
+                         nproc=2))
+        check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', '--cp_attention=ulysses',
+                                                                 f'--out_dir={ulysses}'], nproc=4))
     for out in (ring, ulysses):
         assert_same_losses(train_losses(out), train_losses(ref), range(4))
         assert_same_losses(eval_losses(out), eval_losses(ref), [0, 2, 4])
     for out, attention in ((ring, 'ring'), (ulysses, 'ulysses')):
         rows = [r for r in read_log(out) if 'rank' in r]
-        assert len(rows) == (2 if attention == 'ring' else 4)
+        # measured: the first step, and (ring: --measure_every=2) every 2nd; each rank's own row
+        assert sorted((r['iter'], r['rank']) for r in rows) == ([(0, 0), (0, 1), (2, 0), (2, 1)]
+                                                                if attention == 'ring' else [(0, r) for r in range(4)])
         for r in rows:
             assert r['cp_attention'] == attention
             assert r['cp_attention_bytes'] == pytest.approx(r['cp_attention_bytes_formula'])
             # each rank keeps 1/cp of the sequence: its block's saved activations are near 1/cp of the formula's
             # whole-sequence count (no s x s scores kept here; the ring keeps q, k, v, the output and its lse)
             assert 0 < r['activation_bytes'] < 2 * r['activation_bytes_formula'], r
-            assert r['attention_compute_s'] > 0
+            assert r['attention_compute_s'] > 0 and r['attention_wait_s'] > 0
+            # this rank's own sockets: what its calls hand gloo (ring all-reduces, sends, all-to-alls), plus the
+            # messages' headers and the meter's closing barrier; the flood is not in it
+            assert 0.99 * r['wire_bytes_formula'] <= r['wire_bytes'] <= 1.05 * r['wire_bytes_formula'] + 16384, r
 
 
 def test_resume_is_exact_and_train_py_continues(tmp_path, tmp_path_factory):
@@ -173,3 +252,25 @@ def test_bad_config_exits_on_every_rank(tmp_path, args, key):
     assert sorted(line.split(']')[0] for line in lines) == ['[rank 0', '[rank 1'], proc.stderr
     assert all(key in line for line in lines), lines
     assert not (tmp_path / 'log.jsonl').exists()
+
+
+def test_bf16_formula_is_what_ring_and_ulysses_send(tmp_path):
+    """Under bf16 autocast the ring's keys and values travel in bf16 and their gradients (dK, dV, accumulated in
+    fp32) in fp32; Ulysses' q, k, v, output and their gradients all in bf16. The bytes the Comm counted in a
+    real cp=2 run are the formula's with bytes_per_elem=2 (not its all-fp32 count)."""
+    L, s, b, cp = 2, 16, 4, 2
+    for attention in ('ring', 'ulysses'):
+        out = tmp_path / attention
+        check(run_script('context_parallel.py', TINY + LLAMA + [
+            '--dtype=bfloat16', '--cp=2', f'--cp_attention={attention}', '--max_iters=1', '--eval_interval=100',
+            '--gradient_accumulation_steps=1', '--always_save_checkpoint=False', f'--out_dir={out}'], nproc=2))
+        rows = [r for r in read_log(out) if 'rank' in r]
+        assert len(rows) == 2
+        args = (s, b, 4, 2, 8, cp, attention)  # LLAMA: 4 heads, 2 kv heads of 32 / 4 = 8
+        formula = L * formulas.cp_comm_bytes_formula(*args, bytes_per_elem=2)
+        for r in rows:
+            assert r['cp_attention_bytes'] == formula == r['cp_attention_bytes_formula'], (r, formula)
+            if attention == 'ring':  # by kind: a kv block is 2 x 32 tokens x 2 heads x 8 = 1024 elements
+                kinds = r['collective_bytes_by_kind']
+                assert kinds['cp kv'] == L * 2 * (cp - 1) * 1024 * 2 and kinds['cp dkv'] == L * cp * 1024 * 4, r
+        assert formula != L * formulas.cp_comm_bytes_formula(*args, bytes_per_elem=4)
