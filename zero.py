@@ -183,6 +183,57 @@ class ShardedAdamW:
 
 
 # -----------------------------------------------------------------------------
+# The all-gather, written with point-to-point calls. gloo's all-gather (all_gather_into_tensor, or all_gather into
+# a list) receives into a full-size temporary of its own and then copies it out: with a 50 MB block that is 50 MB
+# more at the peak, per gather in flight. Its send and recv use the tensor's own memory, so here each rank sends
+# its chunk straight to every other rank and receives theirs straight into their slots of `full`: the same bytes
+# on the wire as a ring ((N-1)/N of full per rank), every transfer posted at once, and nothing allocated.
+
+
+class Works:
+    """The sends and receives of one all-gather: wait() waits for all of them (as a collective's work does)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+def all_gather_direct(comm, full, shard, tag):
+    """full (contiguous, N equal chunks) = every rank's shard in rank order, asynchronously: returns a Works.
+    tag keeps apart the gathers in flight at once (a bucket's index: one gather per bucket at a time)."""
+    if comm.size == 1:
+        full.copy_(shard)
+        return None
+    comm.count('all_gather', full)  # counted as the all-gather it is (the ring formula's bytes: see above)
+    chunks = full.chunk(comm.size)
+    if chunks[comm.rank].data_ptr() != shard.data_ptr():  # (stages 1-2: the chunk is already in place)
+        chunks[comm.rank].copy_(shard)
+    works = []
+    for peer in range(comm.size):
+        if peer != comm.rank:
+            peer_rank = comm.global_rank(peer)
+            works.append(torch.distributed.isend(shard, peer_rank, group=comm.group, tag=tag))
+            works.append(torch.distributed.irecv(chunks[peer], peer_rank, group=comm.group, tag=tag))
+    return Works(works)
+
+
+def reduce_scatter_of(comm, full):
+    """This rank's chunk of the sum over ranks of full (N equal chunks), asynchronously: returns (work, chunk).
+    gloo's reduce-scatter is an all-reduce of a full-size clone of its input, then a copy of the chunk out. full
+    is thrown away after this, so on gloo it is all-reduced in place and the chunk is a view of it: the bytes gloo
+    sends anyway, and no temporary. Other backends (NCCL) have a true reduce-scatter, which sends half as much."""
+    if comm.size > 1 and torch.distributed.get_backend(comm.group) == 'gloo':
+        comm.count('reduce_scatter', full)  # counted as the reduce-scatter the algorithm asks for
+        work = torch.distributed.all_reduce(full, group=comm.group, async_op=True)
+        return work, full.chunk(comm.size)[comm.rank]
+    out = torch.empty(full.numel() // comm.size, dtype=full.dtype, device=full.device)
+    return comm.reduce_scatter(out, full, async_op=True), out
+
+
+# -----------------------------------------------------------------------------
 # What each stage does. reduce_stage_S: a bucket whose gradients backward has all produced. publish_stage_S:
 # after this rank's AdamW step on its chunk, the parameters the model computes with.
 
@@ -209,9 +260,9 @@ def reduce_stage_2(z, b):
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
     b.filling = None  # (zeros: a bucket whose parameters got no gradient)
     full.div_(z.world_size)
-    out = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
-    z.in_flight.append((None, full, out, b))  # listed before the call, so a memory sample taken there sees them
-    z.in_flight[-1] = (z.comm.reduce_scatter(out, full, async_op=True), full, out, b)
+    z.in_flight.append((None, full, None, b))  # listed before the call, so a memory sample taken there sees it
+    work, out = reduce_scatter_of(z.comm, full)  # out: this rank's chunk of the sum (on gloo, a view of full)
+    z.in_flight[-1] = (work, full, out, b)
 
 
 def reduce_stage_3(z, b):
@@ -267,7 +318,7 @@ def start_gather(z, b):
         return
     b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
     # write through .data: the gather is not an autograd in-place op on the views saved for backward
-    b.gathering = z.comm.all_gather(b.flat.data, b.shard, async_op=True)
+    b.gathering = all_gather_direct(z.comm, b.flat.data, b.shard, tag=z.buckets.index(b))
 
 
 def gather(z, b):
@@ -350,12 +401,30 @@ def install_stage_3_hooks(z, model):
 # The engine: buckets, the hooks that reduce gradients as backward produces them, the step
 
 
+def return_freed_buffers_to_the_os(threshold=1 << 20):
+    """glibc's malloc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap, and free gives it back
+    to the OS. But the threshold is dynamic: each such block freed raises it to the block's size (up to 32 MB), and
+    from then on blocks under it come from the heap, whose freed pages stay resident. ZeRO frees and reallocates
+    block-sized buffers all through a step (gathered parameters, gradient buckets, autograd's gradients), so the
+    heap grew step after step: with 4 ranks on a 100 MB model the resident peak rose 2.0-2.4x what the rank's
+    tensors were. A fixed threshold turns the dynamic one off: buffers of 1 MB or more are mapped and unmapped
+    with their tensors, smaller ones (most activations of a small model) stay on the fast heap."""
+    import ctypes  # (here, not at the top: only glibc has mallopt)
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+    except OSError:
+        return  # not glibc (macOS, musl): their allocators do not keep a dynamic threshold
+    M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+    libc.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
 class Zero:
     """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ between stages."""
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
                  device=None, offload=False, prefetch_blocks=0):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
+        return_freed_buffers_to_the_os()
         self.prefetch_blocks = prefetch_blocks
         self.dtype, self.device = dtype, device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
@@ -384,6 +453,8 @@ class Zero:
         if self.stage >= 2:  # into the bucket's buffer, and freed at once: no full-size gradients outside it
             if b.filling is None:
                 b.filling = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
+                if self.comm.observe is not None:  # a measured step: sampled here too, as the step's peak is
+                    self.comm.observe()  # here, with the bucket before still in flight, not at a collective
             b.views(b.filling)[i].copy_(p.grad)
             p.grad = None
         # reduce in bucket order (a bucket may fill early; the collectives must match across ranks)
