@@ -14,6 +14,7 @@ or counter).
 
 import os
 import statistics
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -302,10 +303,9 @@ def interleaved_1f1b(stage, m, idx, targets, loss_scale):
     """Megatron's interleaved 1F1B (Narayanan et al. 2021). Each stage holds v chunks of layers; chunk c of
     stage r is virtual stage c·p + r, so a microbatch goes around the ring of stages v times. The k-th
     forward of a stage works on chunk (k mod p·v) // p and microbatch (k // p·v)·p + k mod p: groups of p
-    microbatches through one chunk, then the next chunk (the k-th backward: chunk v-1 minus that). Warm-up
-    is 2(p-r-1) + (v-1)·p forwards, then one forward one backward, then the remaining backwards; every
-    exchange posts the sends and receives of that moment together, and received tensors wait in a queue per
-    chunk until their forward or backward comes. The bubble shrinks v times."""
+    microbatches through one chunk, then the next (the k-th backward: chunk v-1 minus that). Warm-up is
+    2(p-r-1) + (v-1)·p forwards, then 1F1B, then the rest of the backwards; received tensors wait in a queue
+    per chunk until their forward or backward comes. The bubble shrinks v times."""
     p, v, r = stage.pp, len(stage.chunks), stage.index
     total, warmup = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
     inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # received, waiting for their F / B
@@ -324,8 +324,7 @@ def interleaved_1f1b(stage, m, idx, targets, loss_scale):
         dy = None if r == p - 1 and c == v - 1 else grads[c].pop(0)
         return backward_step(stage, ((k // (p * v)) * p + k % p, c), dy, c)
 
-    if r != 0:
-        inputs[0].append(communicate(stage, recv_prev=True)[0])
+    inputs[0] += [communicate(stage, recv_prev=True)[0]] if r != 0 else []
     for k in range(warmup):  # warm-up: forwards only (the last one also receives the first gradient)
         y = forward(k)
         recv_prev = not (r == 0 and chunk_of(k + 1) == 0) and k != total - 1
@@ -603,15 +602,13 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
     comms, first_iter, wire = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter()
-    writer = CheckpointWriter()  # every stage writes its file in the background
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
+    writer, profiler = CheckpointWriter(), StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)
     logger = StepLogger(cfg, flops, n_devices=world_size)
     while True:
         lr = get_lr(iter_num, cfg)
         set_lr(optimizer, lr)
         if should_evaluate(iter_num, cfg):  # evaluate; save the state from which iteration iter_num starts
-            loss_of = lambda x, y: forward_loss(stage, x, y)  # noqa: E731
-            losses = evaluate(loss_of, stage.model, data, cfg, iter_num, lr, dp)
+            losses = evaluate(partial(forward_loss, stage), stage.model, data, cfg, iter_num, lr, dp)
             if should_save(iter_num, losses['val'], best_val_loss, cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg)
@@ -631,9 +628,8 @@ def main(argv):
     profiler.stop()
     writer.wait()
     if rank == 0:
-        print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (one per stage: resume; python consolidate.py "
-                                        f"{cfg.out_dir} makes one ckpt.pt)",
-                           "schedule_trace.json (the last measured schedule)", *profiled(cfg)))
+        print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (resume; python consolidate.py {cfg.out_dir}: one "
+                           "ckpt.pt)", "schedule_trace.json (the last measured schedule)", *profiled(cfg)))
     finish_distributed(cfg)
 
 
