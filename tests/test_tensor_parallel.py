@@ -1,6 +1,7 @@
 """tensor_parallel.py against the dense model (logits, loss, every re-assembled gradient), against PyTorch's own
 tensor parallelism (DTensor ColwiseParallel/RowwiseParallel), against train.py's loss curve (dp x tp, tp=4 with
 sequence parallelism, consolidate-and-continue, resume) and against its own formulas."""
+import contextlib
 import copy
 import shutil
 from types import SimpleNamespace
@@ -117,17 +118,16 @@ def _against_dtensor(rank, world_size):
             plan = {'0': ColwiseParallel(), '2': RowwiseParallel()}
         parallelize_module(ref, mesh, plan)
         tp = tpm.TensorParallel(g, sp)
-        col = tpm.ColumnParallelLinear(tpm.take_slice(dense[0].weight.detach(), 'col', g).clone(),
-                                       tpm.take_slice(dense[0].bias.detach(), 'col', g).clone())
-        row = tpm.RowParallelLinear(tpm.take_slice(dense[2].weight.detach(), 'row', g).clone(),
-                                    nn.Parameter(dense[2].bias.detach().clone()), tp)
+        cut = lambda t, kind: nn.Parameter(tpm.take_slice(t.detach(), kind, g).clone())
+        col = tpm.ColumnParallelLinear(cut(dense[0].weight, 'col'), cut(dense[0].bias, 'col'))
+        row = tpm.RowParallelLinear(cut(dense[2].weight, 'row'), cut(dense[2].bias, 'replicated'), tp)
         gen = torch.Generator().manual_seed(2)
         x = torch.randn(3, 8, 16, generator=gen)
         if sp:
             x = x.tensor_split(world_size, dim=1)[rank]
         x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_ref = ref(x_ref)
-        y_ours = row(F.gelu(col(tpm.enter_tp_region(x_ours, tp))))
+        y_ours = row(F.gelu(col(tp.enter(x_ours))))
         w = torch.randn(y_ref.shape, generator=gen)
         (y_ref * w).sum().backward()
         (y_ours * w).sum().backward()
@@ -169,21 +169,93 @@ def _dropout_checks(rank, world_size):
     return seen['attn'].numpy(), seen['block'].numpy(), torch.rand(4).numpy()  # (tensors die with the process)
 
 
-def _all_checks(rank, world_size):
-    return _against_dense(rank, world_size), _against_dtensor(rank, world_size), _dropout_checks(rank, world_size)
+def _measuring_calls(rank, world_size, out_dir):
+    """dp=2 x tp=2 with sequence parallelism, dropout and clipping: the calls of one step as main() runs it (inside
+    tensor_parallel.measuring), unmeasured (iteration 1 of a run that started at 0), then measured (iteration 0).
+    Counted: every collective handed to a Comm, every collective torch.distributed made, and every call that
+    exists only to measure (barrier, all_gather_object, device synchronize, clock, saved-tensor hooks)."""
+    import time
+    from collections import Counter
+    from unittest import mock
+    import torch.distributed as dist
+    import distributed
+    import tensor_parallel as tpm
+    from model import GPT, GPTConfig
+    _, _, comms = distributed.process_grid(world_size, rank, dp=2, tp=2)
+    tp, dp = tpm.TensorParallel(comms['tp'], True), comms['dp']
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dict(LAYOUTS['gpt2'], dropout=0.1)))
+    layout = tpm.shard_gpt(model, tp)
+    tpm.give_tp_ranks_their_dropout(model, tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = SimpleNamespace(measure_every=0, device='cpu', block_size=16, batch_size=2, dtype='float32',
+                          sequence_parallel=True, gradient_accumulation_steps=4, out_dir=out_dir)
+    gen = torch.Generator().manual_seed(rank // 2)  # the tp ranks of a replica share its batches
+    batches = [(torch.randint(0, 96, (2, 16), generator=gen), torch.randint(0, 96, (2, 16), generator=gen))
+               for _ in range(2)]
+    calls = Counter()
+
+    def counted(name, f):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        return wrapper
+
+    count = distributed.Comm.count
+    patches = [mock.patch.object(distributed.Comm, 'count', lambda self, kind, *a, **k: (
+        calls.update([f'comm {self.name} {kind}']), count(self, kind, *a, **k))[1])]
+    patches += [mock.patch.object(m, n, counted(label, getattr(m, n))) for m, n, label in (
+        (dist, 'all_reduce', 'dist collective'), (distributed, 'all_gather_single', 'dist collective'),
+        (distributed, 'reduce_scatter_single', 'dist collective'), (dist, 'barrier', 'barrier'),
+        (dist, 'all_gather_object', 'all_gather_object'), (torch.cuda, 'synchronize', 'synchronize'),
+        (time, 'perf_counter', 'clock'), (time, 'time', 'clock'), (tpm, 'saved_bytes_counter', 'saved-tensor hooks'))]
+    seen = {}
+    for iter_num in (1, 0):
+        calls.clear()
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            with tpm.measuring(iter_num, 0, cfg, model, layout, tp, dp, contextlib.nullcontext(), batches[0][0]):
+                tpm.train_step(model, optimizer, batches, contextlib.nullcontext(), 1.0, tp, dp, layout)
+        seen[iter_num] = dict(calls)
+    return seen
+
+
+def _all_checks(rank, world_size, out_dir):
+    return (_against_dense(rank, world_size), _against_dtensor(rank, world_size), _dropout_checks(rank, world_size),
+            _measuring_calls(rank, world_size, out_dir))
 
 
 @pytest.fixture(scope='module')
-def spawned():
+def spawned(tmp_path_factory):
     """One spawn of 4 gloo processes runs every in-process check (the start-up is the slow part)."""
-    return spawn(_all_checks, 4)
+    return spawn(_all_checks, 4, str(tmp_path_factory.mktemp('measured')))
+
+
+def test_an_unmeasured_step_makes_no_measuring_call(spawned):
+    """Measuring off the hot path: a step that measured_step does not name runs no barrier, all_gather_object,
+    synchronize, clock or saved-tensor hook, and no collective but the algorithm's, each through its Comm: per
+    micro-batch SP's all-gathers and reduce-scatters and the vocabulary-parallel loss's all-reduces, then the
+    replicated gradients' all-reduce over tp, the gradients' over dp, the clip's and the loss's scalars. The
+    measured step makes those measuring calls (so the patches do see them)."""
+    for rank, (*_, seen) in enumerate(spawned):
+        unmeasured, measured = seen[1], seen[0]
+        comm_calls = sum(n for k, n in unmeasured.items() if k.startswith('comm '))
+        assert unmeasured.get('dist collective') == comm_calls, (rank, unmeasured)
+        assert {k for k in unmeasured if k.startswith('comm ')} == {
+            'comm tp all_gather', 'comm tp reduce_scatter', 'comm tp all_reduce', 'comm tp grad_all_reduce',
+            'comm tp scalars', 'comm dp all_reduce', 'comm dp scalars'}, (rank, unmeasured)
+        assert set(unmeasured) == {k for k in unmeasured if k.startswith('comm ')} | {'dist collective'}, \
+            (rank, unmeasured)
+        assert measured['barrier'] >= 2 and measured['all_gather_object'] >= 1, (rank, measured)
+        assert measured['saved-tensor hooks'] == 1, (rank, measured)
 
 
 @pytest.mark.parametrize('layout', list(LAYOUTS))
 @pytest.mark.parametrize('t', [1, 2, 4])
 @pytest.mark.parametrize('sp', [False, True])
 def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t, sp):
-    for rank, (dense, _, _) in enumerate(spawned):
+    for rank, (dense, *_) in enumerate(spawned):
         r = dense[(layout, t, sp)]
         assert r['covered'], "the shard layout must cover every dense parameter"
         assert r['logits_err'] < TOL and r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)
@@ -201,13 +273,13 @@ def test_a_sharded_model_refuses_the_dense_forward():
 
 
 def test_a_tp_layer_equals_dtensor_colwise_rowwise(spawned):
-    for rank, (_, errors, _) in enumerate(spawned):
+    for rank, (_, errors, *_) in enumerate(spawned):
         assert errors[False] < TOL, f"plain TP vs DTensor, rank {rank}: {errors[False]}"
         assert errors[True] < TOL, f"sequence parallel vs DTensor (Shard(1)), rank {rank}: {errors[True]}"
 
 
 def test_measured_bytes_against_the_formulas(spawned):
-    for rank, (dense, _, _) in enumerate(spawned):
+    for rank, (dense, *_) in enumerate(spawned):
         for (layout, t, sp), r in dense.items():
             # bytes sent, counted at the calls: exactly 2 all-reduces per block forward and 2 backward (or their
             # all-gather + reduce-scatter), plus the embedding, head and cross-entropy
@@ -249,7 +321,8 @@ def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path, tmp_path_factor
     tp_dir, full = tmp_path / 'tp', tmp_path / 'full'
     want = train_losses(train_py_reference(FLAGS, tmp_path_factory))
     # dp=2 x tp=2: the first 2 iterations, one checkpoint per rank; consolidated offline into a train.py ckpt.pt
-    check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
+    proc = check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
+    assert 'wire bytes, rank 3' in proc.stdout and 'reduce-scatter' not in proc.stdout  # no SP: no SP note
     check(run_script('consolidate.py', [str(tp_dir)]))
     import tensor_parallel as tpm  # its own join of its own files: the same checkpoint as consolidate.py writes
     assert_same_checkpoint(tpm.consolidate(str(tp_dir)), str(tp_dir / 'ckpt.pt'), atol=0)
@@ -283,11 +356,12 @@ def test_resume_with_dropout_is_exact(tmp_path):
 
 def test_llama_gqa_tp4_sequence_parallel_matches_train_py(tmp_path, tmp_path_factory):
     tp_dir, ref = tmp_path / 'tp', train_py_reference(FLAGS + LLAMA, tmp_path_factory)
-    check(run_script('tensor_parallel.py', FLAGS + LLAMA + ['--tp=4', '--sequence_parallel=True',
+    check(run_script('tensor_parallel.py', FLAGS + LLAMA + ['--tp=4', '--sequence_parallel=True', '--measure_every=3',
                                                             f'--out_dir={tp_dir}'], nproc=4))
     assert_same_losses(train_losses(tp_dir), train_losses(ref), range(4))
-    rows = [r for r in read_log(tp_dir) if 'rank' in r]
-    assert sorted(r['rank'] for r in rows) == [0, 1, 2, 3] and all(r['sequence_parallel'] for r in rows)
+    rows = [r for r in read_log(tp_dir) if 'rank' in r]  # measured: the first step and every 3rd
+    assert sorted((r['iter'], r['rank']) for r in rows) == [(i, r) for i in (0, 3) for r in range(4)]
+    assert all(r['sequence_parallel'] for r in rows)
     assert all(r['tp_activation_wire_bytes_formula'] == pytest.approx(r['tp_comm_bytes_formula']) for r in rows)
 
 
@@ -296,9 +370,12 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
     interface's counter against what gloo sends for the calls counted. gloo's reduce-scatter is an all-reduce,
     so SP's all-gather + reduce-scatter pair puts 3(t-1)/t of the tensor on the wire where the ring formula
     says 2(t-1)/t."""
-    check(run_script('tensor_parallel.py', TINY + ['--n_embd=256', '--block_size=64', '--batch_size=8', '--tp=2',
-                                                   '--sequence_parallel=True', '--max_iters=1', '--eval_interval=1',
-                                                   f'--out_dir={tmp_path}'], nproc=2))
+    with LoopbackFlood() as flood:  # other traffic on the machine: each rank counts only its own sockets
+        proc = check(run_script('tensor_parallel.py', TINY + [
+            '--n_embd=256', '--block_size=64', '--batch_size=8', '--tp=2', '--sequence_parallel=True', '--max_iters=1',
+            '--eval_interval=1', f'--out_dir={tmp_path}'], nproc=2))
+    assert flood.sent > 0
+    assert "gloo's reduce-scatter (sequence parallelism's) is an all-reduce" in proc.stdout, proc.stdout[-3000:]
     n = 2
     for r in [r for r in read_log(tmp_path) if 'rank' in r]:
         gloo = sum(v * ((n - 1) / n if k.endswith('all_gather') else 2 * (n - 1) / n)
