@@ -1,8 +1,9 @@
 """
 The GPT, and only the GPT: GPT-2's layout by default (learned positions, LayerNorm, GELU MLP, tied embeddings),
-with LLaMA-style options in the same classes (norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head for
-grouped-query attention, tie_embeddings=False); its initialization (also on the meta device, for the sharded
-scripts to fill their share with train.py's exact values); and Hugging Face's GPT-2 and LLaMA weights in and out.
+with LLaMA-style options (norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head for grouped-query attention,
+tie_embeddings=False) and a mixture of experts (n_expert) in the same classes; its initialization (also on the
+meta device, for the sharded scripts to fill their share with train.py's exact values); and Hugging Face's
+GPT-2, LLaMA and Mixtral weights in and out.
 
 The training scripts share the rest from a few helper files: training.py (config, data, LR, evaluation,
 logging), checkpoints.py (atomic checkpoints, resume, random streams), distributed.py (process groups and the
@@ -45,6 +46,11 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
+    n_expert: int = 0           # experts per MoE layer (mixture of experts in place of the MLP); 0: dense
+    n_expert_active: int = 2    # top-k: the experts each token goes through
+    n_shared_expert: int = 0    # 1: an always-on expert beside the routed ones (DeepSeek, Qwen-MoE)
+    moe_every: int = 1          # MoE in every moe_every-th block (the moe_every-th, 2*moe_every-th, ...)
+    aux_loss_weight: float = 0.01  # the weight of the MoE load-balancing loss added to the training loss
 
     def __post_init__(self):
         for name in ('n_kv_head', 'n_hidden'):
@@ -64,10 +70,17 @@ class GPTConfig:
             (self.n_head % self.n_kv_head == 0,
              f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"),
             (self.pos != 'rope' or (self.n_embd // self.n_head) % 2 == 0, "rope needs an even head size"),
+            (self.n_expert >= 0 and self.n_shared_expert in (0, 1) and self.moe_every >= 1,
+             "n_expert must be >= 0, n_shared_expert 0 or 1, moe_every >= 1"),
+            (self.n_expert == 0 or 1 <= self.n_expert_active <= self.n_expert,
+             f"n_expert_active (top-k, {self.n_expert_active}) must be 1 to n_expert ({self.n_expert})"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def is_moe(self, layer):
+        return self.n_expert > 0 and (layer + 1) % self.moe_every == 0
 
 
 class LayerNorm(nn.Module):
@@ -187,15 +200,63 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(h))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: a router picks each token's top-k of n_expert experts (each
+    the model's own MLP), whose outputs it sums by the router's weights (plus an always-on shared expert's).
+    The steps are named for expert parallelism, which replaces experts_forward: dispatch, compute, combine."""
 
     def __init__(self, config):
+        super().__init__()
+        self.n_expert, self.k = config.n_expert, config.n_expert_active
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList([MLP(config) for _ in range(config.n_expert)])  # (a rank may hold some)
+        self.shared_expert = MLP(config) if config.n_shared_expert else None
+        self.aux_loss = self.tokens_per_expert = None  # of the last forward: for the loss and the log
+
+    def route(self, x):
+        """x (N, C) -> each token's k experts (N, k), their weights (N, k), and the aux stats: the load-
+        balancing loss (Switch/GShard: n_expert * sum_e f_e * P_e, f_e the fraction of token-slots sent to e,
+        P_e its mean router probability; 1 balanced, n_expert if all go to one) and the tokens per expert."""
+        probs = F.softmax(self.router(x).float(), dim=-1)  # over all experts, in fp32 as Mixtral
+        weights, index = probs.topk(self.k, dim=-1)
+        # renormalized over the k to sum to 1, as Mixtral: a dense MLP's scale whatever the softmax's spread
+        # (with k=1 the weight is then 1, and only the aux loss trains the router)
+        weights = weights / weights.sum(-1, keepdim=True)
+        counts = torch.bincount(index.flatten(), minlength=self.n_expert)
+        aux = self.n_expert * (counts / index.numel() * probs.mean(0)).sum()
+        return index, weights.type_as(x), (aux, counts)
+
+    def experts_forward(self, x, index, weights):
+        """Every token x (N, C) through its k experts index (N, k), summed by weights (N, k). Dropless (no
+        capacity factor, whatever the load): no token's output depends on the others, nor on a run's split."""
+        order = index.flatten().argsort(stable=True)  # the token-slots (t*k + j) by expert, in token order
+        rows = x[order // self.k].split(torch.bincount(index.flatten(), minlength=self.n_expert).tolist())
+        return combine(torch.cat([expert(r) for expert, r in zip(self.experts, rows)]), order, weights)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.size(-1))  # (B*T, C): routing is per token
+        index, weights, (self.aux_loss, self.tokens_per_expert) = self.route(flat)
+        y = self.experts_forward(flat, index, weights)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
+        return y.view_as(x)
+
+
+def combine(out, order, weights):
+    """The experts' outputs (rows in `order`) back to (token, slot), each token's k summed by its weights."""
+    slots = torch.empty_like(out).index_copy(0, order, out).view(*weights.shape, -1)
+    return (slots * weights.unsqueeze(-1)).sum(1)  # in slot order: the same sum wherever the experts ran
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)) (the mlp a MoE if moe)."""
+
+    def __init__(self, config, moe=False):
         super().__init__()
         self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if moe else MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -212,7 +273,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos == 'learned' else None,
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, config.is_moe(i)) for i in range(config.n_layer)]),
             ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -232,12 +293,16 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def get_num_params(self, non_embedding=True):
+    def get_num_params(self, non_embedding=True, active=False):
         """Parameter count; by default without the position embeddings (the token embeddings count, since they
-        are tied to the head and so do the head's FLOPs)."""
+        are tied to the head and so do the head's FLOPs). active: only those one token multiplies: k of each
+        MoE layer's n_expert experts (of a whole model: a rank that holds some experts counts too few)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and self.transformer.wpe is not None:
             n -= self.transformer.wpe.weight.numel()
+        if active:
+            n -= sum((m.n_expert - m.k) * sum(p.numel() for p in m.experts[0].parameters())
+                     for m in self.modules() if isinstance(m, MoE))
         return n
 
     # forward is three pieces so that the pipeline can run them on different stages
@@ -267,21 +332,27 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.transformer.h:
             x = self.run_block(block, x)
-        return self.head(x, targets)
+        logits, loss = self.head(x, targets)
+        moe = [block.mlp for block in self.transformer.h if isinstance(block.mlp, MoE)]
+        if moe:  # the MoE layers' mean load-balancing loss, kept (with their tokens per expert) for the log
+            aux = sum(m.aux_loss for m in moe) / len(moe)
+            self.aux_loss = aux.detach()
+            self.tokens_per_expert = torch.stack([m.tokens_per_expert for m in moe])  # (MoE layers, n_expert)
+            loss = None if loss is None else loss + self.config.aux_loss_weight * aux
+        return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only, never on biases or norms.
         The two groups, in this order, are what every script's optimizer (and ZeRO's hand-written one) uses."""
-        groups = param_groups(self, weight_decay)
-        fused = device_type == 'cuda'
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        return torch.optim.AdamW(param_groups(self, weight_decay), lr=learning_rate, betas=betas,
+                                 fused=device_type == 'cuda')
 
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token of sequences of seq_len (the run's block_size; default the model's): 6N for
         the N weights that multiply (forward 2N, backward 4N) plus attention's 12*L*d*s (PaLM's appendix B).
         The token embedding multiplies only as the tied head: untied, it is a lookup, and so is wpe."""
         cfg = self.config
-        n_matmul = self.get_num_params()
+        n_matmul = self.get_num_params(active=True)  # a MoE's router, shared expert and k of its experts
         if not cfg.tie_embeddings:
             n_matmul -= self.transformer.wte.weight.numel()
         return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * (seq_len or cfg.block_size)
@@ -290,59 +361,34 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample max_new_tokens tokens after idx (B, T), one at a time."""
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
+            logits, _ = self(idx[:, -self.config.block_size:])
             logits = logits[:, -1, :] / max(temperature, 1e-8)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('inf')
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)), dim=1)
         return idx
 
     @classmethod
     def from_hf(cls, hf_model, **overrides):
-        """A GPT whose logits match a Hugging Face GPT2LMHeadModel or LlamaForCausalLM to float precision.
+        """A GPT whose logits match a Hugging Face GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM.
         overrides sets GPTConfig fields that do not change the weights (dropout, activation_checkpointing).
         GPT-2's GELU is its tanh approximation ('gelu_new'): gelu='tanh' here."""
         hf_cfg, sd_hf = hf_model.config, hf_model.state_dict()
         if hf_cfg.model_type == 'gpt2':
             model = cls(gpt2_config(hf_cfg, **overrides))
-            sd = model.state_dict()
-            with torch.no_grad():
-                for name, values in gpt2_tensors(sd_hf.items(), model.config):
-                    sd[name].copy_(values)
-            return model
-        if hf_cfg.model_type == 'llama':
-            n_kv = getattr(hf_cfg, 'num_key_value_heads', None) or hf_cfg.num_attention_heads
-            bias = bool(getattr(hf_cfg, 'attention_bias', False) or getattr(hf_cfg, 'mlp_bias', False))
-            config = GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
-                               n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
-                               n_embd=hf_cfg.hidden_size, n_kv_head=n_kv, n_hidden=hf_cfg.intermediate_size,
-                               bias=bias, norm='rmsnorm', mlp='swiglu', pos='rope',
-                               tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', False)),
-                               norm_eps=hf_cfg.rms_norm_eps, rope_theta=hf_rope_theta(hf_cfg),
-                               **{'dropout': 0.0, **overrides})
-            model = cls(config)
-            sd = model.state_dict()
-            sd_hf = dict(sd_hf)
-            sd_hf.setdefault('lm_head.weight', sd_hf['model.embed_tokens.weight'])  # tied: stored once
-            with torch.no_grad():
-                for theirs, mine in llama_names(config).items():
-                    if mine in sd and theirs in sd_hf:
-                        sd[mine].copy_(sd_hf[theirs])
-                    elif mine in sd:  # a bias Hugging Face's model lacks (attention_bias xor mlp_bias): zero
-                        sd[mine].zero_()
-                for i in range(config.n_layer):
-                    for suffix in ('weight', 'bias'):
-                        qkv = [sd_hf.get(f'model.layers.{i}.self_attn.{p}_proj.{suffix}') for p in 'qkv']
-                        target = sd.get(f'transformer.h.{i}.attn.c_attn.{suffix}')
-                        if target is not None and qkv[0] is not None:
-                            target.copy_(torch.cat(qkv))
-                        elif target is not None:
-                            target.zero_()
-            return model
-        raise ValueError(f"from_hf supports gpt2 and llama models, not {hf_cfg.model_type!r}")
+            pairs = ((name, ..., values) for name, values in gpt2_tensors(sd_hf.items(), model.config))
+        elif hf_cfg.model_type in ('llama', 'mixtral'):
+            model = cls(llama_config(hf_cfg, **overrides))
+            pairs = llama_pairs(sd_hf, model.config)
+        else:
+            raise ValueError(f"from_hf supports gpt2, llama and mixtral models, not {hf_cfg.model_type!r}")
+        sd = model.state_dict()
+        with torch.no_grad():
+            for mine, rows, theirs in pairs:
+                if mine in sd:  # (theirs None: a bias their model lacks, attention_bias xor mlp_bias: zero)
+                    sd[mine][rows].zero_() if theirs is None else sd[mine][rows].copy_(theirs)
+        return model
 
     def to_hf(self):
         """This GPT as a Hugging Face transformers model with the same logits (see model.to_hf)."""
@@ -445,16 +491,11 @@ def init_params(config, seed, keep):
     for name, p in skeleton.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     for i, module in enumerate(leaves):
-        for attr, p in module.named_parameters(recurse=False):
+        for attr, p in module.named_parameters(recurse=False):  # _init_weights redraws Linear, Embedding
             holder[(i, attr)] = id(p)
-            last_write[id(p)] = ('construct', i)
-    for i, module in enumerate(leaves):
-        if isinstance(module, (nn.Linear, nn.Embedding)):  # what _init_weights draws again
-            for attr, p in module.named_parameters(recurse=False):
-                last_write[id(p)] = ('init', i)
+            last_write[id(p)] = ('init' if isinstance(module, (nn.Linear, nn.Embedding)) else 'construct', i)
     scaled = [(id(p), p.shape) for name, p in skeleton.named_parameters() if name.endswith('c_proj.weight')]
-    for pid, _ in scaled:
-        last_write[pid] = ('scale', pid)
+    last_write.update({pid: ('scale', pid) for pid, _ in scaled})
 
     # one module's parameters at a time, drawn into one scratch buffer (reused: the allocator never fragments)
     scratch = torch.empty(max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves))
@@ -507,75 +548,89 @@ def materialize(model, device):
     return model
 
 
-def hf_rope_theta(hf_cfg):
-    """The rotary base of a Hugging Face Llama config (transformers 5 keeps it in rope_parameters)."""
-    theta = getattr(hf_cfg, 'rope_theta', None)
-    return float(theta if theta is not None else (getattr(hf_cfg, 'rope_parameters', None) or {}).get('rope_theta',
-                                                                                                      10000.0))
+def llama_config(hf_cfg, **overrides):
+    """The GPTConfig of a Hugging Face Llama or Mixtral config."""
+    moe = dict(n_expert=hf_cfg.num_local_experts, n_expert_active=hf_cfg.num_experts_per_tok,
+               aux_loss_weight=hf_cfg.router_aux_loss_coef) if hf_cfg.model_type == 'mixtral' else {}
+    theta = getattr(hf_cfg, 'rope_theta', None) or hf_cfg.rope_parameters['rope_theta']  # (transformers 5)
+    bias = getattr(hf_cfg, 'attention_bias', False) or getattr(hf_cfg, 'mlp_bias', False)
+    return GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
+                     n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
+                     n_embd=hf_cfg.hidden_size, n_hidden=hf_cfg.intermediate_size, bias=bool(bias),
+                     n_kv_head=getattr(hf_cfg, 'num_key_value_heads', None) or hf_cfg.num_attention_heads,
+                     norm='rmsnorm', mlp='swiglu', pos='rope',
+                     tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', False)),
+                     norm_eps=hf_cfg.rms_norm_eps, rope_theta=float(theta),
+                     **{'dropout': 0.0, **moe, **overrides})
 
 
-def llama_names(config):
-    """{Hugging Face Llama tensor name: ours}, for every tensor but q/k/v, which our c_attn holds end to end."""
-    names = {'model.embed_tokens.weight': 'transformer.wte.weight', 'model.norm.weight': 'transformer.ln_f.weight',
-             'lm_head.weight': 'lm_head.weight'}
+def llama_pairs(sd_hf, config):
+    """The table between our tensors and a Hugging Face Llama's or Mixtral's, read one way by from_hf and the
+    other by to_hf: (our name, our rows, their tensor: a view into sd_hf, None where theirs has no such bias),
+    for every name either model may have (the reader skips those ours lacks)."""
+    theirs = dict(sd_hf)
+    theirs.setdefault('lm_head.weight', theirs['model.embed_tokens.weight'])  # tied: stored once
+    names = [('transformer.wte', 'model.embed_tokens'), ('transformer.ln_f', 'model.norm'), ('lm_head',) * 2]
+    q, kv = config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
     for i in range(config.n_layer):
-        for theirs, mine in (('self_attn.o_proj', 'attn.c_proj'), ('mlp.gate_proj', 'mlp.c_gate'),
-                             ('mlp.up_proj', 'mlp.c_fc'), ('mlp.down_proj', 'mlp.c_proj'),
-                             ('input_layernorm', 'ln_1'), ('post_attention_layernorm', 'ln_2')):
-            for suffix in ('weight', 'bias'):
-                names[f'model.layers.{i}.{theirs}.{suffix}'] = f'transformer.h.{i}.{mine}.{suffix}'
-    return names
+        me, hf = f'transformer.h.{i}.', f'model.layers.{i}.'
+        names += [(me + a, hf + b) for a, b in (
+            ('attn.c_proj', 'self_attn.o_proj'), ('ln_1', 'input_layernorm'), ('mlp.c_fc', 'mlp.up_proj'),
+            ('ln_2', 'post_attention_layernorm'), ('mlp.c_gate', 'mlp.gate_proj'), ('mlp.router', 'mlp.gate'),
+            ('mlp.c_proj', 'mlp.down_proj'))]
+        for p, rows in zip('qkv', (slice(0, q), slice(q, q + kv), slice(q + kv, None))):  # c_attn: [q|k|v]
+            for w in ('weight', 'bias'):
+                yield f'{me}attn.c_attn.{w}', rows, theirs.get(f'{hf}self_attn.{p}_proj.{w}')
+        if config.is_moe(i):  # Mixtral's experts, fused (transformers 5): gate_up_proj (E, 2I, C) [gate; up]
+            gate_up, down = theirs[hf + 'mlp.experts.gate_up_proj'], theirs[hf + 'mlp.experts.down_proj']
+            for e in range(config.n_expert):
+                gate, up = gate_up[e].chunk(2)
+                for mine, t in (('c_gate', gate), ('c_fc', up), ('c_proj', down[e])):
+                    yield f'{me}mlp.experts.{e}.{mine}.weight', ..., t
+    for mine, hf in names:
+        for w in ('weight', 'bias'):
+            yield f'{mine}.{w}', ..., theirs.get(f'{hf}.{w}')
 
 
 def to_hf(model):
-    """The Hugging Face model with this GPT's weights and the same logits: GPT2LMHeadModel for the GPT-2 layout
-    (learned positions, LayerNorm, GELU MLP; biases the model lacks are zeros there), LlamaForCausalLM for the
-    LLaMA layout (RoPE, RMSNorm, SwiGLU, grouped-query attention). Then save_pretrained(DIR) makes a directory
-    that AutoModelForCausalLM.from_pretrained(DIR) loads. Needs transformers."""
+    """The Hugging Face model with this GPT's weights and the same logits: GPT2LMHeadModel for the GPT-2
+    layout (learned positions, LayerNorm, GELU MLP; biases the model lacks are zeros there), LlamaForCausalLM
+    for the LLaMA layout (RoPE, RMSNorm, SwiGLU, grouped-query attention), MixtralForCausalLM for it with
+    experts. save_pretrained(DIR) then makes a directory that AutoModelForCausalLM.from_pretrained loads."""
     try:
         import transformers
     except ImportError:
         raise SystemExit("error: exporting to Hugging Face needs transformers: pip install transformers")
     c, sd = model.config, {k: v.detach().cpu() for k, v in model.state_dict().items()}
     layout = (c.pos, c.norm, c.mlp)
-    if layout == ('learned', 'layernorm', 'gelu'):
-        if c.n_kv_head != c.n_head:
-            raise ValueError("GPT-2 has no grouped-query attention: n_kv_head must equal n_head to export")
+    mixtral = c.n_expert and c.moe_every == 1 and not c.n_shared_expert and not c.bias
+    if layout == ('learned', 'layernorm', 'gelu') and c.n_kv_head == c.n_head and not c.n_expert:
         hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
             n_inner=c.n_hidden, activation_function='gelu' if c.gelu == 'exact' else 'gelu_new',
             layer_norm_epsilon=c.norm_eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
             tie_word_embeddings=c.tie_embeddings, bos_token_id=0, eos_token_id=0))
-        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-        target = hf.state_dict()
-        with torch.no_grad():
-            for k, v in target.items():
-                if k in sd:
-                    v.copy_(sd[k].t() if k.endswith(transposed) else sd[k])
-                elif not k.endswith(('.attn.bias', '.attn.masked_bias')):
-                    v.zero_()  # a bias this model does not have (bias=False): zero is the same function
-        return hf
-    if layout == ('rope', 'rmsnorm', 'swiglu'):
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_hidden,
+        pairs = ((mine, ..., theirs) for mine, theirs in gpt2_tensors(hf.state_dict().items(), c))
+    elif layout == ('rope', 'rmsnorm', 'swiglu') and (mixtral or not c.n_expert):
+        common = dict(
+            vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_hidden, bos_token_id=0,
             num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-            max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-            attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout,
-            tie_word_embeddings=c.tie_embeddings, bos_token_id=0, eos_token_id=0))
-        hd = c.n_embd // c.n_head
-        target, names = hf.state_dict(), llama_names(c)
-        for i in range(c.n_layer):
-            for suffix in ('weight', 'bias'):
-                if f'transformer.h.{i}.attn.c_attn.{suffix}' in sd:
-                    parts = sd[f'transformer.h.{i}.attn.c_attn.{suffix}'].split([c.n_head * hd, c.n_kv_head * hd,
-                                                                                  c.n_kv_head * hd])
-                    sd.update({f'model.layers.{i}.self_attn.{p}_proj.{suffix}': t for p, t in zip('qkv', parts)})
-        with torch.no_grad():
-            for k, v in target.items():
-                v.copy_(sd[names.get(k, k)])
-        return hf
-    raise ValueError(f"to_hf exports the GPT-2 layout (learned, layernorm, gelu) or the LLaMA layout (rope, rmsnorm, "
-                     f"swiglu), not pos={c.pos}, norm={c.norm}, mlp={c.mlp}")
+            max_position_embeddings=c.block_size, rope_theta=c.rope_theta, attention_dropout=c.dropout,
+            rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, eos_token_id=0)
+        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_active,
+            router_aux_loss_coef=c.aux_loss_weight, **common)) if mixtral else transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(attention_bias=c.bias, mlp_bias=c.bias, **common))
+        pairs = llama_pairs(hf.state_dict(), c)
+    else:
+        raise ValueError(f"to_hf exports the GPT-2 layout (learned, layernorm, gelu; n_kv_head = n_head, "
+                         f"dense), LLaMA's (rope, rmsnorm, swiglu) or Mixtral's (LLaMA's, experts in every "
+                         f"block, none shared, no bias), not {c}")
+    with torch.no_grad():  # their tensors are views into hf's: writing them writes the model
+        for mine, rows, theirs in pairs:
+            if theirs is not None:  # (theirs has a bias this model lacks: zero, the same function)
+                theirs.copy_(sd[mine][rows]) if mine in sd else theirs.zero_()
+    return hf
 
 
 def param_groups(model, weight_decay):

@@ -258,3 +258,215 @@ def test_flops_per_token_equals_torch_s_count_of_a_training_step(layout):
         model(idx, idx)[1].backward()
     vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     assert model.flops_per_token(seq_len=12) - 6 * vectors == counter.get_total_flops() / idx.numel()
+
+
+# -----------------------------------------------------------------------------
+# Mixture of experts: dropless top-k routing, the load-balancing loss, against a dense block and Mixtral
+
+MOE_LAYOUTS = {
+    'llama_moe': dict(LLAMA_LAYOUT, n_expert=4, n_expert_active=2),  # Mixtral's layout
+    'gpt2_moe_shared_every_2nd': dict(GPT2_LAYOUT, n_expert=3, n_expert_active=2, n_shared_expert=1, moe_every=2),
+}
+
+
+def moe_layers(model):
+    from model import MoE
+    return [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoE)]
+
+
+@pytest.mark.parametrize('layout', MOE_LAYOUTS)
+def test_moe_is_dropless_every_token_reaches_its_k_experts(layout):
+    """tokens_per_expert sums to k x tokens in every MoE layer, and each token's output is, token by token, its
+    k experts' outputs weighted by the router's renormalized top-k probabilities (plus the shared expert's):
+    even with a router that sends every token to expert 0, no token is dropped or cut short."""
+    model = build(**MOE_LAYOUTS[layout]).eval()
+    k, E = model.config.n_expert_active, model.config.n_expert
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(9))
+    model(idx)
+    assert model.tokens_per_expert.shape == (len(moe_layers(model)), E)
+    assert model.tokens_per_expert.sum(-1).tolist() == [k * idx.numel()] * len(moe_layers(model))
+    layer = moe_layers(model)[0]
+    with torch.no_grad():
+        layer.router.weight[0] += 5.0  # x > 0 below: expert 0 is every token's first choice
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(10)).abs()
+    with torch.no_grad():
+        y = layer(x).view(-1, 32)
+        assert layer.tokens_per_expert.sum().item() == k * 32 and layer.tokens_per_expert[0] == 32
+        for t, xt in enumerate(x.view(-1, 32)):
+            probs = torch.softmax(layer.router(xt), -1)
+            top = probs.topk(k)
+            want = sum(w / top.values.sum() * layer.experts[e](xt) for w, e in zip(top.values, top.indices))
+            if layer.shared_expert is not None:
+                want = want + layer.shared_expert(xt)
+            torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_aux_loss_is_the_switch_formula():
+    """A known router: 4 experts, the router the identity times c, top-1, four tokens: e0, e0, e1, e2. Each
+    token's own expert has probability a = e^c / (e^c + 3), the others b = 1 / (e^c + 3); the slots go 2, 1, 1, 0
+    to the experts, so f = (1/2, 1/4, 1/4, 0) and P = ((2a + 2b) / 4, (a + 3b) / 4, (a + 3b) / 4, 4b / 4):
+    aux = 4 * sum f P. Then the model: its loss is cross-entropy + aux_loss_weight x the MoE layers' mean aux."""
+    from model import MoE
+    c = 2.0
+    layer = MoE(GPTConfig(n_embd=4, n_head=1, n_expert=4, n_expert_active=1, mlp='swiglu', bias=False))
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(4) * c)
+    x = torch.eye(4)[[0, 0, 1, 2]].view(1, 4, 4)
+    layer(x)
+    a, b = math.exp(c) / (math.exp(c) + 3), 1 / (math.exp(c) + 3)
+    f, P = [1 / 2, 1 / 4, 1 / 4, 0], [(2 * a + 2 * b) / 4, (a + 3 * b) / 4, (a + 3 * b) / 4, b]
+    assert layer.tokens_per_expert.tolist() == [2, 1, 1, 0]
+    assert layer.aux_loss.item() == pytest.approx(4 * sum(fe * pe for fe, pe in zip(f, P)), rel=1e-6)
+
+    model = build(**dict(MOE_LAYOUTS['llama_moe'], aux_loss_weight=0.25))
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(11))
+    logits, loss = model(idx, idx)
+    auxes, seen = [], saved_inputs(model, idx)
+    for m in moe_layers(model):  # each layer's aux from its own router and the tokens it counted
+        probs = torch.softmax(m.router(seen[m]), -1)
+        auxes.append(4 * (m.tokens_per_expert / (2 * 32) * probs.mean(0)).sum())
+    ce = torch.nn.functional.cross_entropy(logits.view(-1, V), idx.view(-1))
+    torch.testing.assert_close(loss, ce + 0.25 * sum(auxes) / len(auxes))
+    torch.testing.assert_close(model.aux_loss, (sum(auxes) / len(auxes)).detach())
+
+
+def saved_inputs(model, idx):
+    """The input each MoE layer saw in a forward of idx, flattened to (tokens, C)."""
+    seen, hooks = {}, []
+    for m in moe_layers(model):
+        hooks.append(m.register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0].reshape(-1, 32))))
+    with torch.no_grad():
+        model(idx)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_one_expert_moe_equals_the_dense_mlp():
+    """n_expert=1, k=1: the router's one weight renormalizes to 1, so an MoE GPT whose expert holds a dense GPT's
+    MLP weights gives the dense GPT's logits (the aux loss is then exactly 1: f = P = 1)."""
+    for layout in (LLAMA_LAYOUT, GPT2_LAYOUT):
+        dense = build(**layout).eval()
+        moe = build(seed=1, **dict(layout, n_expert=1, n_expert_active=1)).eval()
+        sd = {k.replace('.mlp.', '.mlp.experts.0.'): v for k, v in dense.state_dict().items()}
+        sd.update({k: v for k, v in moe.state_dict().items() if 'router' in k})
+        moe.load_state_dict(sd)
+        idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(12))
+        torch.testing.assert_close(moe(idx)[0], dense(idx)[0], rtol=1e-6, atol=1e-6)
+        assert moe.aux_loss.item() == pytest.approx(1.0)
+
+
+def test_gradients_reach_the_router_through_the_weights_and_the_aux_loss():
+    for weight in (0.0, 0.01):  # 0: through the top-k weights alone
+        model = build(**dict(MOE_LAYOUTS['llama_moe'], aux_loss_weight=weight))
+        idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(13))
+        model(idx, idx)[1].backward()
+        for m in moe_layers(model):
+            g = m.router.weight.grad
+            assert g is not None and torch.isfinite(g).all() and (g.abs().sum(-1) > 0).all(), weight
+
+
+@pytest.mark.parametrize('layout', MOE_LAYOUTS)
+def test_moe_activation_checkpointing_gives_the_same_grads(layout):
+    """The aux loss leaves each block beside its output: recomputed in backward, it must still give every
+    gradient (the router's too) exactly."""
+    grads = []
+    for ac in (False, True):
+        model = build(**dict(MOE_LAYOUTS[layout], activation_checkpointing=ac))
+        idx = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(14))
+        model(idx, idx)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)
+
+
+def test_moe_config_is_checked():
+    with pytest.raises(ValueError, match=r'n_expert_active \(top-k, 5\) must be 1 to n_expert \(4\)'):
+        GPTConfig(n_expert=4, n_expert_active=5)
+    with pytest.raises(ValueError, match='n_shared_expert'):
+        GPTConfig(n_expert=4, n_shared_expert=2)
+    GPTConfig(n_expert=0, n_expert_active=5)  # dense: the MoE keys are not read
+
+
+@pytest.mark.parametrize('layout', MOE_LAYOUTS)
+def test_moe_flops_per_token_counts_the_active_experts(layout):
+    """As test_flops_per_token_equals_torch_s_count_of_a_training_step, with experts: PyTorch's counter sees
+    every token go through the router, the shared expert and exactly k experts, so flops_per_token must count
+    k of n_expert experts' weights (their biases too, as the formula counts every vector weight)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    model = build(**dict(MOE_LAYOUTS[layout], n_embd=64))
+    c = model.config
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    named = dict(model.named_parameters())
+    vectors = sum(p.numel() for n, p in named.items() if p.dim() == 1 and '.experts.' not in n)
+    vectors += sum(p.numel() for n, p in named.items() if p.dim() == 1 and '.experts.' in n) * \
+        c.n_expert_active // c.n_expert
+    assert model.flops_per_token(seq_len=12) - 6 * vectors == counter.get_total_flops() / idx.numel()
+    assert model.get_num_params(active=True) < model.get_num_params()
+
+
+@pytest.mark.parametrize('layout', MOE_LAYOUTS)
+def test_init_params_replays_train_py_initialization_of_an_moe(layout):
+    from model import init_params
+    config = GPTConfig(**dict(MOE_LAYOUTS[layout], n_embd=16, vocab_size=40))
+    torch.manual_seed(7)
+    ref = GPT(config)
+    ref_next = torch.rand(3)
+    got = {}
+    init_params(config, 7, lambda name, values: got.__setitem__(name, values.clone()))
+    assert torch.equal(torch.rand(3), ref_next)
+    named = dict(ref.named_parameters(remove_duplicate=False))
+    assert sorted(got) == sorted(named)
+    for name, p in named.items():
+        assert torch.equal(got[name], p.detach()), name
+
+
+def mixtral(**kw):
+    transformers = pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    if not hasattr(transformers, 'MixtralForCausalLM'):
+        pytest.skip('this transformers has no Mixtral')
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**dict(
+        vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        bos_token_id=0, eos_token_id=0), **kw)).eval()
+
+
+def test_from_hf_mixtral_logits_match():
+    """A small random MixtralForCausalLM (offline) through from_hf: the same logits. Its experts are stored fused
+    (transformers 5: gate_up_proj (E, 2I, C), down_proj (E, C, I)), its router is mlp.gate."""
+    hf = mixtral()
+    with torch.no_grad():  # scaled up, as in test_from_hf_logits_match: a wrong layout or routing shows
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.mul_(10)
+    ours = GPT.from_hf(hf).eval()
+    c = ours.config
+    assert (c.n_expert, c.n_expert_active, c.moe_every, c.n_shared_expert) == (4, 2, 1, 0)
+    idx = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        expected, got = hf(idx).logits, ours(idx)[0]
+    assert (ours.tokens_per_expert > 0).all()  # every expert took part
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_to_hf_mixtral_round_trip_same_logits():
+    pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    ours = build(**MOE_LAYOUTS['llama_moe']).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(16))
+    hf = ours.to_hf().eval()
+    assert type(hf).__name__ == 'MixtralForCausalLM'
+    back = GPT.from_hf(hf).eval()
+    with torch.no_grad():
+        want, theirs, again = ours(idx)[0], hf(idx).logits, back(idx)[0]
+    tol = dict(rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(theirs, want, **tol)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Mixtral's"):  # Mixtral has no shared expert
+        build(**dict(MOE_LAYOUTS['llama_moe'], n_shared_expert=1)).to_hf()
