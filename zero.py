@@ -36,8 +36,9 @@ from formulas import model_state_bytes_formula
 from model import init_values, load_params, param_groups
 from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
                       load_dataset, log_rank_rows, micro_batches, outputs_line, print_sample, profiled,
-                      run_main, run_shape, should_evaluate, should_save)
-from checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, seed_dropout, set_rng_state
+                      progress, run_main, run_shape, should_evaluate, should_save)
+from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
+                         rng_state, seed_dropout, set_rng_state)
 from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
 from measure import StepProfiler, WireMeter
 
@@ -832,6 +833,34 @@ def print_report(rows):
 
 def shard_path(out_dir, rank):
     return os.path.join(out_dir, f'zero_rank{rank}.pt')
+
+
+def unflatten_shards(shards):
+    """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}: the
+    chunks laid end to end are each bucket (stage 0: every rank holds all of it), cut back into its parameters."""
+    full, n_buckets = {}, len(shards[0]['layout'])
+    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
+        full[key] = {}
+        for i, layout in enumerate(shards[0]['layout']):
+            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (weights, m, v)")
+            flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
+            offset = 0
+            for name, shape in zip(layout['names'], layout['shapes']):
+                full[key][name] = flat[offset:offset + math.prod(shape)].view(shape).clone()
+                offset += math.prod(shape)
+    return full
+
+
+def consolidate(out_dir):
+    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py): every bucket's chunks laid end
+    to end and cut back into the parameters, AdamW's moments likewise; every rank's random streams kept."""
+    first = load_mmap(shard_path(out_dir, 0))
+    shards = load_world(out_dir, os.path.basename(shard_path('', '{}')), first['zero']['world_size'])
+    full = unflatten_shards([s['zero'] for s in shards])
+    step = first['zero']['step']
+    states = {n: {'step': step, 'exp_avg': full['exp_avg'][n], 'exp_avg_sq': full['exp_avg_sq'][n]}
+              for n in full['master']}
+    return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
 
 
 def check_shard(checkpoint, path, world_size, cfg):
