@@ -14,8 +14,8 @@ import os
 import torch
 
 from training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, micro_batches, outputs_line, print_sample, profiled, run_main, run_shape,
-                      set_lr, should_evaluate, should_save)
+                      load_dataset, log_row, micro_batches, outputs_line, print_sample, profiled, run_main,
+                      run_shape, set_lr, should_evaluate, should_save)
 from checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
 from measure import StepProfiler
 
@@ -82,6 +82,16 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip):
     return loss_sum.item()
 
 
+def log_moe(out_dir, iter_num, model):
+    """A mixture of experts' own row beside the step's (of the iteration's last micro-batch): the MoE layers'
+    mean load-balancing loss ('aux', 1.0 when balanced) and the tokens each expert got, per MoE layer; its line
+    says how uneven the load is: the busiest expert's tokens over the mean (1.0 when balanced)."""
+    tokens = model.tokens_per_expert
+    imbalance = (tokens.max(-1).values / tokens.float().mean(-1)).max().item()
+    log_row(out_dir, {'iter': iter_num, 'aux': model.aux_loss.item(), 'tokens_per_expert': tokens.tolist()})
+    print(f"iter {iter_num}: moe aux {model.aux_loss.item():.4f}, load max/mean {imbalance:.2f}", flush=True)
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
@@ -139,6 +149,8 @@ def main(argv):
         # one iteration, then its log line
         loss = train_step(model, optimizer, scaler, micro_batches(data, cfg, iter_num), ctx, cfg.grad_clip)
         logger.step(iter_num, loss, lr)
+        if raw_model.config.n_expert and iter_num % logger.every == 0:
+            log_moe(cfg.out_dir, iter_num, raw_model)
         profiler.step()
         iter_num += 1
     profiler.stop()
