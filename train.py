@@ -82,10 +82,12 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip):
     return loss_sum.item()
 
 
-def log_moe(out_dir, iter_num, model):
-    """A mixture of experts' own row beside the step's (of the iteration's last micro-batch): the MoE layers'
-    mean load-balancing loss ('aux', 1.0 when balanced) and the tokens each expert got, per MoE layer; its line
-    says how uneven the load is: the busiest expert's tokens over the mean (1.0 when balanced)."""
+def log_moe(out_dir, iter_num, model, every):
+    """A mixture of experts' own row beside each logged step's (of its last micro-batch): the MoE layers'
+    mean load-balancing loss ('aux', 1.0 when balanced) and the tokens each expert got, per MoE layer; its
+    line says how uneven the load is: the busiest expert's tokens over the mean (1.0 when balanced)."""
+    if not model.config.n_expert or iter_num % every:
+        return
     tokens = model.tokens_per_expert
     imbalance = (tokens.max(-1).values / tokens.float().mean(-1)).max().item()
     log_row(out_dir, {'iter': iter_num, 'aux': model.aux_loss.item(), 'tokens_per_expert': tokens.tolist()})
@@ -149,8 +151,7 @@ def main(argv):
         # one iteration, then its log line
         loss = train_step(model, optimizer, scaler, micro_batches(data, cfg, iter_num), ctx, cfg.grad_clip)
         logger.step(iter_num, loss, lr)
-        if raw_model.config.n_expert and iter_num % logger.every == 0:
-            log_moe(cfg.out_dir, iter_num, raw_model)
+        log_moe(cfg.out_dir, iter_num, raw_model, logger.every)  # (a dense model logs nothing more)
         profiler.step()
         iter_num += 1
     profiler.stop()
