@@ -1,7 +1,7 @@
 """
-All the dimensions at once: data x pipeline x context x tensor parallelism on one grid, torch.arange(world).view(dp,
-pp, cp, tp), the capstone that follows the four single-idea files. Nothing here is new: it imports each piece
-from its file and composes them.
+All the dimensions at once: data x pipeline x context x tensor parallelism on one grid,
+torch.arange(world).view(dp, pp, cp, tp), the capstone that follows the four single-idea files. Nothing here
+is new: it imports each piece from its file and composes them.
 
     torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --tp=2 --gradient_accumulation_steps=2   # dp=2
     torchrun --standalone --nproc_per_node=8 parallel_4d.py --cp=2 --tp=2 --gradient_accumulation_steps=2   # dp=2
@@ -13,39 +13,43 @@ pp  pipeline.py: the blocks split into stages, microbatches scheduled through th
 dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW state
     (Megatron's distributed optimizer shards over the same group)
 
-For the same config and seed the loss curve is train.py's. At the start rank 0 prints the grid and every rank the
-groups it belongs to; after the first iteration every rank prints what it holds and what it sent along each
-dimension, measured beside the formulas.
+For the same config and seed the loss curve is train.py's. At the start rank 0 prints the grid and every rank
+the groups it belongs to; after the first iteration every rank prints what it holds and what it sent along
+each dimension, measured beside the formulas.
 """
 
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from formulas import model_state_bytes_formula
-from model import init_params, materialize
-from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape,
-                      should_evaluate, should_save)
-from checkpoints import CheckpointWriter, init_model, rng_state, seed_dropout, set_rng_state
-from distributed import (Comm, GRID_DIMS, finish_distributed, init_distributed, process_grid,
+from model import GPTConfig, init_params, materialize
+from training import (autocast_context, check_batch, config_defaults, configure, get_lr, load_dataset,
+                      log_rank_rows, micro_batches, outputs_line, profiled, progress, run_main, run_shape,
+                      training_loop)
+from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
+                         seed_dropout, set_rng_state)
+from distributed import (Comm, GRID_DIMS, data_parallel_size, finish_distributed, init_distributed,
+                         process_grid,
                          world_size_from_env)
-from measure import StepProfiler, WireMeter, comm_report
-from pipeline import (LastStepReport, Stage, check_no_compile, check_resume_grid, check_schedule, embed_comm,
-                      forward_loss, keep_stage, run_schedule)
-from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, shard_gpt, sync_tp_grads,
-                             tp_embed, tp_head)
-from zero import Zero, held_bytes
+from measure import NOT_MEASURED, ScheduleClock, WireMeter, comm_report, measured_step, print_measured
+from pipeline import (Stage, check_no_compile, check_resume_grid, check_schedule, embed_comm, forward_loss,
+                      keep_stage, run_schedule)
+from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
+                             shard_gpt, sync_tp_grads, tp_embed, tp_head)
+from zero import Zero, held_bytes, unflatten_shards
 
 # -----------------------------------------------------------------------------
-# -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+out_dir = 'out-4d'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_4d_rank{r}.pt, the same grid)
 sample_at_end = False           # (no sampling here: the model is in pieces)
-# the grid: world = dp x pp x cp x tp (dp is what is left)
 dist_timeout = 60               # seconds a rank waits for the others before failing
+measure_every = 0               # measure and report every this many steps too; 0: the first step only
+# the grid: world = dp x pp x cp x tp (dp is what is left)
 pp = 1                          # pipeline stages
 cp = 1                          # context-parallel ranks per sequence
 tp = 1                          # tensor-parallel ranks per layer
@@ -55,7 +59,7 @@ schedule = '1f1b'               # pp: 'gpipe', '1f1b' or 'interleaved'
 virtual_stages = 1              # pp, interleaved: chunks per stage
 n_microbatches = 2              # pp: microbatches per micro-step
 bucket_size = 100_000           # dp (ZeRO-1): elements per flat bucket
-adam_eps = 1e-8
+adam_eps = 1e-8                 # AdamW's epsilon
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
@@ -76,12 +80,10 @@ def dp_cp_comm(grid, rank):
 def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
     """This rank's part of train.py's GPT (built on the meta device): its tp slice of every layer
     (tensor_parallel.shard_gpt), then its pipeline stage's blocks (pipeline.keep_stage), with context-parallel
-    attention (context_parallel), as a pipeline Stage whose embedding and loss are the vocabulary-parallel ones, on
-    this rank's tokens. Only that part gets storage, then train.py's values (init_params, one dense tensor at a
-    time) or this rank's checkpoint. Returns (stage, tp, cp, layout, {dense name: (local name, kind)})."""
-    if all(c == 0 for c in coords.values()):
-        print(run_shape(f"world {grid.numel()} = dp {grid.size(0)} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
-                        model.get_num_params()))
+    attention (context_parallel), as a pipeline Stage whose embedding and loss are the vocabulary-parallel
+    ones, on this rank's tokens. Only that part gets storage, then train.py's values (init_params, one dense
+    tensor at a time) or this rank's checkpoint. Returns (stage, tp, cp, layout, {dense name: (local name,
+    kind)})."""
     tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
     cp = ContextParallel(comms['cp'], cfg.cp_attention)
     layout = shard_gpt(model, tp)
@@ -92,7 +94,8 @@ def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
         cp.positions = zigzag_positions(cfg.block_size, cp.group.size, cp.group.rank, cfg.device)
     tokens = cfg.block_size // cp.group.size // (tp.group.size if cfg.sequence_parallel else 1)
     stage = Stage(model, chunks, coords['pp'], cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
-                  (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device, ctx, comms['pp'])
+                  (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device, ctx,
+                  comms['pp'])
     mine = (lambda t: t) if cp.positions is None else (lambda t: t[:, cp.positions])  # this rank's tokens
     stage.embed = lambda idx: tp_embed(model, mine(idx), tp, cp.positions)
     stage.head = lambda h, targets: tp_head(model, h, mine(targets), tp)
@@ -102,28 +105,33 @@ def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
     else:
         init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
     local_name = {id(p): n for n, p in model.named_parameters()}  # where each dense parameter's slice is here
-    dense_names = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items() if id(p) in local_name}
+    dense_names = {dense: (local_name[id(p)], kind) for dense,
+                   (p, kind) in layout.items() if id(p) in local_name}
     return stage, tp, cp, layout, dense_names
 
 
 def clip_weights(model, layout, tp, embed, stage):
-    """How many times the gradient norm must count each parameter this rank holds: a parameter replicated on the
-    tp ranks 1/tp times on each; the last stage's copy of a tied embedding not at all (the first stage counts it)."""
+    """How many times the gradient norm must count each parameter this rank holds: a parameter replicated on
+    the tp ranks 1/tp times on each; the last stage's copy of a tied embedding not at all (the first stage
+    counts it)."""
     here = {id(p) for p in model.parameters()}
-    weights = {id(p): 1 / tp.group.size for p, kind in layout.values() if kind == 'replicated' and id(p) in here}
+    weights = {id(p): 1 / tp.group.size for p,
+               kind in layout.values() if kind == 'replicated' and id(p) in here}
     if embed is not None and stage.is_last:
         weights[id(model.lm_head.weight)] = 0.0
     return weights
 
 
 def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
-    """train.py's iteration on the grid: the pipeline schedule over each micro-step's microbatches (tensor- and
-    context-parallel inside every block), then the gradient syncs each dimension adds: tp (the replicated
-    parameters under sequence parallelism), pp (the tied embedding's two copies), dp x cp (ZeRO-1: reduce-scatter,
-    the clip over the whole model, AdamW on this rank's chunk, all-gather). Returns the mean loss."""
+    """train.py's iteration on the grid: the pipeline schedule over each micro-step's microbatches (tensor-
+    and context-parallel inside every block), then the gradient syncs each dimension adds: tp (the replicated
+    parameters under sequence parallelism), pp (the tied embedding's two copies), dp x cp (ZeRO-1:
+    reduce-scatter, the clip over the whole model, AdamW on this rank's chunk, all-gather). Returns the mean
+    loss."""
     stage.loss_sum = torch.zeros((), device=cfg.device)
     stage.act_shape = (cfg.batch_size // cfg.n_microbatches,) + tuple(stage.act_shape[1:])
-    zero.last_micro_step = False  # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
+    # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
+    zero.last_micro_step = False
     for x, y in batches:
         run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
     sync_tp_grads(layout, tp)
@@ -143,28 +151,24 @@ def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
 
 def main(argv):
     cfg = configure(config, argv)
-    check_config(cfg, world_size_from_env())
+    dp_size = check_config(cfg, world_size_from_env())
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
-    dp_size = world_size // (cfg.pp * cfg.cp * cfg.tp)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     dp_cp, embed = dp_cp_comm(grid, rank), embed_comm(grid, rank, cfg.tie_embeddings)
-
-    # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
-    print_grid(grid, coords, comms, dp_cp, embed, rank, cfg.out_dir)
+    print_grid(grid, coords, comms, dp_cp, embed, rank, cfg)
     torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
-
-    # data
+    ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
-
-    # model: train.py's GPT on the meta device, cut along every dimension of the grid, then only this rank's part
+    # train.py's GPT on the meta device, cut along every dimension of the grid, then only this rank's part
     # materialized with train.py's values; ZeRO-1 holds its weights and AdamW state
-    ckpt_path = os.path.join(cfg.out_dir, f'ckpt_4d_rank{rank}.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
-    flops_per_token = model.flops_per_token()  # of the whole model
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
+                                                            gpt2=False, meta=True)
+    flops_per_token = model.flops_per_token(cfg.block_size)  # of the whole model
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
+                        model.get_num_params()))
     stage, tp, cp, layout, dense_names = build_stage(model, cfg, grid, coords, comms, ctx, checkpoint)
     zero = Zero(model, 1, dp_cp.rank, dp_cp.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp_cp)
@@ -172,65 +176,49 @@ def main(argv):
         zero.load_state_dict(checkpoint['zero'])
         set_rng_state(checkpoint['rng'])
     else:
-        seed_dropout(cfg.seed, coords['dp'], coords['pp'])  # each replica and stage its own masks, as pipeline.py
-    checkpoint = None  # free it
-    weights = clip_weights(model, layout, tp, embed, stage)
+        # each replica and stage its own masks, as pipeline.py
+        seed_dropout(cfg.seed, coords['dp'], coords['pp'])
+    weights, first_iter, writer = clip_weights(model, layout, tp, embed, stage), iter_num, CheckpointWriter()
+    all_comms = [dp_cp, comms['pp'], comms['cp'], comms['tp']] + ([embed] if embed else [])
+
+    def step(it):  # one iteration; a measured one also reports what each rank holds and sends
+        batches = micro_batches(data, cfg, it, coords['dp'], dp_size)
+        if not measured_step(it, first_iter, cfg.measure_every):
+            return train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
+        wire = start_measuring(stage, all_comms)
+        loss = train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
+        report(stage, zero, all_comms, wire, cfg, coords, it)
+        return loss
 
     def loss_of(x, y):  # the mean over the whole batch: through the stages, then the mean of the cp ranks'
         loss = forward_loss(stage, x, y)
         cp.group.all_reduce(loss, kind='scalars')
         return loss / cp.group.size
 
-    # training loop
-    writer = CheckpointWriter()  # every rank writes its own file in the background
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, flops_per_token, n_devices=world_size)
-    report = GridReport(stage, zero, [dp_cp, comms['pp'], comms['cp'], comms['tp']] + ([embed] if embed else []),
-                        cfg, coords, iter_num)
-    while True:
-        lr = get_lr(iter_num, cfg)
+    def save(it, best):
+        writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
+                     'coords': coords,
+                     'grid': run_grid(cfg, world_size), 'dense_names': dense_names, 'iter_num': it,
+                     'model_args': vars(model.config), 'best_val_loss': best, 'config': vars(cfg)},
+                     rank_file(cfg.out_dir, rank))
 
-        # evaluate, and checkpoint the state from which iteration iter_num starts
-        if should_evaluate(iter_num, cfg):
-            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, comms['dp'])
-            if should_save(iter_num, losses['val'], best_val_loss, cfg):
-                best_val_loss = min(best_val_loss, losses['val'])
-                writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
-                             'coords': coords, 'grid': run_grid(cfg, world_size), 'dense_names': dense_names,
-                             'model_args': vars(model.config), 'iter_num': iter_num,
-                             'best_val_loss': best_val_loss, 'config': vars(cfg)}, ckpt_path)
-            logger.restart()
-        if iter_num == cfg.max_iters or cfg.eval_only:
-            break
-
-        # one iteration, then its log line
-        report.start(iter_num)
-        batches = micro_batches(data, cfg, iter_num, coords['dp'], dp_size)
-        loss = train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr)
-        report.finish(iter_num)
-        logger.step(iter_num, loss, lr)
-        profiler.step()
-        iter_num += 1
-    profiler.stop()
+    run = SimpleNamespace(model=model, optimizer=None, loss_of=loss_of, dp=comms['dp'], data=data, step=step,
+                          save=save, flops_per_token=flops_per_token, n_devices=world_size, rank=rank)
+    training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
-
     if rank == 0:
         print(outputs_line(cfg.out_dir, "ckpt_4d_rank*.pt (each rank's part: resume on the same grid; python "
-                                        f"consolidate.py {cfg.out_dir} makes one ckpt.pt)",
-                           *profiled(cfg)))
+                                        f"consolidate.py {cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     finish_distributed(cfg)
 
 
 def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank."""
+    """Every bad combination, before any work: one line, the same on every rank. Returns dp."""
     check_schedule(cfg)  # first: the checks below divide by n_microbatches and virtual_stages
     if cfg.cp_attention not in ('ring', 'ulysses'):
         raise SystemExit(f"error: --cp_attention={cfg.cp_attention} is not one of ring, ulysses")
-    cells = cfg.pp * cfg.cp * cfg.tp
-    if min(cfg.pp, cfg.cp, cfg.tp) < 1 or world_size % cells:
-        raise SystemExit(f"error: world size {world_size} is not divisible by pp x cp x tp = {cfg.pp} x {cfg.cp} x "
-                         f"{cfg.tp} (world = dp x pp x cp x tp)")
-    check_batch(cfg, world_size // cells, world_size)
+    dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
+    check_batch(cfg, dp, world_size)
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
     if cfg.n_head % heads or n_kv_head % heads:
@@ -242,91 +230,117 @@ def check_config(cfg, world_size):
     if cfg.batch_size % cfg.n_microbatches or (cfg.schedule != 'gpipe' and cfg.n_microbatches < cfg.pp) or \
             (cfg.schedule == 'interleaved' and cfg.n_microbatches % cfg.pp):
         raise SystemExit(f"error: batch_size ({cfg.batch_size}) must split into n_microbatches "
-                         f"({cfg.n_microbatches}), at least pp ({cfg.pp}) of them for 1f1b (a multiple: interleaved)")
+                         f"({cfg.n_microbatches}), at least pp ({cfg.pp}) of them for 1f1b (a multiple: "
+                         f"interleaved)")
     if cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)):
         raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with "
                          f"sequence_parallel)")
     if cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel):
-        raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (context_parallel.py's "
-                         "ring cannot replay dropout; sequence parallelism inside a cp chunk is not composed here)")
+        raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (the ring cannot "
+                         "replay dropout; sequence parallelism inside a cp chunk is not composed here)")
     if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16, got dtype={cfg.dtype!r}")
+        raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}")
     check_no_compile(cfg, 'parallel_4d.py')
-    if cfg.init_from == 'resume' and not os.path.exists(os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt')):
-        raise SystemExit(f"error: init_from=resume but there is no checkpoint at "
-                         f"{os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt')} (resume needs the same grid)")
-    check_resume_grid(cfg, run_grid(cfg, world_size), os.path.join(cfg.out_dir, 'ckpt_4d_rank0.pt'))
+    if cfg.init_from == 'resume' and not os.path.exists(rank_file(cfg.out_dir, 0)):
+        raise SystemExit(f"error: init_from=resume but there is no checkpoint at {rank_file(cfg.out_dir, 0)} "
+                         f"(resume needs the same grid)")
+    check_resume_grid(cfg, run_grid(cfg, world_size), rank_file(cfg.out_dir, 0))
+    return dp
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: every rank its own file; consolidate undoes each cut in turn
+
+
+def rank_file(out_dir, rank):
+    return os.path.join(out_dir, f'ckpt_4d_rank{rank}.pt')
 
 
 def run_grid(cfg, world_size):
     """How this run cuts the model and its AdamW state: a checkpoint resumes only on the same."""
-    return {'pp': cfg.pp, 'cp': cfg.cp, 'tp': cfg.tp, 'virtual_stages': cfg.virtual_stages, 'ranks': world_size}
+    return {'pp': cfg.pp, 'cp': cfg.cp, 'tp': cfg.tp, 'virtual_stages': cfg.virtual_stages,
+            'ranks': world_size}
+
+
+def consolidate(out_dir):
+    """out_dir's files joined into train.py's checkpoint dict (consolidate.py): within each (pp, tp) group the
+    ZeRO-1 chunks of its dp x cp ranks are laid end to end, then the tp slices joined, the stages merged by
+    name."""
+    first = load_mmap(rank_file(out_dir, 0))
+    cfg = first['config']
+    ranks = load_world(out_dir, os.path.basename(rank_file('', '{}')), first['grid']['ranks'])
+    qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
+    model_sd, states, step = {}, {}, first['zero']['step']
+    for pp_rank in range(cfg['pp']):
+        progress(pp_rank + 1, cfg['pp'], f"consolidating {len(ranks)} ranks, stage by stage")
+        parts = []  # per tp rank: ({'master' | 'exp_avg' | 'exp_avg_sq': {local name: tensor}}, its names)
+        for tp_rank in range(cfg['tp']):
+            group = sorted((r for r in ranks if (r['coords']['pp'], r['coords']['tp']) == (pp_rank, tp_rank)),
+                           key=lambda r: r['zero']['rank'])
+            parts.append((unflatten_shards([r['zero'] for r in group]), group[0]['dense_names']))
+        for dense, (_, kind) in parts[0][1].items():
+            # a tied embedding's second copy, on the last stage: the first stage's counts
+            if dense in model_sd:
+                continue
+            join = lambda key: join_slices([full[key][names[dense][0]] for full, names in parts], kind,
+                                           qkv_sizes)
+            model_sd[dense] = join('master')
+            states[dense] = {'step': step, 'exp_avg': join('exp_avg'), 'exp_avg_sq': join('exp_avg_sq')}
+    return joined_checkpoint(model_sd, states, first, [first['rng']], cfg)
 
 
 # -----------------------------------------------------------------------------
-# What the grid is, and what each rank holds and sends along each dimension
+# What the grid is, and a measured step: what each rank holds and sends along each dimension
 
 
-def print_grid(grid, coords, comms, dp_cp, embed, rank, out_dir):
-    """Rank 0 prints the grid; every rank prints (and logs) its coordinates and the global ranks of each of its
-    groups: the ones it talks to."""
+def print_grid(grid, coords, comms, dp_cp, embed, rank, cfg):
+    """Rank 0 prints the grid and the run; every rank prints (and logs) its coordinates and the global ranks
+    of each of its groups: the ones it talks to."""
     if rank == 0:
         print(f"process grid: torch.arange({grid.numel()}).view(dp={grid.size(0)}, pp={grid.size(1)}, "
               f"cp={grid.size(2)}, tp={grid.size(3)})\n{grid}")
-    groups = {dim: group_members(comms[dim]) for dim in GRID_DIMS}
-    groups['dp_cp'] = group_members(dp_cp)
-    if embed is not None:
-        groups['embed'] = group_members(embed)
+    members = lambda comm: [comm.global_rank(r) for r in range(comm.size)]
+    groups = {dim: members(comms[dim]) for dim in GRID_DIMS}
+    groups.update({'dp_cp': members(dp_cp)}, **({'embed': members(embed)} if embed is not None else {}))
     print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in GRID_DIMS) + '; groups: ' +
           ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
-    log_rank_rows(out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
+    log_rank_rows(cfg.out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
 
 
-def group_members(comm):
-    return [comm.global_rank(r) for r in range(comm.size)]
+def start_measuring(stage, comms):
+    """A measured step: the counts from zero, the schedule's clock on, the wire meter started."""
+    for comm in comms:
+        comm.clear()
+    stage.clock, wire = ScheduleClock(stage.device, stage.comm, stage.model), WireMeter()
+    wire.start()
+    return wire
 
 
-class GridReport(LastStepReport):
-    """The first iteration, measured: the model states this rank holds (ZeRO-1's buffers) beside the ZeRO formula
-    for its slice, the activations its stage held at the peak of a schedule, and the bytes it sent along each
-    dimension: counted at the calls, the ring formula, the wire. One printed line and one log row per rank."""
-
-    def __init__(self, stage, zero, comms, cfg, coords, first_iter):
-        self.stage, self.zero, self.comms, self.cfg, self.coords = stage, zero, comms, cfg, coords
-        self.first_iter, self.wire = first_iter, WireMeter()
-
-    def start(self, iter_num):
-        if iter_num == self.first_iter:
-            for comm in self.comms:
-                comm.clear()
-            self.wire.start()
-
-    def finish(self, iter_num):
-        if iter_num != self.first_iter:
-            return
-        wire_bytes = self.wire.stop()
-        z, cfg = self.zero, self.cfg
-        held, formula = held_bytes(z), model_state_bytes_formula(z.numel, z.world_size, 1, cfg.dtype == 'bfloat16')
-        sent = comm_report(self.comms)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        row = {'rank': rank, 'iter': iter_num, **{f'{d}_rank': self.coords[d] for d in GRID_DIMS}, 'numel': z.numel,
-               **held, **{k + '_formula': v for k, v in formula.items()},
-               'peak_activation_bytes': self.stage.peak_held_bytes,
-               'collective_bytes_by_kind': sent['collective_bytes'],
-               'wire_bytes_formula_by_kind': sent['wire_bytes_formula'],
-               'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes': wire_bytes,
-               'wire_bytes_note': self.wire.why_not}
-        by_dim = {}
-        for kind, value in sent['wire_bytes_formula'].items():
-            by_dim[kind.split()[0]] = by_dim.get(kind.split()[0], 0) + value
-        wire = self.wire.why_not if wire_bytes is None else f"{wire_bytes:,.0f}"
-        print(f"[rank {rank}] holds (measured / ZeRO-1 formula for its slice of {z.numel:,} parameters): params "
-              f"{held['param_bytes']:,} / {formula['param_bytes']:,}, grads {held['grad_bytes']:,} / "
-              f"{formula['grad_bytes']:,}, AdamW {held['optim_bytes']:,} / {formula['optim_bytes']:,}; activations "
-              f"at the schedule's peak {self.stage.peak_held_bytes:,}; sent (ring formula, by dimension): "
-              + ', '.join(f"{d} {v:,.0f}" for d, v in by_dim.items()) + f"; on the wire {wire} (measured)\n",
-              end='', flush=True)
-        log_rank_rows(cfg.out_dir, row)
+def report(stage, zero, comms, wire, cfg, coords, iter_num):
+    """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its
+    stage held at a schedule's peak, and the bytes it sent (counted, the ring formula by dimension, its own
+    sockets): one log row per rank, one table."""
+    wire_bytes, clock, stage.clock = wire.stop(), stage.clock, NOT_MEASURED
+    held = held_bytes(zero)
+    formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
+    sent = comm_report(comms)
+    row = {'rank': dist.get_rank(), 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
+           'numel': zero.numel, **held, **{k + '_formula': v for k, v in formula.items()},
+           'peak_activation_bytes': clock.peak_held_bytes,
+           'collective_bytes_by_kind': sent['collective_bytes'],
+           'collective_bytes': sum(sent['collective_bytes'].values()), 'wire_bytes': wire_bytes,
+           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not}
+    rows = log_rank_rows(cfg.out_dir, row)
+    if dist.get_rank() == 0:
+        print_measured(f"iter {iter_num}: what each rank holds (ZeRO-1's formula for its slice) and sends per "
+                       f"step (counted at the calls, the ring formula, its own sockets)",
+                       [line for r in rows for line in (
+                           *((f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
+                             for k in ('param_bytes', 'grad_bytes', 'optim_bytes')),
+                           (f"rank {r['rank']} activations at peak", r['peak_activation_bytes'], None, None),
+                           (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
+                            r['wire_bytes_formula']))],
+                       [f"wire bytes {wire.why_not}"] if wire_bytes is None else [])
 
 
 if __name__ == '__main__':

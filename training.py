@@ -414,15 +414,17 @@ class StepLogger:
 
 def training_loop(cfg, run, iter_num, best_val_loss):
     """train.py's loop, for every other script: set the LR, evaluate and checkpoint every eval_interval, one
-    train step, its log line, until max_iters. What differs from script to script comes in `run`, a namespace of:
-    model, optimizer (for the LR), loss_of(x, y) (evaluation), dp (the data-parallel Comm that shares the
-    evaluation, or None), data, step(iter_num) -> the mean loss (one iteration), save(iter_num, best_val_loss),
-    flops_per_token, n_devices, rank. Returns (iter_num, best_val_loss) when it stops."""
+    train step, its log line, until max_iters. What differs from script to script comes in `run`, a namespace
+    of: model, optimizer (a torch optimizer whose LR it sets, or None), loss_of(x, y) (evaluation), dp (the
+    data-parallel Comm that shares the evaluation, or None), data, step(iter_num) -> the mean loss (one
+    iteration), save(iter_num, best_val_loss), flops_per_token, n_devices, rank. Returns (iter_num,
+    best_val_loss) when it stops."""
     profiler = StepProfiler(cfg.profile, cfg.out_dir, run.rank, cfg.device)  # --profile=N: a trace per rank
     logger = StepLogger(cfg, run.flops_per_token, run.n_devices)
     while True:
         lr = get_lr(iter_num, cfg)
-        set_lr(run.optimizer, lr)
+        if run.optimizer is not None:  # (a script with an optimizer of its own takes get_lr in its step)
+            set_lr(run.optimizer, lr)
         # evaluate, and checkpoint the state from which iteration iter_num starts
         if should_evaluate(iter_num, cfg):
             losses = evaluate(run.loss_of, run.model, run.data, cfg, iter_num, lr, run.dp)

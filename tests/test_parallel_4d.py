@@ -64,7 +64,7 @@ def test_dp2_cp2_tp2_resumes_and_consolidates_to_train_py(tmp_path, tmp_path_fac
 
 
 BAD = [
-    (8, ['--pp=3'], 'world size 8 is not divisible by pp x cp x tp'),
+    (8, ['--pp=3'], 'world size 8 is not divisible by pp=3 x cp=1 x tp=1 = 3: start a multiple of 3'),
     (8, ['--tp=2', '--cp=2', '--cp_attention=ulysses', '--n_head=2'], 'must be divisible by tp x cp = 4'),
     (8, ['--cp=2', '--sequence_parallel=True', '--tp=2'], 'sequence_parallel False'),
     (8, ['--pp=2', '--n_layer=3'], 'n_layer (3) must be divisible by pp x virtual_stages = 2'),
