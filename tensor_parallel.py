@@ -38,6 +38,7 @@ from measure import WireMeter, comm_report, measured_step, print_measured, saved
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+out_dir = 'out-tp'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt_rank<r>.pt) or a GPT-2 name: 'gpt2', ...
 dist_timeout = 60               # seconds a rank waits for the others before failing
 tp = 1                          # tensor-parallel degree; world size = dp * tp
