@@ -211,6 +211,25 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
 # Sharded checkpoints back into train.py's: what every script's consolidate(out_dir) shares (consolidate.py
 # finds which script wrote out_dir and calls that script's function)
 
+def check_resume_grid(cfg, grid, ckpt_path):
+    """init_from=resume: the saved files must be cut as this run cuts the model (grid: {key: this run's
+    value}), else loading them fails deep in load_state_dict. The first file tells (memory-mapped: little is
+    read): its 'grid', else its config (a file written before 'grid' was saved)."""
+    if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
+        return  # (a missing file is init_model's to report, on every rank)
+    checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=True)
+    saved = checkpoint.get('grid', checkpoint['config'])
+    saved = {k: saved[k] for k in grid if k in saved}
+    if saved != {k: grid[k] for k in saved}:
+        def as_flags(g):
+            ranks = f" on {g['ranks']} ranks" if 'ranks' in g else ''
+            return ' '.join(f"--{k}={v}" for k, v in g.items() if k != 'ranks') + ranks
+        raise SystemExit(f"error: init_from=resume: {ckpt_path} was saved with {as_flags(saved)}, this run "
+                         f"has {as_flags(grid)}: resume with the saved ones, or python consolidate.py "
+                         f"{cfg.out_dir} makes one ckpt.pt, which train.py, train_ddp.py, zero.py, "
+                         f"train_fsdp.py and context_parallel.py continue from on any number of ranks")
+
+
 def load_mmap(path):
     """A checkpoint file memory-mapped: a tensor is read from disk when it is used."""
     return torch.load(path, map_location='cpu', weights_only=False, mmap=True)

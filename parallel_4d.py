@@ -36,8 +36,9 @@ from distributed import (Comm, GRID_DIMS, data_parallel_size, finish_distributed
                          process_grid,
                          world_size_from_env)
 from measure import NOT_MEASURED, ScheduleClock, WireMeter, comm_report, measured_step, print_measured
-from pipeline import (Stage, check_no_compile, check_resume_grid, check_schedule, embed_comm, forward_loss,
-                      keep_stage, run_schedule)
+from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
+from training import check_no_compile
+from checkpoints import check_resume_grid
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from zero import Zero, held_bytes, unflatten_shards

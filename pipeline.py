@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from model import init_params, keep_own, materialize
-from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
+from training import (StepLogger, autocast_context, check_batch, check_no_compile, config_defaults, configure, evaluate, get_lr,
                       load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, progress, run_main,
                       run_shape, set_lr, should_evaluate, should_save)
-from checkpoints import (CheckpointWriter, adamw_state_dict, gather_rng_states, init_model, restore_rng,
+from checkpoints import (CheckpointWriter, adamw_state_dict, check_resume_grid, gather_rng_states, init_model, restore_rng,
                          seed_dropout, train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
 from measure import (NOT_MEASURED, ScheduleClock, StepProfiler, WireMeter, comm_report, measured_step,
@@ -84,32 +84,6 @@ def check_schedule(cfg):
                          f"itself; use --virtual_stages=1")
     if cfg.n_microbatches < 1:
         raise SystemExit(f"error: --n_microbatches={cfg.n_microbatches} must be at least 1")
-
-
-def check_no_compile(cfg, script):
-    """torch.compile is not wired into the sharded scripts: say so rather than ignore it."""
-    if cfg.compile:
-        raise SystemExit(f"error: --compile=True is not supported by {script}: pass --compile=False (a "
-                         f"config file that sets compile = True needs it after the file)")
-
-
-def check_resume_grid(cfg, grid, ckpt_path):
-    """init_from=resume: the saved files must be cut as this run cuts the model (grid: {key: this run's
-    value}), else loading them fails deep in load_state_dict. The first file tells (memory-mapped: little is
-    read): its 'grid', else its config (a file written before 'grid' was saved)."""
-    if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
-        return  # (a missing file is init_model's to report, on every rank)
-    checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=True)
-    saved = checkpoint.get('grid', checkpoint['config'])
-    saved = {k: saved[k] for k in grid if k in saved}
-    if saved != {k: grid[k] for k in saved}:
-        def as_flags(g):
-            ranks = f" on {g['ranks']} ranks" if 'ranks' in g else ''
-            return ' '.join(f"--{k}={v}" for k, v in g.items() if k != 'ranks') + ranks
-        raise SystemExit(f"error: init_from=resume: {ckpt_path} was saved with {as_flags(saved)}, this run "
-                         f"has {as_flags(grid)}: resume with the saved ones, or python consolidate.py "
-                         f"{cfg.out_dir} makes one ckpt.pt, which train.py, train_ddp.py, zero.py, "
-                         f"train_fsdp.py and context_parallel.py continue from on any number of ranks")
 
 
 def embed_comm(grid, rank, tied):

@@ -338,6 +338,13 @@ def get_codec(dataset):
     return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
 
 
+def check_no_compile(cfg, script):
+    """torch.compile is not wired into the sharded scripts: say so rather than ignore it."""
+    if cfg.compile:
+        raise SystemExit(f"error: --compile=True is not supported by {script}: pass --compile=False (a "
+                         f"config file that sets compile = True needs it after the file)")
+
+
 def check_batch(cfg, dp_size, world_size):
     """The one batch rule needs whole micro-batches on every data-parallel rank."""
     if cfg.gradient_accumulation_steps % dp_size:
