@@ -1,13 +1,10 @@
 """
-The GPT, and only the GPT: GPT-2's layout by default (learned positions, LayerNorm, GELU MLP, tied embeddings),
-with LLaMA-style options (norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head for grouped-query attention,
-tie_embeddings=False) and a mixture of experts (n_expert) in the same classes; its initialization (also on the
-meta device, for the sharded scripts to fill their share with train.py's exact values); and Hugging Face's
-GPT-2, LLaMA and Mixtral weights in and out.
-
-The training scripts share the rest from a few helper files: training.py (config, data, LR, evaluation,
-logging), checkpoints.py (atomic checkpoints, resume, random streams), distributed.py (process groups and the
-counted collectives) and measure.py (what the scripts measure: wire bytes, memory, MFU).
+The GPT, and only the GPT: GPT-2's layout by default (learned positions, LayerNorm, GELU MLP, tied
+embeddings), with LLaMA-style options (norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head for grouped-query
+attention, tie_embeddings=False) and a mixture of experts (n_expert) in the same classes; its initialization
+(also on the meta device, for the sharded scripts to fill their share with train.py's exact values); and
+Hugging Face's GPT-2, LLaMA and Mixtral weights in and out. The training scripts share the rest from
+training.py, checkpoints.py, distributed.py and measure.py.
 """
 
 import contextlib
@@ -23,10 +20,6 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-# -----------------------------------------------------------------------------
-# The model
-
-
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -40,12 +33,12 @@ class GPTConfig:
     bias: bool = True           # biases in Linear and LayerNorm, as GPT-2; False is a bit faster
     norm: str = 'layernorm'     # 'layernorm' (GPT-2) or 'rmsnorm' (LLaMA)
     mlp: str = 'gelu'           # 'gelu' (GPT-2) or 'swiglu' (LLaMA)
-    gelu: str = 'exact'         # 'exact' (erf) or 'tanh': GPT-2's own approximation ('gelu_new'), set by from_hf
+    gelu: str = 'exact'         # 'exact' (erf) or 'tanh' (GPT-2's 'gelu_new', set by from_hf)
     pos: str = 'learned'        # 'learned' (GPT-2) or 'rope' (LLaMA)
     tie_embeddings: bool = True  # share wte and lm_head (GPT-2); LLaMA unties them
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
+    activation_checkpointing: bool = False  # recompute each block in backward instead of keeping its tensors
     n_expert: int = 0           # experts per MoE layer (mixture of experts in place of the MLP); 0: dense
     n_expert_active: int = 2    # top-k: the experts each token goes through
     n_shared_expert: int = 0    # 1: an always-on expert beside the routed ones (DeepSeek, Qwen-MoE)
@@ -60,13 +53,16 @@ class GPTConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.n_hidden is None:
-            self.n_hidden = 4 * self.n_embd if self.mlp == 'gelu' else 32 * math.ceil(8 * self.n_embd / 3 / 32)
+            swiglu_width = 32 * math.ceil(8 * self.n_embd / 3 / 32)  # ~8/3 n_embd: SwiGLU's 3 matrices
+            self.n_hidden = 4 * self.n_embd if self.mlp == 'gelu' else swiglu_width
         checks = [
-            (self.norm in ('layernorm', 'rmsnorm'), f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}"),
+            (self.norm in ('layernorm', 'rmsnorm'),
+             f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}"),
             (self.mlp in ('gelu', 'swiglu'), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}"),
             (self.gelu in ('exact', 'tanh'), f"gelu must be 'exact' or 'tanh', got {self.gelu!r}"),
             (self.pos in ('learned', 'rope'), f"pos must be 'learned' or 'rope', got {self.pos!r}"),
-            (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
+            (self.n_embd % self.n_head == 0,
+             f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
             (self.n_head % self.n_kv_head == 0,
              f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"),
             (self.pos != 'rope' or (self.n_embd // self.n_head) % 2 == 0, "rope needs an even head size"),
@@ -92,7 +88,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
         self.eps = eps
 
-    def reset_parameters(self):  # (what __init__ set: init_params replays it on a model built on the meta device)
+    # (what __init__ set: init_params replays it on a model built on the meta device)
+    def reset_parameters(self):
         nn.init.ones_(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
@@ -102,7 +99,7 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """LLaMA's norm: scale by the root mean square, no centring, no bias. Computed in fp32 as Hugging Face does."""
+    """LLaMA's norm: scale by the root mean square, no centring, no bias; in fp32, as Hugging Face."""
 
     def __init__(self, ndim, eps):
         super().__init__()
@@ -147,7 +144,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * self.head_dim, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * self.head_dim,
+                                bias=config.bias)
         self.c_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
@@ -169,7 +167,8 @@ class CausalSelfAttention(nn.Module):
         if self.rope:
             cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head // n_kv_head query heads
+        # grouped-query attention: each kv head serves n_head // n_kv_head query heads
+        if k.size(1) != q.size(1):
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         dropout = self.dropout if self.training else 0.0
@@ -265,6 +264,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The GPT: embeddings, n_layer Blocks, the final norm and the head (tied to the embedding by default)."""
 
     def __init__(self, config):
         super().__init__()
@@ -325,7 +325,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
+                                   ignore_index=-1)
         return logits, loss
 
     def forward(self, idx, targets=None):
@@ -342,15 +343,15 @@ class GPT(nn.Module):
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only, never on biases or norms.
-        The two groups, in this order, are what every script's optimizer (and ZeRO's hand-written one) uses."""
+        """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only, never on biases or norms:
+        the two groups, in this order, of every script's optimizer (and of ZeRO's hand-written one)."""
         return torch.optim.AdamW(param_groups(self, weight_decay), lr=learning_rate, betas=betas,
                                  fused=device_type == 'cuda')
 
     def flops_per_token(self, seq_len=None):
-        """Training FLOPs per token of sequences of seq_len (the run's block_size; default the model's): 6N for
-        the N weights that multiply (forward 2N, backward 4N) plus attention's 12*L*d*s (PaLM's appendix B).
-        The token embedding multiplies only as the tied head: untied, it is a lookup, and so is wpe."""
+        """Training FLOPs per token of sequences of seq_len (the run's block_size; default the model's): 6N
+        for the N weights that multiply (forward 2N, backward 4N) plus attention's 12*L*d*s (PaLM's appendix
+        B). The token embedding multiplies only as the tied head: untied, it is a lookup, and so is wpe."""
         cfg = self.config
         n_matmul = self.get_num_params(active=True)  # a MoE's router, shared expert and k of its experts
         if not cfg.tie_embeddings:
@@ -396,11 +397,12 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name, **overrides):
-        """Load GPT-2 weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') through transformers."""
+        """GPT-2's weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'), through transformers."""
         try:
             from transformers import GPT2LMHeadModel
         except ImportError:
-            raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
+            raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install "
+                             f"transformers")
         return cls.from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
 
 
@@ -408,7 +410,7 @@ GPT2_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'm
 
 
 def gpt2_config(hf_cfg, **overrides):
-    """The GPTConfig of a Hugging Face GPT-2 config (a GPT2Config, or its config.json's fields as attributes)."""
+    """The GPTConfig of a Hugging Face GPT-2 config (a GPT2Config, or its config.json's fields)."""
     return GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
                      n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
                      n_hidden=getattr(hf_cfg, 'n_inner', None) or 4 * hf_cfg.n_embd,
@@ -418,8 +420,8 @@ def gpt2_config(hf_cfg, **overrides):
 
 
 def gpt2_tensors(hf_named, config):
-    """GPT-2's (name, tensor) pairs as this repo's: the names under transformer., the four Conv1D weights (stored
-    (in, out)) transposed, the causal-mask buffers left out, and a tied head under its own name too."""
+    """GPT-2's (name, tensor) pairs as this repo's: the names under transformer., the four Conv1D weights
+    (stored (in, out)) transposed, no causal-mask buffers, a tied head under its own name too."""
     for k, values in hf_named:
         if k.endswith(('.attn.masked_bias', '.attn.bias')):
             continue  # causal-mask buffers, not weights (c_attn.bias is a weight: hence the dot)
@@ -430,29 +432,31 @@ def gpt2_tensors(hf_named, config):
 
 
 def is_gpt2(init_from):
-    """A GPT-2 to start from: a name ('gpt2', 'gpt2-medium', ...) or a directory that save_pretrained wrote."""
+    """A GPT-2 to start from: a name ('gpt2', 'gpt2-medium', ...) or a save_pretrained directory."""
     return init_from.startswith('gpt2') or os.path.isfile(os.path.join(init_from, 'config.json'))
 
 
 def open_gpt2(name, **overrides):
-    """A GPT-2's GPTConfig, and a function that yields its weights as this repo's (name, tensor) pairs one at a
-    time from its safetensors file, so a sharded script copies out its share of each and never holds the whole.
-    name: a local directory, or a Hugging Face hub name (huggingface_hub downloads it once, then reads its cache)."""
+    """A GPT-2's GPTConfig, and a function that yields its weights as this repo's (name, tensor) pairs one at
+    a time from its safetensors file, so a sharded script copies out its share of each and never holds the
+    whole. name: a local directory, or a Hugging Face hub name (huggingface_hub downloads it once, then reads
+    its cache)."""
     if os.path.isdir(name):
         config_path, weights_path = os.path.join(name, 'config.json'), os.path.join(name, 'model.safetensors')
     else:
         try:
             from huggingface_hub import hf_hub_download
         except ImportError:
-            raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install transformers")
-        config_path, weights_path = hf_hub_download(name, 'config.json'), hf_hub_download(name, 'model.safetensors')
+            raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install "
+                             f"transformers")
+        config_path, weights_path = (hf_hub_download(name, f) for f in ('config.json', 'model.safetensors'))
     if not os.path.isfile(weights_path):
         raise SystemExit(f"error: init_from={name}: no model.safetensors in it (save_pretrained writes one)")
     with open(config_path) as f:
         hf_cfg = SimpleNamespace(**json.load(f))
     if getattr(hf_cfg, 'model_type', None) != 'gpt2':
-        raise SystemExit(f"error: init_from={name} is a {getattr(hf_cfg, 'model_type', None)!r} model; only GPT-2 "
-                         f"weights load here (a LLaMA goes through GPT.from_hf)")
+        raise SystemExit(f"error: init_from={name} is a {getattr(hf_cfg, 'model_type', None)!r} model; only "
+                         f"GPT-2 weights load here (a LLaMA goes through GPT.from_hf)")
     config = gpt2_config(hf_cfg, **overrides)
 
     def tensors():
@@ -463,8 +467,8 @@ def open_gpt2(name, **overrides):
 
 
 def init_values(cfg, config, keep):
-    """The values of a model that init_model built on the meta device, handed to keep(name, values) one tensor at
-    a time: a GPT-2's from its file (init_from=gpt2, or a directory), else train.py's initialization."""
+    """The values of a model that init_model built on the meta device, handed to keep(name, values) one tensor
+    at a time: a GPT-2's from its file (init_from=gpt2, or a directory), else train.py's initialization."""
     if is_gpt2(cfg.init_from):
         load_params(open_gpt2(cfg.init_from)[1](), keep)
     else:
@@ -473,18 +477,16 @@ def init_values(cfg, config, keep):
 
 @torch.no_grad()
 def init_params(config, seed, keep):
-    """train.py's initialization of GPT(config) after torch.manual_seed(seed), without ever holding the model: the
-    same random draws in the same order (each module's default init as the constructor builds it, then
-    _init_weights, then the scaled residual projections), each into a temporary full-size tensor of one module,
-    and keep(name, values) called with every parameter's final values (under each of its names, a tied weight
-    under both), for the caller to copy out the share its rank holds. A sharded script builds its part on the
-    meta device and fills it here: the peak is its share plus one module. The random stream ends where GPT(config)
-    leaves it."""
+    """train.py's initialization of GPT(config) after torch.manual_seed(seed), never holding the model: the
+    same random draws in the same order (the constructors' default inits, _init_weights, the scaled residual
+    projections), one module at a time into a scratch tensor, and keep(name, values) called with every
+    parameter's final values (a tied weight under both names) for the caller to copy out its rank's share.
+    The random stream ends where GPT(config) leaves it."""
     torch.manual_seed(seed)
     with torch.device('meta'):
-        skeleton = GPT(config)  # (on meta nothing is drawn: it only gives the modules, their order and shapes)
-    leaves = [m for m in skeleton.modules() if hasattr(m, 'reset_parameters') and next(m.parameters(), None) is not
-              None and not any(True for _ in m.children())]
+        skeleton = GPT(config)  # (on meta nothing is drawn: it gives the modules, their order and shapes)
+    leaves = [m for m in skeleton.modules() if hasattr(m, 'reset_parameters') and
+              next(m.parameters(), None) is not None and not any(True for _ in m.children())]
     # each parameter by its identity in the skeleton (a tied weight is one, in two modules), before to_empty
     # replaces them: its names, the (module, attribute) pairs that hold it, and the op that writes it last
     names, holder, last_write = {}, {}, {}
@@ -513,7 +515,8 @@ def init_params(config, seed, keep):
                     keep(name, module._parameters[attr].detach())
         module._parameters.update(on_meta)  # back to shapes only
 
-    for i in range(len(leaves)):  # the constructors' draws (nn.Linear's kaiming_uniform_, nn.Embedding's normal_)
+    # the constructors' draws (nn.Linear's kaiming_uniform_, nn.Embedding's normal_)
+    for i in range(len(leaves)):
         draw_on_cpu(i, lambda module: module.reset_parameters(), ('construct', i))
     for i in range(len(leaves)):  # self.apply(self._init_weights): children before parents, leaves in order
         draw_on_cpu(i, skeleton._init_weights, ('init', i))
@@ -525,8 +528,7 @@ def init_params(config, seed, keep):
 
 
 def keep_own(model):
-    """For init_params: the parameters the (cut) model still holds, by name, take their values; the rest is not
-    kept anywhere."""
+    """For init_params: the parameters the (cut) model still holds take their values; the rest is dropped."""
     params = dict(model.named_parameters(remove_duplicate=False))
 
     def keep(name, full):
@@ -536,11 +538,10 @@ def keep_own(model):
 
 
 def materialize(model, device):
-    """Storage on device for a model built on the meta device (values still to be written), in place: every
-    Parameter stays the same object (so what a script holds, its layout of slices, its optimizer, still points at
-    it, and a tied weight stays tied), its meta tensor swapped for an empty one."""
+    """Storage on device for a model built on the meta device (values still to be written), in place: each
+    Parameter stays the same object (what a script holds still points at it; a tied weight stays tied)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)  # (to_empty would otherwise make new Parameters)
+    torch.__future__.set_swap_module_params_on_conversion(True)  # (else to_empty makes new Parameters)
     try:
         model.to_empty(device=device)
     finally:
@@ -606,8 +607,8 @@ def to_hf(model):
     mixtral = c.n_expert and c.moe_every == 1 and not c.n_shared_expert and not c.bias
     if layout == ('learned', 'layernorm', 'gelu') and c.n_kv_head == c.n_head and not c.n_expert:
         hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-            n_inner=c.n_hidden, activation_function='gelu' if c.gelu == 'exact' else 'gelu_new',
+            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+            n_head=c.n_head, n_inner=c.n_hidden, activation_function=('gelu', 'gelu_new')[c.gelu == 'tanh'],
             layer_norm_epsilon=c.norm_eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
             tie_word_embeddings=c.tie_embeddings, bos_token_id=0, eos_token_id=0))
         pairs = ((mine, ..., theirs) for mine, theirs in gpt2_tensors(hf.state_dict().items(), c))
@@ -642,8 +643,7 @@ def param_groups(model, weight_decay):
 
 @torch.no_grad()
 def load_params(named_tensors, keep):
-    """A whole model's values ((name, tensor) pairs: a train.py checkpoint's items, or a GPT-2's from open_gpt2)
-    handed to keep(name, values) one at a time, as init_params hands train.py's initialization: a sharded script
-    copies out its share of each."""
+    """A whole model's (name, tensor) pairs (a train.py checkpoint's, or a GPT-2's from open_gpt2) handed to
+    keep(name, values) one at a time, as init_params does: a sharded script copies out its share of each."""
     for name, values in named_tensors:
         keep(name, values)
