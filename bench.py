@@ -98,12 +98,13 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
 # the bench: every script on the same small GPT, the same data and the same global batch
 
 # `python bench.py` runs these (about a minute on 2 cores); --full runs every row of bench_rows
-QUICK_ROWS = ['train', 'ddp', 'zero2', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
+QUICK_ROWS = ['train', 'ddp', 'zero0', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
 
 
-def bench_rows(world_size, n_microbatches):
-    """name -> (script, its own flags, processes). The order is the table's."""
-    w = world_size
+def bench_rows(world_size, n_microbatches, max_iters=12):
+    """name -> (script, its own flags, processes). The order is the table's. The pipeline rows measure their
+    first step and their last (warm) one, whose numbers the table shows."""
+    w, last = world_size, f'--measure_every={max(1, max_iters - 1)}'
     return {
         'train': ('train.py', [], 1),
         'ddp': ('train_ddp.py', [], w),
@@ -114,10 +115,15 @@ def bench_rows(world_size, n_microbatches):
         'fsdp': ('train_fsdp.py', [], w),
         'tp': ('tensor_parallel.py', [f'--tp={w}'], w),
         'tp_sp': ('tensor_parallel.py', [f'--tp={w}', '--sequence_parallel=True'], w),
-        'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}'], w),
-        'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}'], w),
+        'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}', last],
+                     w),
+        'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}', last],
+                    w),
+        # the same run measured on every step (a barrier, a synchronize, clocks and a MAX all-reduce per schedule)
+        'pp_1f1b_measured': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
+                                             '--measure_every=1'], w),
         'pp_interleaved': ('pipeline.py', [f'--pp={w}', '--schedule=interleaved', '--virtual_stages=2',
-                                           f'--n_microbatches={n_microbatches}'], w),
+                                           f'--n_microbatches={n_microbatches}', last], w),
         'cp_ring': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ring'], w),
         'cp_ulysses': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ulysses'], w),
         # the grid: dp = world_size again, times 2 x 2 more processes (8 for the default world_size of 2)
@@ -360,7 +366,7 @@ def run_bench(args):
         args.world_size = 1
     elif n_gpus > 1 and args.world_size > n_gpus:
         raise SystemExit(f"error: --world_size={args.world_size} but only {n_gpus} GPUs")
-    rows = bench_rows(args.world_size, args.n_microbatches)
+    rows = bench_rows(args.world_size, args.n_microbatches, args.max_iters)
     if n_gpus == 1:
         rows = {'train': rows['train']}
     if n_gpus >= 1:  # and on a GPU, GPT-2 124M in bf16 with compile, for MFU: on GPT-2 BPE tokens when they are
