@@ -89,6 +89,20 @@ class Comm:
         self.count('all_to_all', inp)
         return dist.all_to_all_single(out, inp, group=self.group)
 
+    def all_to_all_v(self, out, inp, out_splits, in_splits, kind='all_to_all_v'):
+        """An all-to-all of variable sizes (expert parallelism's): in_splits[i] rows (dim 0) of inp go to rank
+        i, out_splits[i] rows of out come from rank i (the sizes exchanged beforehand). Counted: inp's bytes;
+        its wire bytes are exact, not a ring's: every row but the ones this rank keeps leaves it."""
+        if self.size == 1:
+            out.copy_(inp)
+            return None
+        nbytes, row_bytes = inp.numel() * inp.element_size(), inp[:1].numel() * inp.element_size()
+        self.collective_bytes[kind] += nbytes
+        self.wire_bytes_formula[kind] += nbytes - row_bytes * in_splits[self.rank]
+        if self.observe is not None:
+            self.observe()
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+
     def global_rank(self, group_rank):
         """The global rank of this group's rank group_rank (point-to-point calls take global ranks)."""
         if self.size == 1:

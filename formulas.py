@@ -194,3 +194,27 @@ def cp_comm_bytes_formula(s, b, n_head, n_kv_head, head_dim, cp, attention, byte
         return 2 * (cp - 1) * kv * bytes_per_elem + cp * kv * 4
     qo = 2 * tokens * n_head * head_dim
     return 2 * (cp - 1) / cp * (qo + kv) * bytes_per_elem
+
+
+# -----------------------------------------------------------------------------
+# Expert parallelism (GShard, Lepikhin et al. 2020; DeepSpeed-MoE): expert_parallel.py
+
+def ep_all_to_all_bytes_formula(tokens, k, h, ep, bytes_per_elem=4):
+    """Bytes of one MoE layer's all-to-alls on one rank per micro-batch of `tokens` tokens (b·s), forward and
+    backward: each token's k slots (h elements each) dispatched to their experts' ranks and combined back,
+    then the gradients of both the other way: 4 all-to-alls of tokens·k·h elements handed to the calls
+    ('all_to_all_bytes'). Of them (ep-1)/ep leave the rank ('wire_bytes') ASSUMING UNIFORM ROUTING: the router
+    spreads the slots evenly over the experts, so 1/ep of them stay on this rank's own experts. A real router
+    is not uniform: what a rank hands to the combine and sends off-rank follows its experts' load, which is
+    why the scripts print the counted bytes beside this. The split sizes exchanged first (ep·E/ep integers
+    each way) are left out."""
+    handed = 4 * tokens * k * h * bytes_per_elem
+    return {'all_to_all_bytes': handed, 'wire_bytes': (ep - 1) / ep * handed}
+
+
+def ep_model_state_bytes_formula(dense_numel, expert_numel, ep):
+    """Bytes one rank holds with the experts split over ep ranks: the dense weights (attention, router,
+    embeddings, norms, a shared expert) whole, 1/ep of the routed experts, each in fp32 with its fp32 gradient
+    and AdamW's two fp32 moments (4 + 4 + 8 bytes per parameter, as DDP keeps them, under autocast too)."""
+    numel = dense_numel + expert_numel / ep
+    return {'param_bytes': 4 * numel, 'grad_bytes': 4 * numel, 'optim_bytes': 8 * numel}

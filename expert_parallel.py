@@ -1,0 +1,416 @@
+"""
+train.py plus expert parallelism (GShard; DeepSpeed-MoE and torchtitan lay it out this way): the experts of
+every mixture-of-experts layer are split over the ep ranks of an ep group, rank r holding experts r·E/ep ..
+(r+1)·E/ep - 1; everything else (attention, router, embeddings, norms, a shared expert) is replicated. Every
+rank is a data-parallel rank of the batch. Per MoE layer: route (the model's own router), dispatch (each
+token-slot to the rank of its expert: an all-to-all of variable sizes, the sizes exchanged first), compute
+(each expert on the rows sent to it), combine (the reverse all-to-all, then the router's weighted sum in slot
+order). Backward runs the two all-to-alls the other way. The dense gradients are averaged over all ranks, each
+expert's over the ranks that hold it (the world/ep replicas: the "expert data-parallel" group).
+
+    torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep=4 --n_expert=4 --n_expert_active=2
+    torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep=2 --n_expert=4   # 2 replicas of ep 2
+    torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep=4 --n_expert=4 --init_from=resume
+    python consolidate.py out-ep      # the rank files -> out-ep/ckpt.pt, train.py's checkpoint
+
+The same model and loss curve in one process: python train.py --n_expert=4 --n_expert_active=2
+--gradient_accumulation_steps=4 (this script's default: every rank takes whole micro-batches of the batch).
+"""
+
+import contextlib
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from formulas import ep_all_to_all_bytes_formula, ep_model_state_bytes_formula
+from model import MoE, combine, init_params, keep_own, materialize
+from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
+                      micro_batches, model_config, outputs_line, print_sample, profiled, progress, run_main,
+                      run_shape, training_loop)
+from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
+                         seed_dropout, set_rng_state)
+from distributed import (Comm, average_gradients, data_parallel_size, finish_distributed, init_distributed,
+                         world_size_from_env)
+from measure import WireMeter, measured_step, print_measured
+
+# -----------------------------------------------------------------------------
+# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+out_dir = 'out-ep'              # each script its own folder: runs never overwrite one another
+init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_ep_rank<r>.pt, the same ep and world)
+dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
+measure_every = 0               # measure and report every this many steps too; 0: the first step only
+ep = 1                          # expert-parallel ranks per group: each holds n_expert/ep experts a layer
+gradient_accumulation_steps = 4  # micro-batches per step, whole ones per rank (train.py's 2: 2 ranks at most)
+config = config_defaults(globals())
+# -----------------------------------------------------------------------------
+
+
+def held_experts(n_expert, ep_rank, ep_size):
+    """The experts of a layer that ep rank ep_rank holds: a contiguous run, so slots sorted by expert are
+    sorted by rank too."""
+    per_rank = n_expert // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def all_to_all_rows(x, comm, send, recv, kind):
+    """send[i] rows of x to rank i of comm; returns the recv[i] rows from each rank i, in rank order."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    comm.all_to_all_v(out, x.contiguous(), recv, send, kind)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_rows with a backward: the gradient of what came from rank i goes back to rank i (the same
+    all-to-all with the sizes swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send, recv, kind):
+        ctx.comm, ctx.send, ctx.recv, ctx.kind = comm, send, recv, kind
+        return all_to_all_rows(x, comm, send, recv, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = all_to_all_rows(grad, ctx.comm, ctx.recv, ctx.send, ctx.kind + ' backward')
+        return back, None, None, None, None
+
+
+def dispatch(rows, counts, ep):
+    """Each token-slot's row (sorted by expert, so by the rank that holds it) to that rank. First the split
+    sizes: an all-to-all of the counts, so that each rank learns how many rows each rank sends to each of its
+    experts; then the rows, an all-to-all of those variable sizes. Returns (the rows received, by source rank
+    then local expert; their counts (ep, experts per rank))."""
+    to_rank = counts.view(ep.size, -1)  # [r, j]: slots for rank r's j-th expert
+    counts_in = torch.empty_like(to_rank)
+    ep.all_to_all_v(counts_in, to_rank, [1] * ep.size, [1] * ep.size, 'split sizes')
+    send, recv = to_rank.sum(1).tolist(), counts_in.sum(1).tolist()  # (the sizes must be on the host)
+    return AllToAll.apply(rows, ep, send, recv, 'dispatch'), counts_in
+
+
+def compute(experts, received, counts_in):
+    """Each expert this rank holds on every row sent to it: its rows from all the source ranks in one batch,
+    the outputs put back in the order the rows came (source rank, then expert)."""
+    n_src, n_local = counts_in.shape
+    sizes = counts_in.tolist()
+    chunks, out = received.split(counts_in.flatten().tolist()), [None] * (n_src * n_local)
+    for j, expert in enumerate(experts):
+        y = expert(torch.cat([chunks[s * n_local + j] for s in range(n_src)]))
+        for s, part in enumerate(y.split([sizes[s][j] for s in range(n_src)])):
+            out[s * n_local + j] = part
+    return torch.cat(out)
+
+
+def combine_back(out, counts_in, send, ep, order, weights):
+    """The experts' outputs back to the ranks their tokens came from (the reverse all-to-all: what came from
+    rank i goes back to rank i, in the order it came), then model.combine: each token's k outputs summed by
+    the router's weights in slot order, the same sum as one process."""
+    back = AllToAll.apply(out, ep, counts_in.sum(1).tolist(), send, 'combine')
+    return combine(back, order, weights)
+
+
+def expert_parallel_forward(moe, experts, ep, x, index, weights):
+    """MoE.experts_forward, expert-parallel: the token-slots sorted by expert exactly as one process sorts
+    them (a stable argsort), dispatched, computed, combined back."""
+    order = index.flatten().argsort(stable=True)  # the token-slots (t*k + j) by expert, in token order
+    counts = torch.bincount(index.flatten(), minlength=moe.n_expert)
+    received, counts_in = dispatch(x[order // moe.k], counts, ep)
+    out = compute(experts, received, counts_in)
+    return combine_back(out, counts_in, counts.view(ep.size, -1).sum(1).tolist(), ep, order, weights)
+
+
+def ep_comms(world_size, rank, ep_size):
+    """The groups, from the grid torch.arange(world).view(world/ep, ep): the ep group is this rank's row
+    (neighbouring ranks: the all-to-alls, the chattiest, stay within a node), the expert-data-parallel group
+    its column (the ranks that hold the same experts). Every rank makes every group (new_group is collective).
+    Returns (ep, edp, dp: the whole world, over which the dense gradients are averaged)."""
+    grid = torch.arange(world_size).view(-1, ep_size)
+    comms = {}
+    for name, lines in (('ep', grid.tolist()), ('edp', grid.t().tolist())):
+        for members in lines:
+            alone, whole = len(members) == 1, len(members) == world_size
+            group = None if alone or whole else dist.new_group(members)
+            if rank in members:
+                comms[name] = Comm(group, name, alone=alone)
+    return comms['ep'], comms['edp'], Comm(None, 'dp', alone=world_size == 1)
+
+
+def cut_experts(model, ep):
+    """train.py's GPT (on the meta device) cut to this rank's part: in every MoE layer the other ep ranks'
+    experts become None (the names of the held ones stay transformer.h.{i}.mlp.experts.{e}), and its
+    experts_forward the expert-parallel one. Returns (dense parameters, expert parameters)."""
+    for moe in (block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)):
+        held = held_experts(moe.n_expert, ep.rank, ep.size)
+        for e in range(moe.n_expert):
+            if e not in held:
+                moe.experts[e] = None
+        experts = [moe.experts[e] for e in held]
+        moe.experts_forward = lambda x, index, weights, moe=moe, experts=experts: \
+            expert_parallel_forward(moe, experts, ep, x, index, weights)
+    expert_ids = {id(p) for name, p in model.named_parameters() if '.mlp.experts.' in name}
+    params = list(model.parameters())
+    return [p for p in params if id(p) not in expert_ids], [p for p in params if id(p) in expert_ids]
+
+
+def sync_gradients(dense, experts, dp, edp):
+    """The dense gradients averaged over every rank (DDP). An expert's gradient on this rank already sums what
+    the tokens of all its ep group sent it, each micro-batch's loss scaled by 1/micro-steps, so summed over
+    the edp replicas it covers every rank's batch once: divided by the world size (not edp's) it is the mean
+    over the global batch, as in one process."""
+    average_gradients(dense, dp)
+    grads = [p.grad for p in experts if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        edp.all_reduce(flat, kind='expert all_reduce')
+        flat /= dp.size
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
+
+
+def clip_grad_norm(dense, experts, ep, max_norm):
+    """clip_grad_norm_ over the whole model: the dense squares counted once, the experts' summed over the ep
+    group (which holds every expert once)."""
+    device = dense[0].device
+    sum_sq = lambda ps: sum((p.grad.float().pow(2).sum() for p in ps if p.grad is not None),
+                            torch.zeros((), device=device))
+    expert_sq = sum_sq(experts)
+    ep.all_reduce(expert_sq, kind='scalars')
+    total = (sum_sq(dense) + expert_sq).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in dense + experts:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def train_step(model, optimizer, batches, ctx, grad_clip, params, comms):
+    """train.py's iteration on this rank's micro-batches (the MoE layers dispatch and combine inside the
+    forward and backward), then the two gradient syncs, the clip over the whole model, AdamW on what this
+    rank holds. Returns the mean loss over the global batch."""
+    (dense, experts), (ep, edp, dp) = params, comms
+    loss_sum = torch.zeros((), device=dense[0].device)
+    for x, y in batches:
+        with ctx:
+            _, loss = model(x, y)
+            loss = loss / len(batches)  # the gradient is the mean over the batch (the ranks average below)
+        loss_sum += loss.detach()
+        loss.backward()
+    sync_gradients(dense, experts, dp, edp)
+    if grad_clip != 0.0:
+        clip_grad_norm(dense, experts, ep, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dp.all_reduce(loss_sum, kind='scalars')
+    return loss_sum.item() / dp.size
+
+
+def build(cfg, vocab_size, ep, rank, world_size):
+    """train.py's GPT on the meta device, cut to this rank's experts and the dense weights, which alone get
+    storage and then train.py's values (init_params, one tensor at a time: the experts of the other ranks
+    are drawn and dropped, so the stream is train.py's) or this rank's checkpoint; AdamW over them.
+    Returns (model, (dense, experts), optimizer, iter_num, best_val_loss, flops_per_token)."""
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
+                                                            gpt2=False, meta=True)
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {world_size} (ep {ep.size} x {world_size // ep.size} "
+                        f"replicas of the experts)", cfg, model.get_num_params()))
+    flops_per_token = model.flops_per_token(cfg.block_size)  # of the whole model (active experts), uncut
+    params = cut_experts(model, ep)
+    materialize(model, cfg.device)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           'cuda' if cfg.device.startswith('cuda') else 'cpu')
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint['model'])
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        set_rng_state(checkpoint['rng'])  # this rank's own dropout stream
+    else:
+        init_params(model.config, cfg.seed, keep_own(model))
+        seed_dropout(cfg.seed, rank)  # every rank its own masks; rank 0 keeps train.py's stream
+    return model, params, optimizer, iter_num, best_val_loss, flops_per_token
+
+
+# -----------------------------------------------------------------------------
+# The checkpoint: every rank its own file (the dense weights and its experts, by their train.py names);
+# consolidate takes the dense weights from rank 0 and each expert from the rank of the first ep group that
+# holds it
+
+RANK_FILE = 'ckpt_ep_rank{}.pt'
+
+
+def rank_file(out_dir, rank):
+    return os.path.join(out_dir, RANK_FILE.format(rank))
+
+
+def rank_checkpoint(model, optimizer, cfg, world_size, iter_num, best_val_loss):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'rng': rng_state(),
+            'param_order': [names[id(p)] for group in optimizer.param_groups for p in group['params']],
+            'ep': cfg.ep, 'world_size': world_size, 'model_args': vars(model.config), 'iter_num': iter_num,
+            'best_val_loss': best_val_loss, 'config': vars(cfg)}
+
+
+def consolidate(out_dir):
+    """The files of the first ep group (ranks 0 .. ep-1, which hold every expert once) joined into train.py's
+    checkpoint dict: each parameter and its AdamW state from the first rank that has it."""
+    ranks = load_world(out_dir, RANK_FILE, load_mmap(rank_file(out_dir, 0))['ep'])
+    model_sd, states = {}, {}
+    for i, r in enumerate(ranks):
+        progress(i + 1, len(ranks), f"consolidating {len(ranks)} expert-parallel ranks")
+        position = {name: j for j, name in enumerate(r['param_order'])}
+        for name, value in r['model'].items():
+            if name not in model_sd:
+                model_sd[name] = value
+                if position.get(name) in r['optimizer']['state']:
+                    states[name] = r['optimizer']['state'][position[name]]
+    return joined_checkpoint(model_sd, states, ranks[0], [ranks[0]['rng']], ranks[0]['config'])
+
+
+def check_config(cfg, world_size):
+    """Every bad input, before any work: one line naming the key, the same on every rank."""
+    if cfg.n_expert == 0:
+        raise SystemExit("error: n_expert=0: a dense model has no experts to split over ep ranks; pass "
+                         "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model "
+                         "with train_ddp.py")
+    model_config(cfg, 256)  # the model's own checks (n_expert_active <= n_expert, ...), one line each
+    data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world
+    if cfg.n_expert % cfg.ep:
+        raise SystemExit(f"error: n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep rank "
+                         f"holds n_expert/ep whole experts of every layer")
+    check_batch(cfg, world_size, world_size)  # every rank is a data-parallel rank
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: dtype must be float32 or bfloat16 for expert_parallel.py, got "
+                         f"{cfg.dtype!r} (float16's GradScaler would need its inf check shared by the ranks)")
+    if cfg.compile:
+        raise SystemExit("error: --compile=True is not supported by expert_parallel.py (the all-to-all's "
+                         "sizes come to the host every layer): pass --compile=False")
+    if cfg.init_from not in ('scratch', 'resume'):
+        raise SystemExit(f"error: init_from must be 'scratch' or 'resume', got {cfg.init_from!r} (GPT-2 is "
+                         f"dense: nothing to split)")
+    saved = load_mmap(rank_file(cfg.out_dir, 0)) if cfg.init_from == 'resume' and \
+        os.path.exists(rank_file(cfg.out_dir, 0)) else None  # (a missing file: init_model says so)
+    if saved is not None and (saved['ep'], saved['world_size']) != (cfg.ep, world_size):
+        raise SystemExit(f"error: init_from=resume: the checkpoint was written with --ep={saved['ep']} on "
+                         f"{saved['world_size']} ranks, this run has --ep={cfg.ep} on {world_size}: resume "
+                         f"with the saved ones, or python consolidate.py {cfg.out_dir} makes one ckpt.pt for "
+                         f"train.py")
+
+
+# -----------------------------------------------------------------------------
+# Measured beside the formulas, on the steps measure.measured_step names (the first, every --measure_every-th)
+
+@contextlib.contextmanager
+def measuring(iter_num, first_iter, cfg, model, optimizer, comms):
+    """The seam between a step and its measuring, a context around train_step: on a measured step the counts
+    start from zero, the wire meter runs, AdamW's step pre-hook sees the gradients held; every other step
+    runs the algorithm alone."""
+    if not measured_step(iter_num, first_iter, cfg.measure_every):
+        yield
+        return
+    for comm in comms:
+        comm.clear()
+    seen, wire = {}, WireMeter()
+    hook = optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=nbytes(
+        p.grad for p in model.parameters() if p.grad is not None)))
+    wire.start()
+    yield
+    wire_bytes = wire.stop()
+    hook.remove()
+    report(iter_num, cfg, model, optimizer, comms, dict(seen, wire_bytes=wire_bytes), wire.why_not)
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def report(iter_num, cfg, model, optimizer, comms, measured, why_not):
+    """A log.jsonl row per rank; rank 0 prints the load of the last micro-batch (tokens per expert and per
+    rank), and each rank's all-to-all bytes, wire bytes and model states, beside the formulas."""
+    (ep, edp, dp), c = comms, model.config
+    a2a = {k: v for k, v in ep.collective_bytes.items() if k.startswith(('dispatch', 'combine'))}  # the rows'
+    moe = [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoE)]
+    experts = sum(p.numel() for m in moe for e in m.experts if e is not None for p in e.parameters())
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    elem = 4  # the rows dispatched are the norm's output: fp32 under autocast too
+    micro = cfg.gradient_accumulation_steps // dp.size
+    uniform = ep_all_to_all_bytes_formula(cfg.batch_size * cfg.block_size, c.n_expert_active, c.n_embd,
+                                          ep.size, elem)
+    held = ep_model_state_bytes_formula(dense, experts * ep.size, ep.size)
+    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
+    rows = log_rank_rows(cfg.out_dir, dict(
+        rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, ep_rank=ep.rank,
+        edp_rank=edp.rank, ep=ep.size, dp=dp.size, tokens_per_expert=model.tokens_per_expert.tolist(),
+        all_to_all_bytes=sum(a2a.values()), all_to_all_bytes_by_kind=a2a,
+        all_to_all_wire_bytes=sum(v for k, v in ep.wire_bytes_formula.items() if k in a2a),
+        all_to_all_bytes_formula=len(moe) * micro * uniform['all_to_all_bytes'],
+        all_to_all_wire_bytes_formula=len(moe) * micro * uniform['wire_bytes'],
+        wire_bytes=measured['wire_bytes'],
+        wire_bytes_counted=sum(sum(m.wire_bytes_formula.values()) for m in comms),
+        param_bytes=nbytes(model.parameters()), grad_bytes=measured.get('grad_bytes'),
+        optim_bytes=nbytes(moments),
+        **{k + '_formula': v for k, v in held.items()}))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tokens = torch.tensor([r['tokens_per_expert'] for r in rows])  # (rank, MoE layer, expert)
+    per_expert = tokens.sum(0)  # all ranks' slots per expert, each MoE layer
+    per_rank = tokens.view(-1, ep.size, *tokens.shape[1:]).sum(1)  # (replica, layer, expert): an ep group's
+    per_rank = per_rank.view(*per_rank.shape[:2], ep.size, -1).sum(-1)  # slots each ep rank computed
+    load = lambda t: (t.max(-1).values / t.float().mean(-1)).max().item()
+    lines = [(f"layer {i} tokens per expert", ', '.join(map(str, n.tolist())), None, None)
+             for i, n in enumerate(per_expert)]
+    lines += [('load max/mean: experts', load(per_expert), None, 1.0),
+              ('load max/mean: ranks', load(per_rank), None, 1.0)]
+    for r in rows:
+        held_now = r['param_bytes'] + (r['grad_bytes'] or 0) + r['optim_bytes']
+        lines += [(f"rank {r['rank']} all-to-all bytes", None, r['all_to_all_bytes'],
+                   r['all_to_all_bytes_formula']),
+                  (f"rank {r['rank']}   of them off-rank", None, r['all_to_all_wire_bytes'],
+                   r['all_to_all_wire_bytes_formula']),
+                  (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['wire_bytes_counted'], None),
+                  (f"rank {r['rank']} model states", held_now, None, sum(held.values()))]
+    print_measured(f"iter {iter_num}: dp {dp.size} = ep {ep.size} x {edp.size} replicas, {c.n_expert} "
+                   f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "
+                   f"(counted at the calls; modelled: uniform routing)", lines,
+                   [f"wire bytes {why_not}"] if why_not else [])
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    check_config(cfg, world_size_from_env())
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    comms = ep_comms(world_size, rank, cfg.ep)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
+    data, vocab_size = load_dataset(cfg.dataset)
+    model, params, optimizer, iter_num, best_val_loss, flops = build(cfg, vocab_size, comms[0], rank,
+                                                                     world_size)
+    writer, first_iter, dp = CheckpointWriter(), iter_num, comms[2]
+
+    def loss_of(x, y):
+        with ctx:
+            return model(x, y)[1]
+
+    def step(it):  # one iteration; measured (measuring) only on the steps measured_step names
+        batches = micro_batches(data, cfg, it, dp.rank, dp.size)
+        with measuring(it, first_iter, cfg, model, optimizer, comms):
+            return train_step(model, optimizer, batches, ctx, cfg.grad_clip, params, comms)
+
+    def save(it, best):
+        writer.save(rank_checkpoint(model, optimizer, cfg, world_size, it, best),
+                    rank_file(cfg.out_dir, rank))
+    training_loop(cfg, SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_of, dp=dp, data=data,
+                                       step=step, save=save, flops_per_token=flops, n_devices=world_size,
+                                       rank=rank), iter_num, best_val_loss)
+    writer.wait()
+    if cfg.sample_at_end and not cfg.eval_only:  # every rank generates: each forward dispatches to the others
+        print_sample(model, cfg, ctx, show=rank == 0)
+    if rank == 0:
+        print(outputs_line(cfg.out_dir, f"ckpt_ep_rank*.pt (each rank's experts and the dense weights: "
+                                        f"resume; python consolidate.py {cfg.out_dir} makes one ckpt.pt)",
+                           *profiled(cfg)))
+    finish_distributed(cfg)
+
+
+if __name__ == '__main__':
+    run_main(main)
