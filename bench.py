@@ -20,6 +20,7 @@ beside the estimate.
 
 import argparse
 import json
+import re
 import os
 import shutil
 import statistics
@@ -205,7 +206,9 @@ def run_row(name, script, flags, nproc, args, runs_dir):
     row = {'wall_s': time.time() - t0, 'command': ' '.join(['python' if c == sys.executable else c for c in cmd])}
     if proc.returncode != 0:
         lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
-        error = next((l for l in reversed(lines) if 'error' in l.lower()), lines[-1] if lines else '')
+        # the script's own line ('[rank r] error: ...', or a traceback's last line), not torchrun's summary
+        ours = [l for l in lines if 'error:' in l or re.match(r'\w+(Error|Exception): ', l.strip())]
+        error = (ours or [l for l in lines if 'error' in l.lower()] or lines[-1:] or [''])[0]
         row['status'] = f'failed (exit {proc.returncode}): {error.strip()[:200]}'
         return row
     row.update(summarize(read_log(out_dir), args.warmup))
@@ -377,6 +380,8 @@ def run_bench(args):
                                        '--compile=True', '--bias=True',
                                        f"--dataset={'shakespeare' if bpe else 'stdlib_char'}"], 1)
     selected = list(rows) if args.rows == 'all' else args.rows.split(',')  # (quick: QUICK_ROWS)
+    if n_gpus == 1 and args.rows == ','.join(QUICK_ROWS):  # one GPU: the single-process rows
+        selected = list(rows)
     unknown = [n for n in selected if n not in rows]
     if unknown:
         raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")

@@ -20,8 +20,8 @@ def is_master():
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-# torch 2.13 named these all_gather_single / reduce_scatter_single and deprecated the old names; requirements.txt
-# allows torch 2.6, which has only the old ones (same arguments). One choice here, for every file.
+# torch 2.13 named these all_gather_single / reduce_scatter_single and deprecated the old names (same
+# arguments); older versions have only the old ones. One choice here, for every file.
 all_gather_single = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
 
 

@@ -244,13 +244,14 @@ def estimate_json(rows):
 def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixed_precision):
     """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision), as
     zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
-    import zero
+    import zero  # (its config keys; the JSON is deepspeed_config.py's)
+    from deepspeed_config import deepspeed_config_of
     cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
     ranks = row['dp'] * row['cp']
     cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
     cfg.batch_size, cfg.gradient_accumulation_steps = micro_batch, n_microbatches * ranks
     cfg.dtype = 'bfloat16' if mixed_precision else 'float32'
-    return zero.deepspeed_config_of(cfg, ranks)
+    return deepspeed_config_of(cfg, ranks)
 
 
 def estimate_markdown(rows, header, n_micro, mixed_precision):
@@ -318,7 +319,7 @@ def largest_divisor(limit, *numbers):
 
 def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     """The torchrun command that runs a planned strategy with this repo's scripts: the script of its idea, its
-    degrees, the micro-batch, and one node of up to 8 GPUs (more: one such command per node, --node_rank=0..)."""
+    degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (the same command on every node; they meet at HOST)."""
     shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp') if row[d] > 1]
     if row['pp'] > 1:  # a pipeline's micro-step is n_micro microbatches of micro_batch sequences
         script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 else 'parallel_4d.py'), [
@@ -336,7 +337,7 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     flags += [f"--dtype={args.dtype}"] + ([f"--block_size={seq_len}"] if args.seq_len else []) + list(overrides)
     gpus = row['gpus_used']
     launch = (f"torchrun --standalone --nproc_per_node={gpus}" if gpus <= 8 else
-              f"torchrun --nnodes={gpus // 8} --nproc_per_node=8 --node_rank=R --rdzv_backend=c10d "
+              f"torchrun --nnodes={gpus // 8} --nproc_per_node=8 --rdzv_backend=c10d "
               f"--rdzv_endpoint=HOST:29500")
     return ' '.join([launch, script, args.estimate] + shape + flags)
 

@@ -1,6 +1,6 @@
 # GPT-2 small (124M) from scratch, nanoGPT's recipe: ~0.5M tokens per iteration (12 sequences x 1024 tokens x 40
 # micro-steps), bfloat16 autocast, torch.compile. Meant for GPUs: one node of 8 GPUs with a data-parallel script,
-#   torchrun --standalone --nproc_per_node=8 ddp.py config/train_gpt2.py
+#   torchrun --standalone --nproc_per_node=8 train_ddp.py config/train_gpt2.py
 # where gradient_accumulation_steps (the global count) is shared out among the ranks: 5 micro-steps each on 8 GPUs.
 # train.py runs the same config on one GPU, 40 micro-steps per iteration.
 # Data: GPT-2 BPE tokens in data/<dataset>/{train,val}.bin. tiny Shakespeare (python data/shakespeare/prepare.py)
