@@ -29,7 +29,10 @@ def deepspeed_config_of(cfg, world_size):
 
 def apply_deepspeed_config(cfg, path, world_size):
     """The common subset of a DeepSpeed JSON config, onto cfg. DeepSpeed's gradient_accumulation_steps is per
-    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. Anything else is an error."""
+    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. Anything else is an error. An
+    empty path (no --deepspeed_config) leaves cfg as it is."""
+    if not path:
+        return cfg
     if not os.path.isfile(path):
         raise SystemExit(f"error: deepspeed_config {path} not found")
     try:
@@ -76,3 +79,11 @@ def apply_deepspeed_config(cfg, path, world_size):
                          f"micro batch × accumulation × world = {cfg.batch_size * cfg.gradient_accumulation_steps}")
     return cfg
 
+
+
+def print_deepspeed_config(cfg, world_size):
+    """--print_ds_config: print this run's DeepSpeed JSON (to take the run to DeepSpeed) and say so (True: the
+    caller stops there). The learning-rate schedule is DeepSpeed's 'scheduler' section: not written here."""
+    if cfg.print_ds_config:
+        print(json.dumps(deepspeed_config_of(cfg, world_size), indent=2))
+    return cfg.print_ds_config

@@ -1,82 +1,80 @@
 """
-ZeRO by hand, stages 0 to 3: data parallelism in which the N data-parallel ranks split the model states
-(parameters, gradients, AdamW state) between them instead of each holding all of them. Every collective is
-written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
+ZeRO by hand, stages 0 to 3 (Rajbhandari et al. 2020): data parallelism in which the N ranks split the model
+states (parameters, gradients, AdamW state) between them instead of each holding all of them. Every collective
+is written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
 
     torchrun --standalone --nproc_per_node=2 zero.py --stage=2
     torchrun --standalone --nproc_per_node=2 zero.py --deepspeed_config=config/ds_zero3.json
-    WORLD_SIZE=8 python zero.py --stage=3 --dtype=bfloat16 --print_ds_config=True   # the same run's ds_config.json
-    python consolidate.py out             # the per-rank shards in out/ -> out/ckpt.pt, a train.py checkpoint
+    WORLD_SIZE=8 python zero.py --stage=3 --dtype=bfloat16 --print_ds_config=True  # this run's ds_config.json
+    python consolidate.py out-zero       # the per-rank shards -> out-zero/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
-stage 1  + optimizer state sharded: rank r keeps AdamW's state (and, in bf16, the fp32 master weights) only for
-           its chunk of each flat bucket; gradients are reduce-scattered, each rank updates its chunk, and the
-           parameters are all-gathered back
+stage 1  + optimizer state sharded: rank r keeps AdamW's state (and, in bf16, the fp32 master weights) only
+           for its chunk of each flat bucket; gradients are reduce-scattered, each rank updates its chunk, and
+           the parameters are all-gathered back
 stage 2  + gradients sharded: each bucket is reduce-scattered as soon as backward has filled it and the
            full-size gradients are freed, so a rank only ever keeps its gradient chunk
 stage 3  + parameters sharded: a block's parameters are all-gathered just before its forward and again just
            before its backward, and freed after each
 
-What each stage does is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced
-them) and publish_stage_S (the updated chunk, back into the model's parameters). The update is torch.optim.AdamW's,
-element by element, so every stage trains the same numbers as train.py. The first iteration is measured: the
-bytes each rank holds (at rest and at the peak of the step) and sends, beside the ZeRO paper's formulas
-(Rajbhandari et al. 2020). Diff it against train.py.
+What each stage does is two functions below: reduce_stage_S (a bucket's gradients, once backward has
+produced them) and publish_stage_S (the updated chunk, back into the model's parameters). The update is
+AdamW's, element by element, so every stage trains train.py's numbers. A measured step (the first, every
+--measure_every-th) reports the bytes each rank holds (at rest, at the step's peak) and sends, beside the
+paper's formulas.
 """
 
-import json
 import math
 import os
-from collections import defaultdict
+from collections import Counter
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from deepspeed_config import apply_deepspeed_config, deepspeed_config_of
+from deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from formulas import model_state_bytes_formula
 from model import init_values, load_params, param_groups
-from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, log_rank_rows, micro_batches, outputs_line, print_sample, profiled,
-                      progress, run_main, run_shape, should_evaluate, should_save)
+from training import (autocast_context, check_batch, config_defaults, configure, get_lr, load_dataset,
+                      log_rank_rows, micro_batches, outputs_line, print_sample, profiled, progress, run_main,
+                      run_shape, training_loop)
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
 from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from measure import StepProfiler, WireMeter
+from measure import WireMeter, measured_step, print_measured
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
-init_from = 'scratch'           # 'scratch' or 'resume' (out_dir's rank shards, else a train.py out_dir/ckpt.pt)
+out_dir = 'out-zero'            # each script its own folder: runs never overwrite one another
+init_from = 'scratch'           # 'scratch' or 'resume' (out_dir's rank shards, else a train.py ckpt.pt there)
+dist_timeout = 60               # seconds before a rank gives up on a dead peer
+measure_every = 0               # measure and report every this many steps too; 0: the first step only
 # ZeRO
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
-offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state in host memory, updated there
-prefetch_blocks = 1             # stage 3: gather this many blocks ahead while a block computes (0: just in time)
+offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state on the host, updated
+prefetch_blocks = 1             # stage 3: gather this many blocks ahead while one computes (0: just in time)
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
-print_ds_config = False         # print the DeepSpeed JSON config of this run (to take it to DeepSpeed), then exit
-dist_timeout = 60               # seconds before a rank gives up on a dead peer
+print_ds_config = False         # print this run's DeepSpeed JSON config (to take it to DeepSpeed), then exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 
 
-# -----------------------------------------------------------------------------
-# The buckets: flat buffers that one collective moves at once
-
-
 class Bucket:
-    """Some parameters laid end to end in one flat buffer, padded to a multiple of N when sharded, so that one
-    collective moves all of them and rank r owns the contiguous chunk [r·S, (r+1)·S), S = padded/N. Each
-    parameter's .data becomes a view of the flat buffer, so a gather into the buffer is a gather into the model.
-
-    The buffers of each stage (P = padded elements, S = P/N, W = the working dtype: fp32, or bf16 in mixed
-    precision; in fp32 `master` is `shard` itself, in bf16 an fp32 copy):
-                    stage 0              stage 1              stage 2                 stage 3
-      flat (W)      P, the parameters    P                    P                       P while gathered, else 0 B
-      shard (W)     = flat               S, a view of flat    S, a view of flat       S, its own: the parameters
-      master (fp32) P                    S                    S                       S
-      grad_flat (W) P, p.grad its views  P, p.grad its views  -                       -
-      filling (W)   -                    -                    P, while backward fills it and the reduce runs
-      grad_shard(W) -                    S, from the reduce   S, sums the micro-steps S, sums the micro-steps
+    """Some parameters laid end to end in one flat buffer, padded to a multiple of N when sharded, so that
+    one collective moves all of them and rank r owns the contiguous chunk [r·S, (r+1)·S), S = padded/N. Each
+    parameter's .data becomes a view of the flat buffer, so a gather into the buffer is a gather into the
+    model. The buffers of each stage (P = padded elements, S = P/N, W = the working dtype: fp32, or bf16 in
+    mixed precision; in fp32 `master` is `shard` itself, in bf16 an fp32 copy):
+                    stage 0             stage 1             stage 2                stage 3
+      flat (W)      P, the parameters   P                   P                      P while gathered, else 0 B
+      shard (W)     = flat              S, a view of flat   S, a view of flat      S, its own: the parameters
+      master (fp32) P                   S                   S                      S
+      grad_flat (W) P, p.grad its views P, p.grad its views -                      -
+      filling (W)   -                   -                   P, while backward fills it and the reduce runs
+      grad_shard(W) -                   S, from the reduce  S, sums the micro-steps S, sums the micro-steps
     """
 
     def __init__(self, names, params, decay, rank, world_size, stage, dtype, device, offload=False):
@@ -84,18 +82,19 @@ class Bucket:
         self.shapes = [tuple(p.shape) for p in params]
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.numel = sum(p.numel() for p in params)
-        sharded = stage >= 1
-        self.padded = math.ceil(self.numel / world_size) * world_size if sharded else self.numel
-        self.shard_numel = self.padded // world_size if sharded else self.numel
-        self.lo = rank * self.shard_numel if sharded else 0
+        n, r = (world_size, rank) if stage >= 1 else (1, 0)  # stage 0: every rank's chunk is the whole bucket
+        self.padded = math.ceil(self.numel / n) * n
+        self.shard_numel = self.padded // n
+        self.lo = r * self.shard_numel
         on_meta = params[0].is_meta  # built on the meta device: the values come later (Zero.set_param_values)
-        flat32 = torch.zeros(self.padded, device=device) if on_meta else self.flatten([p.detach().float() for p in
-                                                                                       params], device)
-        # a chunk spans both AdamW groups (and padding): the decayed parameters are ranges of this rank's chunk
+        flat32 = torch.zeros(self.padded, device=device)
+        for p, view in zip(params, self.views(flat32) if not on_meta else ()):
+            view.copy_(p.detach())
+        # a chunk spans both AdamW groups (and padding): the decayed parameters are ranges of this chunk
         self.decay_ranges = self.owned_ranges([id(p) in decay for p in params])
         self.flat = flat32.to(dtype)  # (flat32 itself in fp32)
         for p, view in zip(params, self.views(self.flat)):
-            if on_meta:  # (a meta tensor's .data cannot be set: the Parameter is swapped, in place, for the view)
+            if on_meta:  # (a meta tensor's .data cannot be set: the Parameter is swapped for the view)
                 torch.utils.swap_tensors(p, nn.Parameter(view))
             else:
                 p.data = view
@@ -103,29 +102,22 @@ class Bucket:
         self.master = self.owned(flat32) if dtype == torch.float32 else self.owned(flat32).clone()
         if stage == 3 and dtype == torch.float32:
             self.master = self.shard
-        self.grad_host = None
-        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) in host memory, and a
-            self.master = host_copy(self.master)  # host buffer that receives the reduced gradients chunk
+        self.grad_host = self.grad_flat = self.filling = self.grad_shard = None
+        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) in host memory,
+            self.master = host_copy(self.master)  # and a host buffer that receives the reduced gradient chunk
             self.grad_host = host_copy(torch.zeros(self.shard_numel, dtype=dtype))
-        self.grad_flat = self.filling = self.grad_shard = None
         if stage <= 1:
             self.grad_flat = torch.zeros(self.padded, dtype=dtype, device=device)
             for p, view in zip(params, self.views(self.grad_flat)):
                 p.grad = view  # autograd accumulates into an existing .grad in place: it stays a view
-        if stage >= 2:
+        else:
             self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
-        self.ready = 0              # parameters whose gradient backward has produced this micro-step
-        self.gathered = True        # stage 3: whether flat holds the parameters now
-        self.gathering = None       # stage 3: the all-gather filling flat, posted and not yet waited for
-        self.in_backward = False    # stage 3: the block's backward has begun (a recompute must not free it)
+        self.ready = 0  # parameters whose gradient backward has produced this micro-step
+        # stage 3: whether flat holds the parameters now; the gather filling it (posted, not yet waited for);
+        # whether the block's backward has begun (a recompute must not free it then)
+        self.gathered, self.gathering, self.in_backward = True, None, False
         if stage == 3:
             free(self)  # at rest a rank keeps only its chunk: the full buffer exists for one bucket at a time
-
-    def flatten(self, tensors, device):
-        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=device)
-        for t, off in zip(tensors, self.offsets):
-            flat[off:off + t.numel()] = t.reshape(-1)
-        return flat
 
     def views(self, flat):
         return [flat[off:off + math.prod(s)].view(s) for off, s in zip(self.offsets, self.shapes)]
@@ -133,33 +125,32 @@ class Bucket:
     def owned(self, flat):
         return flat[self.lo:self.lo + self.shard_numel]
 
+    def owned_part(self, i):
+        """Where parameter i meets this rank's chunk: (start, end) in the chunk, and where that is in i."""
+        off = self.offsets[i]
+        lo, hi = max(off, self.lo), min(off + math.prod(self.shapes[i]), self.lo + self.shard_numel)
+        return lo - self.lo, hi - self.lo, lo - off
+
     def copy_owned(self, i, values, chunk):
-        """The part of parameter i's whole values that falls in this rank's chunk, copied into chunk (a tensor of
-        the chunk's size); nothing else of values is read."""
-        off, n = self.offsets[i], math.prod(self.shapes[i])
-        lo, hi = max(off, self.lo), min(off + n, self.lo + self.shard_numel)
-        if lo < hi:
-            chunk[lo - self.lo:hi - self.lo].copy_(values.reshape(-1)[lo - off:hi - off])
+        """The part of parameter i's whole values in this rank's chunk, into chunk (nothing else is read)."""
+        start, end, at = self.owned_part(i)
+        if start < end:
+            chunk[start:end].copy_(values.reshape(-1)[at:at + end - start])
 
     def owned_ranges(self, flags):
         """(start, end) within this rank's chunk of the part of each flagged parameter that falls in it."""
-        ranges = []
-        for flag, off, shape in zip(flags, self.offsets, self.shapes):
-            start, end = max(off, self.lo) - self.lo, min(off + math.prod(shape), self.lo + self.shard_numel) - self.lo
-            if flag and start < end:
-                ranges.append((start, end))
-        return ranges
+        parts = [self.owned_part(i)[:2] for i, flag in enumerate(flags) if flag]
+        return [(start, end) for start, end in parts if start < end]
 
 
 def host_copy(t):
-    """A copy of t in host memory, pinned when there is a GPU (so the copies to and from it run asynchronously)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return host.copy_(t)
+    """A copy of t in host memory, pinned when there is a GPU (copies to and from it run asynchronously)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available()).copy_(t)
 
 
 class ShardedAdamW:
     """torch.optim.AdamW's update (decoupled weight decay, bias correction, eps added after the square root),
-    written once for any flat fp32 tensors: here, this rank's chunks. Element for element what torch computes."""
+    written once for any flat fp32 tensors: here, this rank's chunks. Element for element torch's numbers."""
 
     def __init__(self, masters, decay_ranges, weight_decay, betas, eps):
         self.masters, self.decay_ranges = masters, decay_ranges
@@ -185,52 +176,37 @@ class ShardedAdamW:
 
 
 # -----------------------------------------------------------------------------
-# The all-gather, written with point-to-point calls. gloo's all-gather (all_gather_into_tensor, or all_gather into
-# a list) receives into a full-size temporary of its own and then copies it out: with a 50 MB block that is 50 MB
-# more at the peak, per gather in flight. Its send and recv use the tensor's own memory, so here each rank sends
-# its chunk straight to every other rank and receives theirs straight into their slots of `full`: the same bytes
-# on the wire as a ring ((N-1)/N of full per rank), every transfer posted at once, and nothing allocated.
-
-
-class Works:
-    """The sends and receives of one all-gather: wait() waits for all of them (as a collective's work does)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-
+# The two collectives, as gloo's memory needs them. gloo's all-gather receives into a full-size temporary of
+# its own and copies it out: with a 50 MB block, 50 MB more at the peak per gather in flight. Its send/recv
+# use the tensor's own memory, so each rank sends its chunk straight to every other rank and receives theirs
+# straight into their slots of `full`: a ring's bytes ((N-1)/N of full per rank), all posted at once, and no
+# temporary.
 
 def all_gather_direct(comm, full, shard, tag):
-    """full (contiguous, N equal chunks) = every rank's shard in rank order, asynchronously: returns a Works.
-    tag keeps apart the gathers in flight at once (a bucket's index: one gather per bucket at a time)."""
+    """full (contiguous, N equal chunks) = every rank's shard in rank order, posted asynchronously: returns
+    the works of the sends and receives. tag keeps apart the gathers in flight at once (one per bucket)."""
+    full.chunk(comm.size)[comm.rank].copy_(shard)
     if comm.size == 1:
-        full.copy_(shard)
-        return None
-    comm.count('all_gather', full)  # counted as the all-gather it is (the ring formula's bytes: see above)
-    chunks = full.chunk(comm.size)
-    if chunks[comm.rank].data_ptr() != shard.data_ptr():  # (stages 1-2: the chunk is already in place)
-        chunks[comm.rank].copy_(shard)
+        return []
+    comm.count('all_gather', full)  # counted as the all-gather it is
     works = []
     for peer in range(comm.size):
         if peer != comm.rank:
-            peer_rank = comm.global_rank(peer)
-            works.append(torch.distributed.isend(shard, peer_rank, group=comm.group, tag=tag))
-            works.append(torch.distributed.irecv(chunks[peer], peer_rank, group=comm.group, tag=tag))
-    return Works(works)
+            to = comm.global_rank(peer)
+            works += [dist.isend(shard, to, group=comm.group, tag=tag),
+                      dist.irecv(full.chunk(comm.size)[peer], to, group=comm.group, tag=tag)]
+    return works
 
 
 def reduce_scatter_of(comm, full):
-    """This rank's chunk of the sum over ranks of full (N equal chunks), asynchronously: returns (work, chunk).
-    gloo's reduce-scatter is an all-reduce of a full-size clone of its input, then a copy of the chunk out. full
-    is thrown away after this, so on gloo it is all-reduced in place and the chunk is a view of it: the bytes gloo
-    sends anyway, and no temporary. Other backends (NCCL) have a true reduce-scatter, which sends half as much."""
-    if comm.size > 1 and torch.distributed.get_backend(comm.group) == 'gloo':
+    """This rank's chunk of the sum over ranks of full (N equal chunks), asynchronously: returns (work,
+    chunk). gloo's reduce-scatter is an all-reduce of a full-size clone of its input, then a copy of the chunk
+    out. full is thrown away after this, so on gloo it is all-reduced in place and the chunk is a view of it:
+    the bytes gloo sends anyway, and no temporary. Other backends (NCCL) have a true reduce-scatter, which
+    sends half as much."""
+    if comm.size > 1 and dist.get_backend(comm.group) == 'gloo':
         comm.count('reduce_scatter', full)  # counted as the reduce-scatter the algorithm asks for
-        work = torch.distributed.all_reduce(full, group=comm.group, async_op=True)
-        return work, full.chunk(comm.size)[comm.rank]
+        return dist.all_reduce(full, group=comm.group, async_op=True), full.chunk(comm.size)[comm.rank]
     out = torch.empty(full.numel() // comm.size, dtype=full.dtype, device=full.device)
     return comm.reduce_scatter(out, full, async_op=True), out
 
@@ -247,22 +223,23 @@ def reduce_stage_0(z, b):
 
 
 def reduce_stage_1(z, b):
-    """Every rank keeps the full gradients (they accumulate over micro-steps in grad_flat), but it updates only
-    its chunk: a reduce-scatter gives it that chunk of the average, for half an all-reduce's bytes."""
+    """Every rank keeps the full gradients (they accumulate over micro-steps in grad_flat), but it updates
+    only its chunk: a reduce-scatter gives it that chunk of the average, for half an all-reduce's bytes."""
     b.grad_shard = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
     b.grad_flat.div_(z.world_size)
     z.in_flight.append((z.comm.reduce_scatter(b.grad_shard, b.grad_flat, async_op=True), None, None, b))
 
 
 def reduce_stage_2(z, b):
-    """The full-size gradients exist only in the bucket's `filling` buffer, from the moment backward produces the
-    first of them until this reduce-scatter has sent it: then only this rank's chunk of the sum is kept, added to
-    grad_shard (micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
+    """The full-size gradients exist only in the bucket's `filling` buffer, from the moment backward produces
+    the first of them until this reduce-scatter has sent it: then only this rank's chunk of the sum is kept,
+    added to grad_shard (micro-steps sum there). One bucket in flight at a time bounds the full-size
+    gradients."""
     finish_in_flight(z)
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
     b.filling = None  # (zeros: a bucket whose parameters got no gradient)
     full.div_(z.world_size)
-    z.in_flight.append((None, full, None, b))  # listed before the call, so a memory sample taken there sees it
+    z.in_flight.append((None, full, None, b))  # listed before the call: a memory sample taken there sees it
     work, out = reduce_scatter_of(z.comm, full)  # out: this rank's chunk of the sum (on gloo, a view of full)
     z.in_flight[-1] = (work, full, out, b)
 
@@ -280,8 +257,8 @@ def finish_in_flight(z):
         if out is not None:
             b.grad_shard.add_(out)
         if b.grad_host is not None and z.last_micro_step:
-            # ZeRO-Offload: this bucket's reduced gradients go to the host now, while backward goes on with the
-            # next buckets (an asynchronous copy into pinned memory on a GPU), not all at once in the step
+            # ZeRO-Offload: this bucket's reduced gradients go to the host now, while backward goes on with
+            # the next buckets (an asynchronous copy into pinned memory on a GPU), not all at once in the step
             b.grad_host.copy_(b.grad_flat if z.stage == 0 else b.grad_shard, non_blocking=True)
     z.in_flight = []
 
@@ -309,49 +286,47 @@ def publish_stage_3(z, b):
 
 # -----------------------------------------------------------------------------
 # Stage 3: a block's parameters gathered just before it runs, freed just after. With prefetch_blocks = k the
-# gathers of the next k blocks (in forward order during forward, in backward order during backward) are posted
-# while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait moves off the critical path, and
-# k more blocks' parameters are held at the peak.
-
+# gathers of the next k blocks (in forward order during forward, in backward order during backward) are
+# posted while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait moves off the critical
+# path, and k more blocks' parameters are held at the peak.
 
 def start_gather(z, b):
     """Give the bucket its full storage back and post the all-gather into it (asynchronously)."""
-    if b.gathered or b.gathering is not None:
-        return
-    b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
-    # write through .data: the gather is not an autograd in-place op on the views saved for backward
-    b.gathering = all_gather_direct(z.comm, b.flat.data, b.shard, tag=z.buckets.index(b))
+    if not b.gathered and b.gathering is None:
+        b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
+        # write through .data: the gather is not an autograd in-place op on the views saved for backward
+        b.gathering = all_gather_direct(z.comm, b.flat.data, b.shard, tag=z.buckets.index(b))
 
 
-def gather(z, b):
-    """The bucket's parameters, complete: posted now unless a prefetch already did, and waited for."""
+def gather(z, b, order=()):
+    """The bucket's parameters, complete (posted now unless a prefetch did, and waited for); then the gathers
+    of the prefetch_blocks buckets after b in `order` posted."""
     start_gather(z, b)
-    if b.gathering is not None:
-        b.gathering.wait()
-        b.gathering = None
+    wait_gather(b)
     b.gathered = True
-
-
-def prefetch(z, order, b):
-    """Post the gathers of the prefetch_blocks buckets that come after b in `order`."""
-    i = order.index(b)
+    i = order.index(b) if b in order else len(order)
     for nxt in order[i + 1:i + 1 + z.prefetch_blocks]:
         start_gather(z, nxt)
+
+
+def wait_gather(b):
+    for work in b.gathering or ():
+        work.wait()
+    b.gathering = None
 
 
 def free(b):
     # the views (p.data) and the tensors autograd saved keep pointing at this storage; it just holds no bytes
     # until the next gather refills it
-    if b.gathering is not None:
-        b.gathering.wait()
-        b.gathering = None
+    wait_gather(b)
     b.flat.untyped_storage().resize_(0)
     b.gathered = False
 
 
 class GatherBeforeBackward(torch.autograd.Function):
-    """Identity in forward, put on a block's output. Every node of the block's backward hangs below that output,
-    so this backward runs first: the place to all-gather the block's parameters again, just in time."""
+    """Identity in forward, put on a block's output. Every node of the block's backward hangs below that
+    output, so this backward runs first: the place to all-gather the block's parameters again, just in
+    time."""
 
     @staticmethod
     def forward(ctx, x, z, bucket):
@@ -360,18 +335,9 @@ class GatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        z, b = ctx.z, ctx.bucket
-        b.in_backward = True
-        gather(z, b)
-        if b in z.block_buckets:  # the blocks run backward in the buckets' order
-            prefetch(z, z.block_buckets, b)
+        ctx.bucket.in_backward = True
+        gather(ctx.z, ctx.bucket, ctx.z.block_buckets)  # the blocks run backward in the buckets' order
         return grad, None, None
-
-
-def before_forward(z, b):
-    gather(z, b)
-    if not b.in_backward:  # (not a recomputation inside backward: the blocks after this one come next)
-        prefetch(z, z.block_buckets[::-1], b)
 
 
 def after_forward(z, b, out):
@@ -384,68 +350,64 @@ def after_forward(z, b, out):
 
 
 def install_stage_3_hooks(z, model):
-    """Each block gathers its bucket before its forward and frees it after; the root bucket (embeddings, final
-    norm, head) is gathered for the whole model's forward."""
+    """Each block gathers its bucket before its forward (and, unless it is a recomputation inside backward,
+    prefetches the blocks after it) and frees it after; the root bucket (embeddings, final norm, head) is
+    gathered for the whole model's forward."""
     *z.block_buckets, root = z.buckets  # in backward order: the last block's first
-    for block, b in zip(model.transformer.h, z.block_buckets[::-1]):
-        block.register_forward_pre_hook(lambda m, args, b=b: before_forward(z, b))
-        block.register_forward_hook(lambda m, args, out, b=b: after_forward(z, b, out))
-
-    def after_model_forward(m, args, out):
-        logits, loss = out
-        return logits, after_forward(z, root, loss)
-
+    forward = z.block_buckets[::-1]
+    for block, b in zip(model.transformer.h, forward):
+        # (a recomputation inside backward prefetches nothing: the blocks after it have run backward)
+        block.register_forward_pre_hook(lambda m, a, b=b: gather(z, b, () if b.in_backward else forward))
+        block.register_forward_hook(lambda m, a, out, b=b: after_forward(z, b, out))
     model.register_forward_pre_hook(lambda m, args: gather(z, root))
-    model.register_forward_hook(after_model_forward)
-
-
-# -----------------------------------------------------------------------------
-# The engine: buckets, the hooks that reduce gradients as backward produces them, the step
+    model.register_forward_hook(lambda m, args, out: (out[0], after_forward(z, root, out[1])))
 
 
 def return_freed_buffers_to_the_os(threshold=1 << 20):
-    """glibc's malloc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap, and free gives it back
-    to the OS. But the threshold is dynamic: each such block freed raises it to the block's size (up to 32 MB), and
-    from then on blocks under it come from the heap, whose freed pages stay resident. ZeRO frees and reallocates
-    block-sized buffers all through a step (gathered parameters, gradient buckets, autograd's gradients), so the
-    heap grew step after step: with 4 ranks on a 100 MB model the resident peak rose 2.0-2.4x what the rank's
-    tensors were. A fixed threshold turns the dynamic one off: buffers of 1 MB or more are mapped and unmapped
-    with their tensors, smaller ones (most activations of a small model) stay on the fast heap."""
+    """glibc's malloc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap, and free gives it
+    back to the OS. But the threshold is dynamic: each such block freed raises it to the block's size (up to
+    32 MB), and from then on blocks under it come from the heap, whose freed pages stay resident. ZeRO frees
+    and reallocates block-sized buffers all through a step, so the heap grew step after step (4 ranks, a 100
+    MB model: a resident peak 2.0-2.4x the rank's tensors). A fixed threshold turns the dynamic one off:
+    buffers of 1 MB or more are mapped and unmapped with their tensors, smaller ones stay on the fast heap."""
     import ctypes  # (here, not at the top: only glibc has mallopt)
     try:
-        libc = ctypes.CDLL('libc.so.6')
+        ctypes.CDLL('libc.so.6').mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD, glibc's malloc.h
     except OSError:
-        return  # not glibc (macOS, musl): their allocators do not keep a dynamic threshold
-    M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-    libc.mallopt(M_MMAP_THRESHOLD, threshold)
+        pass  # not glibc (macOS, musl): their allocators do not keep a dynamic threshold
 
+
+# -----------------------------------------------------------------------------
+# The engine: the buckets, the hook that reduces them as backward fills them, the clip and the step
 
 class Zero:
-    """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ between stages."""
+    """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ by stage."""
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
                  device=None, offload=False, prefetch_blocks=0):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
         return_freed_buffers_to_the_os()
-        self.prefetch_blocks = prefetch_blocks
-        self.dtype, self.device = dtype, device or next(model.parameters()).device
+        self.prefetch_blocks, self.dtype = prefetch_blocks, dtype
+        self.device = device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
         self.publish = (publish_stage_0, publish_stage_1, publish_stage_2, publish_stage_3)[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
-        self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage, dtype,
-                               self.device, offload) for group in bucket_groups(model, stage, bucket_size)]
+        self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage,
+                               dtype, self.device, offload)
+                        for group in bucket_groups(model, stage, bucket_size)]
         self.numel = sum(b.numel for b in self.buckets)
         self.where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self.grad_ready(b, i, p))
-        self.optimizer = ShardedAdamW([b.master for b in self.buckets], [b.decay_ranges for b in self.buckets],
-                                      weight_decay, betas, eps)
+        self.optimizer = ShardedAdamW([b.master for b in self.buckets],
+                                      [b.decay_ranges for b in self.buckets], weight_decay, betas, eps)
         if stage == 3:
             install_stage_3_hooks(self, model)
-        self.last_micro_step = True  # stages 0-1 reduce only then (gradients accumulate locally); 2-3 at every one
-        self.next_bucket = 0       # buckets are reduced in order, so every rank issues the same collectives
-        self.in_flight = []        # (work, full buffer, output, bucket) of reductions not yet waited for
+        self.last_micro_step = True  # stages 0-1 reduce only then (gradients accumulate locally); 2-3 at each
+        self.next_bucket = 0         # buckets are reduced in order, so every rank issues the same collectives
+        self.in_flight = []          # (work, full buffer, output, bucket) of reductions not yet waited for
+        self.sample = lambda: None  # a measured step's held-bytes sampler (nothing on any other step)
 
     def grad_ready(self, b, i, p):
         """post_accumulate_grad hook: p.grad now holds this micro-step's full gradient of p."""
@@ -455,8 +417,7 @@ class Zero:
         if self.stage >= 2:  # into the bucket's buffer, and freed at once: no full-size gradients outside it
             if b.filling is None:
                 b.filling = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-                if self.comm.observe is not None:  # a measured step: sampled here too, as the step's peak is
-                    self.comm.observe()  # here, with the bucket before still in flight, not at a collective
+                self.sample()  # the step's peak is here (the bucket before still in flight), not at a call
             b.views(b.filling)[i].copy_(p.grad)
             p.grad = None
         # reduce in bucket order (a bucket may fill early; the collectives must match across ranks)
@@ -466,14 +427,14 @@ class Zero:
             self.next_bucket += 1
 
     def finish_backward(self):
-        """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients), then
-        wait for every collective still running, as the step needs their results."""
+        """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients),
+        then wait for every collective still running, as the step needs their results."""
         if self.stage >= 2 or self.last_micro_step:
             for b in self.buckets[self.next_bucket:]:
                 self.reduce(self, b)
             finish_in_flight(self)
             if self.buckets[0].grad_host is not None and torch.cuda.is_available():
-                torch.cuda.synchronize()  # offload: the gradients' copies must land before the host reads them
+                torch.cuda.synchronize()  # offload: the gradients' copies land before the host reads them
         for b in self.buckets:
             b.ready = 0
             if self.stage == 3:
@@ -482,23 +443,24 @@ class Zero:
         self.next_bucket = 0
 
     def grads(self):
-        """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise; with offload their
-        copies on the host."""
+        """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise (offload: on
+        the host)."""
         return [b.grad_host if b.grad_host is not None else b.grad_flat if self.stage == 0 else b.grad_shard
                 for b in self.buckets]
 
     def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
         """torch.nn.utils.clip_grad_norm_ over the whole model: each rank sums the squares of its chunks, one
-        all-reduce of that scalar gives the global norm (padding is zero and adds nothing). Inside a larger grid
-        (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the model), and
-        weights {id(parameter): w} count a parameter that several of them hold w times each (1/tp, or 0)."""
+        all-reduce of that scalar gives the global norm (padding is zero and adds nothing). Inside a larger
+        grid (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the model),
+        and weights {id(parameter): w} count a parameter that several of them hold w times each (1/tp, or
+        0)."""
         sq = torch.zeros((), device=self.device)
         for b, g in zip(self.buckets, self.grads()):
             g2 = g.float().pow(2)
-            for p in b.params:
+            for j, p in enumerate(b.params):
                 if weights is not None and weights.get(id(p), 1.0) != 1.0:
-                    for start, end in b.owned_ranges([q is p for q in b.params]):
-                        g2[start:end] *= weights[id(p)]
+                    start, end, _ = b.owned_part(j)
+                    g2[start:max(start, end)] *= weights[id(p)]
             sq += g2.sum()
         for comm in ([self.comm] if self.stage >= 1 else []) + list(other_comms):
             comm.all_reduce(sq, kind='scalars')
@@ -512,22 +474,24 @@ class Zero:
     def step(self, lr):
         """AdamW on this rank's chunks, then the parameters published; the gradients start again from zero."""
         self.optimizer.step(self.grads(), lr)
-        for work in [self.publish(self, b) for b in self.buckets]:
-            if work is not None:
-                work.wait()
+        self.publish_all()
         for b in self.buckets:
             if self.stage <= 1:
                 b.grad_flat.zero_()
-            if self.stage == 1:
-                b.grad_shard = None
-            if self.stage >= 2:
+                b.grad_shard = None  # (stage 1: the next reduce-scatter makes a new one)
+            else:
                 b.grad_shard.zero_()
+
+    def publish_all(self):
+        for work in [self.publish(self, b) for b in self.buckets]:  # every gather posted, then waited for
+            if work is not None:
+                work.wait()
 
     @torch.no_grad()
     def set_param_values(self, name, values):
-        """The values of one whole parameter (init_params calls it with each in turn, for a model built on the meta
-        device): the part in this rank's chunk goes to the fp32 master (and in stage 3 the shard), and in stages
-        0-2, where every rank holds all the parameters, the whole of it to the model's flat buffer."""
+        """The values of one whole parameter (init_params calls it with each in turn, for a model built on the
+        meta device): the part in this rank's chunk goes to the fp32 master (and in stage 3 the shard), and in
+        stages 0-2, where every rank holds all the parameters, the whole of it to the model's flat buffer."""
         if name not in self.where:
             return  # (a second name of a tied weight)
         b, i = self.where[name]
@@ -539,22 +503,20 @@ class Zero:
 
     # checkpoints: this rank's chunks of the fp32 weights and AdamW's moments, and where they sit in the model
     def state_dict(self):
-        return {'stage': self.stage, 'world_size': self.world_size, 'rank': self.rank,
-                'layout': [{'names': b.names, 'shapes': b.shapes, 'numel': b.numel, 'lo': b.lo} for b in self.buckets],
-                'master': self.optimizer.masters, 'exp_avg': self.optimizer.exp_avg,
-                'exp_avg_sq': self.optimizer.exp_avg_sq, 'step': self.optimizer.step_count}
+        opt = self.optimizer
+        return {'stage': self.stage, 'world_size': self.world_size, 'rank': self.rank, 'step': opt.step_count,
+                'layout': [{'names': b.names, 'shapes': b.shapes, 'numel': b.numel, 'lo': b.lo}
+                           for b in self.buckets],
+                'master': opt.masters, 'exp_avg': opt.exp_avg, 'exp_avg_sq': opt.exp_avg_sq}
 
     @torch.no_grad()
     def load_state_dict(self, sd):
         opt = self.optimizer
-        for i in range(len(self.buckets)):
-            for mine, saved in ((opt.masters[i], sd['master'][i]), (opt.exp_avg[i], sd['exp_avg'][i]),
-                                (opt.exp_avg_sq[i], sd['exp_avg_sq'][i])):
-                mine.copy_(saved)
+        for mine, saved in zip(opt.masters + opt.exp_avg + opt.exp_avg_sq, sd['master'] + sd['exp_avg'] +
+                               sd['exp_avg_sq']):
+            mine.copy_(saved)
         opt.step_count = sd['step']
-        for work in [self.publish(self, b) for b in self.buckets]:
-            if work is not None:
-                work.wait()
+        self.publish_all()
 
     @torch.no_grad()
     def load_torch_optimizer(self, osd):
@@ -562,40 +524,36 @@ class Zero:
         order = [p for g in param_groups(self.model, self.optimizer.weight_decay) for p in g['params']]
         index = {id(p): i for i, p in enumerate(order)}
         opt = self.optimizer
-        for i, b in enumerate(self.buckets):
-            for key, mine in (('exp_avg', opt.exp_avg[i]), ('exp_avg_sq', opt.exp_avg_sq[i])):
-                for j, p in enumerate(b.params):  # only the part in this rank's chunk is read
-                    b.copy_owned(j, osd['state'][index[id(p)]][key], mine)
+        for b, m, v in zip(self.buckets, opt.exp_avg, opt.exp_avg_sq):
+            for j, p in enumerate(b.params):  # only the part in this rank's chunk is read
+                b.copy_owned(j, osd['state'][index[id(p)]]['exp_avg'], m)
+                b.copy_owned(j, osd['state'][index[id(p)]]['exp_avg_sq'], v)
         opt.step_count = int(osd['state'][0]['step'])
 
 
 def bucket_groups(model, stage, bucket_size):
-    """(name, parameter) groups in the order backward produces their gradients: the reverse of the model's order
-    (the tied token embedding, first in the model, gets its last contribution last). Stage 3: one group per
-    block, and one for the rest (embeddings, final norm, head), which the whole model uses."""
+    """(name, parameter) groups in the order backward produces their gradients: the reverse of the model's
+    order (the tied token embedding, first in the model, gets its last contribution last). Stage 3: one group
+    per block, and one for the rest (embeddings, final norm, head), which the whole model uses."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if stage == 3:
         blocks = [list(block.named_parameters(prefix=f'transformer.h.{i}'))
                   for i, block in enumerate(model.transformer.h)]
         in_blocks = {id(p) for group in blocks for _, p in group}
         return blocks[::-1] + [[(n, p) for n, p in named if id(p) not in in_blocks]]
-    groups, group = [], []
+    groups = [[]]
     for n, p in reversed(named):
-        group.append((n, p))
-        if sum(q.numel() for _, q in group) >= bucket_size:
-            groups.append(group)
-            group = []
-    return groups + ([group] if group else [])
-
-
-# -----------------------------------------------------------------------------
-# The training loop
+        if sum(q.numel() for _, q in groups[-1]) >= bucket_size:
+            groups.append([])
+        groups[-1].append((n, p))
+    return groups
 
 
 def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
-    """train.py's iteration on this rank's micro-batches: the hooks reduce each bucket as backward fills it (at
-    every micro-step in stages 2-3, which cannot hold full gradients; at the last in stages 0-1, which accumulate
-    them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss over the global batch."""
+    """train.py's iteration on this rank's micro-batches: the hooks reduce each bucket as backward fills it
+    (at every micro-step in stages 2-3, which cannot hold full gradients; at the last in stages 0-1, which
+    accumulate them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss over the
+    global batch."""
     loss_sum = 0.0
     for micro_step, (x, y) in enumerate(batches):
         zero.last_micro_step = micro_step == len(batches) - 1
@@ -612,129 +570,73 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
     return loss_sum.item() / dp.size
 
 
+# -----------------------------------------------------------------------------
+# The build, the checkpoint layout, the measured step, main
+
 def build_zero(cfg, vocab_size, rank, world_size, dp):
-    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its chunk, one
-    block's full buffer at a time), then train.py's values (or GPT-2's) fill it. Resume from this rank's shard, else
-    from a train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank reads only its chunk).
-    Returns (model, zero, this rank's shard file, iter_num, best_val_loss)."""
+    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its
+    chunk, one block's full buffer at a time), then train.py's values (or GPT-2's) fill it. Resume from this
+    rank's shard, else from a train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank
+    reads only its chunk). Returns (model, zero, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
     ckpt_path = shard_file if from_shard else full_file
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     if rank == 0:
-        print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg, model.get_num_params()))
+        print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg,
+                        model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
                 cfg.offload_optimizer, cfg.prefetch_blocks)
-    if checkpoint is None:  # train.py's initialization, or GPT-2's weights: one tensor at a time, each rank its part
+    if checkpoint is None:  # train.py's initialization, or GPT-2's weights: a tensor at a time, each its part
         init_values(cfg, model.config, zero.set_param_values)
-    elif not from_shard:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
-        load_params(checkpoint['model'].items(), zero.set_param_values)
-    if checkpoint is not None and from_shard:
-        check_shard(checkpoint, ckpt_path, world_size, cfg)
-        zero.load_state_dict(checkpoint['zero'])
+        seed_dropout(cfg.seed, rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py
+    elif from_shard:
+        saved = checkpoint['zero']
+        if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
+            raise SystemExit(f"error: {ckpt_path} is from stage {saved['stage']} on {saved['world_size']} "
+                             f"ranks; run python consolidate.py {cfg.out_dir}, delete the zero_rank*.pt "
+                             f"files, then resume")
+        zero.load_state_dict(saved)
         set_rng_state(checkpoint['rng'])  # this rank's own dropout stream, from its own shard
-    elif checkpoint is not None:
+    else:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
+        load_params(checkpoint['model'].items(), zero.set_param_values)
         zero.load_torch_optimizer(checkpoint['optimizer'])
         restore_rng(checkpoint, rank, world_size, cfg.seed, rank)
-    else:
-        seed_dropout(cfg.seed, rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py draw
-    return model, zero, shard_file, iter_num, best_val_loss
+    return model, zero, iter_num, best_val_loss
 
 
-def main(argv):
-    cfg = configure(config, argv)
-    world = world_size_from_env()
-    cfg = check_config(cfg, world)
-    if cfg.print_ds_config:  # (the learning-rate schedule is DeepSpeed's 'scheduler' section: not written here)
-        print(json.dumps(deepspeed_config_of(cfg, world), indent=2))
-        return
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
-    dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
-
-    # setup
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
-
-    # data
-    data, vocab_size = load_dataset(cfg.dataset)
-
-    # model: this rank's part of train.py's GPT, in ZeRO's buckets (build_zero)
-    model, zero, shard_file, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
-
-    def loss_of(x, y):
-        with ctx:
-            return model(x, y)[1]
-
-    # training loop
-    writer = CheckpointWriter()  # every rank writes its shard in the background
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=world_size)
-    report = FirstStepReport(zero, dp, cfg, iter_num)  # the first iteration: bytes held and sent, measured
-    while True:
-        lr = get_lr(iter_num, cfg)
-
-        # evaluate (every rank: in stage 3 each one takes part in the gathers), checkpoint every rank's shard
-        if should_evaluate(iter_num, cfg):
-            losses = evaluate(loss_of, model, data, cfg, iter_num, lr, dp)
-            if should_save(iter_num, losses['val'], best_val_loss, cfg):
-                best_val_loss = min(best_val_loss, losses['val'])
-                writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(raw_model.config),
-                             'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}, shard_file)
-            logger.restart()
-        if iter_num == cfg.max_iters or cfg.eval_only:
-            break
-
-        # one iteration, then its log line
-        report.start(iter_num)
-        loss = train_step(zero, model, micro_batches(data, cfg, iter_num, rank, world_size), ctx, cfg.grad_clip, lr,
-                          dp)
-        report.finish(iter_num)
-        logger.step(iter_num, loss, lr)
-        profiler.step()
-        iter_num += 1
-    profiler.stop()
-    writer.wait()
-
-    if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (stage 3 gathers); rank 0 prints
-        print_sample(raw_model, cfg, ctx, show=rank == 0, hint=f"python consolidate.py {cfg.out_dir} && "
-                                                               f"python sample.py --out_dir={cfg.out_dir}")
-    if rank == 0:
-        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python consolidate.py "
-                                        f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
-    finish_distributed(cfg)
+def shard_path(out_dir, rank):
+    return os.path.join(out_dir, f'zero_rank{rank}.pt')
 
 
-def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank. Returns cfg with the DeepSpeed
-    config applied."""
-    if cfg.deepspeed_config:
-        cfg = apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
-    if cfg.stage not in (0, 1, 2, 3):
-        raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
-    if cfg.print_ds_config:
-        return cfg
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}")
-    check_batch(cfg, world_size, world_size)
-    if cfg.compile and cfg.stage == 3:
-        raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
-    if cfg.bucket_size < 1:
-        raise SystemExit(f"error: bucket_size must be positive, got {cfg.bucket_size}")
-    if cfg.prefetch_blocks < 0:
-        raise SystemExit(f"error: prefetch_blocks must be 0 or more, got {cfg.prefetch_blocks}")
-    return cfg
+def unflatten_shards(shards):
+    """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}:
+    the chunks laid end to end are each bucket (stage 0: every rank holds all of it), cut back into its
+    parameters."""
+    full, n_buckets = {}, len(shards[0]['layout'])
+    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
+        full[key] = {}
+        for i, layout in enumerate(shards[0]['layout']):
+            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (w, m, v)")
+            flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
+            at = 0
+            for name, shape in zip(layout['names'], layout['shapes']):
+                full[key][name] = flat[at:at + math.prod(shape)].view(shape).clone()
+                at += math.prod(shape)
+    return full
 
 
-# -----------------------------------------------------------------------------
-# Measured: the bytes a rank holds, sampled at every collective (where the buffers in flight are alive), and the
-# bytes it sends, counted by the Comm and measured on the wire. The algorithm above knows nothing of it.
+def consolidate(out_dir):
+    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py): every bucket's chunks laid
+    end to end and cut back into the parameters, AdamW's moments likewise; every rank's random streams
+    kept."""
+    first = load_mmap(shard_path(out_dir, 0))
+    shards = load_world(out_dir, os.path.basename(shard_path('', '{}')), first['zero']['world_size'])
+    full = unflatten_shards([s['zero'] for s in shards])
+    states = {n: {'step': first['zero']['step'], 'exp_avg': full['exp_avg'][n],
+                  'exp_avg_sq': full['exp_avg_sq'][n]} for n in full['master']}
+    return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
 
 
 def storage_bytes(tensors, skip=()):
@@ -749,126 +651,145 @@ def storage_bytes(tensors, skip=()):
 
 def held_bytes(zero):
     """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
-    buckets = zero.buckets
-    params, param_ids = storage_bytes([p for b in buckets for p in b.params] + [t for b in buckets
-                                                                                for t in (b.flat, b.shard)])
-    grads, _ = storage_bytes([p.grad for b in buckets for p in b.params] +
-                             [t for b in buckets for t in (b.grad_flat, b.grad_shard, b.filling)] +
+    bs, opt = zero.buckets, zero.optimizer
+    params, param_ids = storage_bytes([p for b in bs for p in b.params] +
+                                      [t for b in bs for t in (b.flat, b.shard)])
+    grads, _ = storage_bytes([p.grad for b in bs for p in b.params] +
+                             [t for b in bs for t in (b.grad_flat, b.grad_shard, b.filling)] +
                              [t for _, full, out, _ in zero.in_flight for t in (full, out)])
-    opt = zero.optimizer
-    optimizer_state = opt.masters + opt.exp_avg + opt.exp_avg_sq
-    if buckets[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
-        host, _ = storage_bytes(optimizer_state + [b.grad_host for b in buckets])
+    state = opt.masters + opt.exp_avg + opt.exp_avg_sq
+    if bs[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
+        host, _ = storage_bytes(state + [b.grad_host for b in bs])
         return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': 0, 'host_bytes': host}
-    optim, _ = storage_bytes(optimizer_state, skip=param_ids)  # fp32 stages 0-2: the master is the flat buffer
+    optim, _ = storage_bytes(state, skip=param_ids)  # fp32 stages 0-2: the master is the flat buffer
     return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim, 'host_bytes': 0}
 
 
-class FirstStepReport:
-    """The first iteration of the run, measured: bytes held at their peak (sampled by the Comm at each collective)
-    and at rest after the step, bytes sent (counted, ring formula, wire). One row per rank in log.jsonl."""
-
-    def __init__(self, zero, comm, cfg, first_iter):
-        self.zero, self.comm, self.cfg, self.first_iter = zero, comm, cfg, first_iter
-        self.wire, self.peak = WireMeter(), defaultdict(int)
-
-    def sample(self):
-        for k, v in held_bytes(self.zero).items():
-            self.peak[k] = max(self.peak[k], v)
-
-    def start(self, iter_num):
-        if iter_num == self.first_iter:
-            self.comm.clear()
-            self.comm.observe = self.sample
-            self.wire.start()
-
-    def finish(self, iter_num):
-        if iter_num != self.first_iter:
-            return
-        self.comm.observe = None
-        wire_bytes = self.wire.stop()
-        at_rest = held_bytes(self.zero)
-        for k, v in at_rest.items():
-            self.peak[k] = max(self.peak[k], v)
-        z, cfg = self.zero, self.cfg
-        formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16',
-                                            cfg.offload_optimizer)
-        row = {'iter': iter_num, 'rank': z.rank, 'stage': z.stage, 'world_size': z.world_size, 'numel': z.numel,
-               'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size,
-               'offload_optimizer': cfg.offload_optimizer}
-        for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
-            row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': self.peak[k]})
-        row.update({'collective_bytes': sum(self.comm.collective_bytes.values()),
-                    'collective_bytes_by_kind': dict(self.comm.collective_bytes),
-                    'wire_bytes_formula': sum(self.comm.wire_bytes_formula.values()),
-                    'wire_bytes_formula_by_kind': dict(self.comm.wire_bytes_formula),
-                    'wire_bytes': wire_bytes, 'wire_bytes_note': self.wire.why_not})
-        rows = log_rank_rows(cfg.out_dir, row)
-        if z.rank == 0:
-            print_report(rows)
+def iteration(zero, model, batches, ctx, cfg, iter_num, first_iter, dp):
+    """One iteration: train_step alone, or, on a step measure.measured_step names, measured and reported."""
+    run_step = lambda: train_step(zero, model, batches, ctx, cfg.grad_clip, get_lr(iter_num, cfg), dp)
+    if not measured_step(iter_num, first_iter, cfg.measure_every):
+        return run_step()
+    return measured(zero, dp, cfg, iter_num, run_step)
 
 
-def print_report(rows):
-    r0 = rows[0]
-    print(f"ZeRO stage {r0['stage']}, N = {r0['world_size']}, Ψ = {r0['numel']:,}: bytes per rank, "
-          f"measured at rest / peak of a step (formula)")
-    for r in rows:
-        cells = [f"{k[:-6]} {r[k]:,} / {r['peak_' + k]:,} ({r[k + '_formula']:,})"
-                 for k in ('param_bytes', 'grad_bytes', 'optim_bytes') + (('host_bytes',) * r['offload_optimizer'])]
-        print(f"  rank {r['rank']}: " + ' | '.join(cells))
-    kinds = ', '.join(f"{k} {v:,.0f}" for k, v in r0['collective_bytes_by_kind'].items())
-    wire = (r0['wire_bytes_note'] if r0['wire_bytes'] is None else
-            ', '.join(f"rank {r['rank']} {r['wire_bytes']:,}" for r in rows))
-    print(f"  sent per step by each rank: collective bytes {r0['collective_bytes']:,} [{kinds}] (counted at the "
-          f"calls); wire bytes {r0['wire_bytes_formula']:,.0f} (ring formula); {wire} (measured, each rank's "
-          f"own TCP sockets)")
-    if 'reduce_scatter' in r0['collective_bytes_by_kind'] and r0['wire_bytes'] and \
-            r0['wire_bytes'] > 1.2 * r0['wire_bytes_formula']:
-        print("  (more on the wire than the ring formula: gloo's reduce-scatter is an all-reduce underneath, so "
-              "each reduce-scatter sends 2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter)")
+def measured(zero, comm, cfg, iter_num, run_step):
+    """run_step() measured: the bytes held, sampled at every collective and gradient bucket (the peak) and
+    after the step (at rest); the bytes sent, counted by the Comm and by this rank's own sockets. Its loss."""
+    peak, wire = Counter(), WireMeter()
+
+    def sample():
+        for k, v in held_bytes(zero).items():
+            peak[k] = max(peak[k], v)
+    comm.clear()
+    zero.sample = comm.observe = sample
+    wire.start()
+    loss = run_step()
+    wire_bytes = wire.stop()
+    zero.sample, comm.observe = (lambda: None), None
+    at_rest = held_bytes(zero)
+    sample()
+    report(zero, comm, cfg, iter_num, at_rest, peak, wire_bytes, wire.why_not)
+    return loss
 
 
-# -----------------------------------------------------------------------------
-# Checkpoints: one shard per rank (consolidate.py joins them into train.py's format)
+def report(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
+    """One log.jsonl row per rank; rank 0 prints them all: held at rest beside the formula, the step's peak,
+    bytes sent (this rank's own sockets, counted at the calls, the ring formula)."""
+    formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16',
+                                        cfg.offload_optimizer)
+    kinds = ('param_bytes', 'grad_bytes', 'optim_bytes') + ('host_bytes',) * cfg.offload_optimizer
+    row = {'iter': iter_num, 'rank': z.rank, 'stage': z.stage, 'world_size': z.world_size, 'numel': z.numel,
+           'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size,
+           'offload_optimizer': cfg.offload_optimizer, 'wire_bytes': wire_bytes, 'wire_bytes_note': why_not,
+           'collective_bytes': sum(comm.collective_bytes.values()),
+           'collective_bytes_by_kind': dict(comm.collective_bytes),
+           'wire_bytes_formula': sum(comm.wire_bytes_formula.values()),
+           'wire_bytes_formula_by_kind': dict(comm.wire_bytes_formula)}
+    for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
+        row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': peak[k]})
+    rows = log_rank_rows(cfg.out_dir, row)
+    if z.rank != 0:
+        return
+    lines = [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula']) for r in rows for k in kinds]
+    lines += [(f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
+               r['wire_bytes_formula']) for r in rows]
+    notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
+                                                                  for k in kinds) for r in rows]
+    by_kind = row['collective_bytes_by_kind']
+    notes.append("counted by kind: " + ', '.join(f"{k} {v:,.0f}" for k, v in by_kind.items()))
+    if wire_bytes is None:
+        notes.append(f"wire bytes {why_not}")
+    elif 'reduce_scatter' in by_kind and wire_bytes > 1.2 * row['wire_bytes_formula']:
+        notes.append("more on the wire than the ring formula: on gloo a reduce-scatter is an all-reduce "
+                     "(gloo's own is one underneath; stages 2-3 run one in place, reduce_scatter_of), "
+                     "2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter")
+    print_measured(f"iter {iter_num}: ZeRO stage {z.stage}, N = {z.world_size}, Ψ = {z.numel:,}: bytes "
+                   f"each rank holds after the step (the paper's formula) and sends in it (its own sockets, "
+                   f"counted at the calls, the ring formula)", lines, notes)
 
 
-def shard_path(out_dir, rank):
-    return os.path.join(out_dir, f'zero_rank{rank}.pt')
+def check_config(cfg, world_size):
+    """Every bad combination, before any work: one line, the same on every rank. cfg with --deepspeed_config
+    on."""
+    apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
+    if cfg.stage not in (0, 1, 2, 3):
+        raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
+    if cfg.print_ds_config:
+        return cfg
+    if cfg.dtype not in ('float32', 'bfloat16'):
+        raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got "
+                         f"{cfg.dtype!r}")
+    check_batch(cfg, world_size, world_size)
+    if cfg.compile and cfg.stage == 3:
+        raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
+    if cfg.bucket_size < 1 or cfg.prefetch_blocks < 0:
+        raise SystemExit(f"error: bucket_size must be positive ({cfg.bucket_size}) and prefetch_blocks 0 or "
+                         f"more ({cfg.prefetch_blocks})")
+    return cfg
 
 
-def unflatten_shards(shards):
-    """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}: the
-    chunks laid end to end are each bucket (stage 0: every rank holds all of it), cut back into its parameters."""
-    full, n_buckets = {}, len(shards[0]['layout'])
-    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
-        full[key] = {}
-        for i, layout in enumerate(shards[0]['layout']):
-            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (weights, m, v)")
-            flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
-            offset = 0
-            for name, shape in zip(layout['names'], layout['shapes']):
-                full[key][name] = flat[offset:offset + math.prod(shape)].view(shape).clone()
-                offset += math.prod(shape)
-    return full
+def main(argv):
+    world = world_size_from_env()
+    cfg = check_config(configure(config, argv), world)
+    if print_deepspeed_config(cfg, world):  # --print_ds_config: the run's DeepSpeed JSON, and nothing run
+        return
+    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
+    data, vocab_size = load_dataset(cfg.dataset)
+    model, zero, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
+    compiled = torch.compile(model) if cfg.compile else model
+    first_iter, writer = iter_num, CheckpointWriter()
+
+    step = lambda it: iteration(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx, cfg, it,
+                                first_iter, dp)
+
+    def save(it, best):  # every rank its own shard, written in the background
+        writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(model.config),
+                     'iter_num': it, 'best_val_loss': best, 'config': vars(cfg)},
+                    shard_path(cfg.out_dir, rank))
+
+    run = SimpleNamespace(model=compiled, optimizer=None, loss_of=lambda x, y: loss_of(compiled, ctx, x, y),
+                          dp=dp, data=data, step=step, save=save, n_devices=world_size, rank=rank,
+                          flops_per_token=model.flops_per_token(cfg.block_size))
+    training_loop(cfg, run, iter_num, best_val_loss)  # (every rank evaluates: stage 3's forward gathers)
+    writer.wait()
+    if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (stage 3 gathers); rank 0 prints
+        print_sample(model, cfg, ctx, show=rank == 0, hint=f"python consolidate.py {cfg.out_dir} && "
+                                                           f"python sample.py --out_dir={cfg.out_dir}")
+    if rank == 0:
+        print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python consolidate.py "
+                                        f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
+    finish_distributed(cfg)
 
 
-def consolidate(out_dir):
-    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py): every bucket's chunks laid end
-    to end and cut back into the parameters, AdamW's moments likewise; every rank's random streams kept."""
-    first = load_mmap(shard_path(out_dir, 0))
-    shards = load_world(out_dir, os.path.basename(shard_path('', '{}')), first['zero']['world_size'])
-    full = unflatten_shards([s['zero'] for s in shards])
-    step = first['zero']['step']
-    states = {n: {'step': step, 'exp_avg': full['exp_avg'][n], 'exp_avg_sq': full['exp_avg_sq'][n]}
-              for n in full['master']}
-    return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
-
-
-def check_shard(checkpoint, path, world_size, cfg):
-    saved = checkpoint['zero']
-    if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
-        raise SystemExit(f"error: {path} is from stage {saved['stage']} on {saved['world_size']} ranks; run python "
-                         f"consolidate.py {cfg.out_dir}, delete the zero_rank*.pt files, then resume")
+def loss_of(model, ctx, x, y):
+    with ctx:
+        return model(x, y)[1]
 
 
 if __name__ == '__main__':

@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, free_port, read_log, spawn,
-                     train_losses, train_py_reference)
+from helpers import (REPO, TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, free_port, read_log,
+                     spawn, train_losses, train_py_reference)
 
 import consolidate
+import deepspeed_config
 import formulas
 import zero
 
@@ -300,25 +301,26 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
 
 def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
     from training import configure
-    cfg = zero.apply_deepspeed_config(configure(zero.config, []), os.path.join(REPO, 'config/ds_zero2.json'), 4)
+    cfg = deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
+                                                  os.path.join(REPO, 'config/ds_zero2.json'), 4)
     assert (cfg.stage, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.grad_clip, cfg.dtype) == \
         (2, 16, 4, 1.0, 'float32')
     assert (cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay) == (2e-3, 0.9, 0.99, 1e-8, 0.1)
     for s in (1, 3):
-        assert zero.apply_deepspeed_config(configure(zero.config, []),
+        assert deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
                                            os.path.join(REPO, f'config/ds_zero{s}.json'), 1).stage == s
     bad = tmp_path / 'ds.json'
     bad.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}')
-    assert zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1).offload_optimizer is True
+    assert deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1).offload_optimizer is True
     bad.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}')
     with pytest.raises(SystemExit, match="offload_optimizer.device 'nvme'"):
-        zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+        deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
     bad.write_text('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}')
     with pytest.raises(SystemExit, match='zero_optimization.offload_param'):
-        zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+        deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
     bad.write_text('{"fp16": {"enabled": true}}')
     with pytest.raises(SystemExit, match="'fp16'"):
-        zero.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+        deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
 
 
 def launch_ranks(args, world_size=2, timeout=90):
@@ -390,10 +392,15 @@ def wire_runs(rank, world_size, out):
 
 
 def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
-    """The bytes that crossed the loopback interface (the OS's counter) against what gloo's collectives send,
-    which is not the ring formula: gloo's reduce-scatter is a whole all-reduce, 2(N-1)/N of the tensor. So the
-    wire carries 1.5x the formula for ZeRO-1/2 (reduce-scatter + all-gather) and 4/3x for ZeRO-3."""
-    spawn(wire_runs, 2, str(tmp_path))
+    """The bytes each rank's own sockets sent (measured while other traffic crosses the loopback interface)
+    against what zero.py's calls send on gloo, which is not the ring formula for a reduce-scatter: stage 1's
+    (gloo's reduce_scatter_tensor) is an all-reduce underneath, and stages 2-3 run that all-reduce in place
+    themselves (reduce_scatter_of), 2(N-1)/N of the tensor either way. The all-gathers send the ring's (N-1)/N:
+    gloo's ring in stage 1-2, and in stage 3 (all_gather_direct) each rank's chunk sent once to every other
+    rank, N-1 chunks of 1/N. So the wire carries 1.5x the formula for ZeRO-1/2 (a reduce-scatter and an
+    all-gather of the same bytes) and 4/3x for ZeRO-3 (one reduce-scatter, two all-gathers)."""
+    with LoopbackFlood():
+        spawn(wire_runs, 2, str(tmp_path))
     n = 2
     gloo = {'all_reduce': 2 * (n - 1) / n, 'scalars': 2 * (n - 1) / n, 'reduce_scatter': 2 * (n - 1) / n,
             'all_gather': (n - 1) / n}
@@ -404,6 +411,80 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
             assert 0.99 * expected <= r['wire_bytes'] <= 1.05 * expected + 4096, (stage, r['wire_bytes'], expected)
             ratio = r['wire_bytes'] / r['wire_bytes_formula']
             assert ratio == pytest.approx({0: 1.0, 1: 1.5, 2: 1.5, 3: 4 / 3}[stage], rel=0.05), (stage, ratio)
+
+
+def measuring_calls(rank, world_size, out_dir):
+    """In each spawned rank, every stage: the calls one unmeasured iteration (iter 1) and one measured iteration
+    (iter 0, the run's first) make, counted: the Comm's by group and kind, the collectives and point-to-point
+    calls that reach torch.distributed, and every call that only measures (a barrier, all_gather_object, a
+    device synchronize, a clock, a sample of the bytes held)."""
+    import contextlib
+    import time
+    from collections import Counter
+    from unittest import mock
+    import torch.distributed as dist
+    import distributed
+    from model import GPT, GPTConfig
+    from training import configure
+    calls, seen = Counter(), {}
+
+    def counted(name, f):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        return wrapper
+    count = distributed.Comm.count
+    patches = [mock.patch.object(distributed.Comm, 'count', lambda self, kind, *a, **k: (
+        calls.update([f'comm {self.name} {kind}']), count(self, kind, *a, **k))[1])]
+    patches += [mock.patch.object(m, n, counted(label, getattr(m, n))) for m, n, label in (
+        (dist, 'all_reduce', 'dist collective'), (distributed, 'all_gather_single', 'dist collective'),
+        (distributed, 'reduce_scatter_single', 'dist collective'), (dist, 'isend', 'p2p'), (dist, 'irecv', 'p2p'),
+        (dist, 'barrier', 'barrier'), (dist, 'all_gather_object', 'all_gather_object'),
+        (torch.cuda, 'synchronize', 'synchronize'), (time, 'perf_counter', 'clock'), (time, 'time', 'clock'),
+        (zero, 'held_bytes', 'held-bytes sample'))]
+    for stage in range(4):
+        cfg = configure(zero.config, TINY + [f'--out_dir={out_dir}/s{stage}', f'--stage={stage}', '--grad_clip=1.0'])
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        torch.manual_seed(0)
+        with torch.device('meta'):
+            model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=96))
+        z = zero.Zero(model, stage, rank, world_size, 0.1, (0.9, 0.99), 1e-8, 700, torch.float32,
+                      distributed.Comm(None, 'dp'), 'cpu', prefetch_blocks=1)
+        from model import init_params
+        init_params(model.config, 0, z.set_param_values)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [(torch.randint(0, 96, (2, 16), generator=gen),) * 2 for _ in range(2)]
+        for iter_num in (1, 0):
+            calls.clear()
+            with contextlib.ExitStack() as stack:
+                for p in patches:
+                    stack.enter_context(p)
+                zero.iteration(z, model, batches, contextlib.nullcontext(), cfg, iter_num, 0, z.comm)
+            seen[(stage, iter_num)] = dict(calls)
+    return seen
+
+
+def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
+    """Measuring off the hot path: an iteration that measure.measured_step does not name (every stage) makes no
+    barrier, all_gather_object, synchronize, clock call or held-bytes sample, and no collective but the stage's
+    own, each through the Comm: stage 0 all-reduces the gradients, 1-3 reduce-scatter and all-gather them (stage
+    3's gathers are point-to-point sends and receives, two per gather on 2 ranks), 1-3 all-reduce the clip's
+    squared norm, and every stage the loss. The measured iteration makes those measuring calls (so the patches
+    do see them: put a barrier in train_step and this fails)."""
+    own = {0: {'all_reduce', 'scalars'}, 1: {'reduce_scatter', 'all_gather', 'scalars'}}
+    own.update({2: own[1], 3: own[1]})
+    for rank, seen in enumerate(spawn(measuring_calls, 2, str(tmp_path))):
+        for stage in range(4):
+            unmeasured, measured = seen[(stage, 1)], seen[(stage, 0)]
+            comm_kinds = {k for k in unmeasured if k.startswith('comm ')}
+            assert comm_kinds == {f'comm dp {kind}' for kind in own[stage]}, (stage, rank, unmeasured)
+            comm_calls = sum(unmeasured[k] for k in comm_kinds)
+            assert unmeasured.get('dist collective', 0) + unmeasured.get('p2p', 0) // 2 == comm_calls, \
+                (stage, rank, unmeasured)
+            assert set(unmeasured) <= comm_kinds | {'dist collective', 'p2p'}, (stage, rank, unmeasured)
+            assert (stage == 3) == ('p2p' in unmeasured), (stage, rank, unmeasured)
+            assert measured['barrier'] >= 2 and measured['all_gather_object'] >= 1, (stage, rank, measured)
+            assert measured['held-bytes sample'] >= 2, (stage, rank, measured)
 
 
 def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
@@ -418,7 +499,7 @@ def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     assert ds['gradient_accumulation_steps'] == 2 and ds['train_batch_size'] == 32  # per rank; 4 x 8 sequences
     path = tmp_path / 'ds.json'
     path.write_text(json.dumps(ds))
-    back = zero.apply_deepspeed_config(configure(zero.config, []), str(path), 4)
+    back = deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(path), 4)
     want = configure(zero.config, argv)
     for key in ('stage', 'dtype', 'batch_size', 'gradient_accumulation_steps', 'grad_clip', 'learning_rate', 'beta1',
                 'beta2', 'weight_decay', 'adam_eps'):
