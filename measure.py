@@ -238,17 +238,20 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 
+COMPUTE = ('F', 'B', 'W')  # forward, backward (zb1: of the input), the weights' gradients (zb1)
+
+
 def time_split(records, total):
-    """The stage's share of the step in compute (F and B), in send/recv (W: the transfer, and on a CPU the wait
+    """The stage's share of the step in compute (F, B and W), in send/recv (the transfer, and on a CPU the wait
     for a neighbour that is still computing) and elsewhere; the bubble is everything that is not compute."""
-    compute = sum(t1 - t0 for op, _, t0, t1 in records if op in 'FB')
-    comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'W')
+    compute = sum(t1 - t0 for op, _, t0, t1 in records if op in COMPUTE)
+    comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'send/recv')
     return {'compute_fraction': compute / total, 'send_recv_fraction': comm / total,
             'other_fraction': 1 - (compute + comm) / total, 'bubble_fraction': 1 - compute / total}
 
 
 def op_label(op, i):
-    """F3 / B3: forward / backward of microbatch 3; with chunks, F3.1: of microbatch 3 on chunk 1."""
+    """F3 / B3 / W3: forward / backward / weights' gradients of microbatch 3; F3.1: of microbatch 3 on chunk 1."""
     return f"{op}{i[0]}.{i[1]}" if isinstance(i, (tuple, list)) else f"{op}{i}"
 
 
@@ -259,7 +262,7 @@ def timeline(records, total, n_slots, width):
     in a slot already taken, takes the next free slot (the row grows past n_slots rather than drop it)."""
     slot, cells = total / n_slots, []
     for op, i, t0, t1 in records:
-        if op not in 'FB':
+        if op not in COMPUTE:
             continue
         start = max(len(cells), int(t0 / slot))
         cells += ['.'] * (start - len(cells)) + [op_label(op, i)]
@@ -276,14 +279,14 @@ def write_schedule_trace(tracks, total, path):
     for tid, (name, records) in enumerate(tracks.items()):
         track = {'pid': 0, 'tid': tid}
         events.append(dict(track, ph='M', name='thread_name', args={'name': name}))
-        busy = sorted((t0, t1, op_label(op, i) if op in 'FB' else 'send/recv') for op, i, t0, t1 in records)
+        busy = sorted((t0, t1, op_label(op, i) if op in COMPUTE else op) for op, i, t0, t1 in records)
         edges = [(0.0, 0.0, None)] + busy + [(total, total, None)]
         for (_, prev_end, _), (start, _, _) in zip(edges, edges[1:]):
             if start > prev_end:
                 events.append(dict(track, ph='X', name='idle', cat='idle', ts=1e6 * prev_end,
                                    dur=1e6 * (start - prev_end)))
         for t0, t1, op in busy:
-            events.append(dict(track, ph='X', name=op, cat='compute' if op[0] in 'FB' else 'communication',
+            events.append(dict(track, ph='X', name=op, cat='communication' if op == 'send/recv' else 'compute',
                                ts=1e6 * t0, dur=1e6 * (t1 - t0)))
     with open(path, 'w') as f:
         json.dump({'traceEvents': events, 'displayTimeUnit': 'ms'}, f)
@@ -292,13 +295,39 @@ def write_schedule_trace(tracks, total, path):
 def print_timelines(title, tracks, total, n_slots, clock):
     """Each rank's executed schedule as one text line (timeline), then each one's order of forwards and
     backwards. tracks: {name: records}; n_slots: the slots a line has; clock: what timed it."""
-    width = max(len(op_label(op, i)) for records in tracks.values() for op, i, _, _ in records if op in 'FB')
+    width = max(len(op_label(op, i)) for records in tracks.values() for op, i, _, _ in records if op in COMPUTE)
     print(f"{title}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = "
-          f"forward/backward of microbatch 3, F3.1 on chunk 1, - = still running, . = not computing)")
+          f"forward/backward of microbatch 3, W3 its weights' gradients, F3.1 on chunk 1, - = still running, "
+          f". = not computing)")
     for name, records in tracks.items():
         print(f"{name} | {timeline(records, total, n_slots, width)}")
     for name, records in tracks.items():
-        print(f"{name} executed: " + ' '.join(op_label(op, i) for op, i, _, _ in records if op in 'FB'))
+        print(f"{name} executed: " + ' '.join(op_label(op, i) for op, i, _, _ in records if op in COMPUTE))
+
+
+def print_schedule_report(title, stages, formulas, trace, clock):
+    """pipeline.py's measured step: the stages' timelines (a slot ~ one F), the schedule as a Perfetto trace,
+    then each stage's (quantity, measured, counted, modelled) lines. stages: the stages' log rows."""
+    tracks, total, r0 = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s'], stages[0]
+    work = 3 * len({i for op, i, _, _ in r0['records'] if op == 'F'})  # F + B (~2F), or F + B + W: 3 slots
+    print_timelines(title, tracks, total, round(work / (1 - r0['bubble_fraction_formula'])), clock)
+    write_schedule_trace(tracks, total, trace)
+    print_measured(f"measured at iter {r0['iter']}, the median of {r0['n_schedules']} schedule(s); formulas: "
+                   f"{formulas} x the most one held; bytes: counted at the calls, the ring formula, on the stage's "
+                   f"own sockets",
+                   [(f"stage {r['stage']} {name}", *values) for r in stages for name, *values in (
+                       ('in compute', r['compute_fraction'], None, None),
+                       ('in send/recv', r['send_recv_fraction'], None, None),
+                       ('other', r['other_fraction'], None, None),
+                       ('bubble (not computing)', r['bubble_fraction'], None, r['bubble_fraction_formula']),
+                       ('microbatches held at peak', r['peak_microbatches_held'], None,
+                        r['peak_microbatches_held_formula']),
+                       ('activation bytes at peak', r['peak_activation_bytes'], None,
+                        r['peak_activation_bytes_formula']),
+                       ('p2p bytes sent', None, r['p2p_bytes_per_step'], r['p2p_bytes_per_step_formula']),
+                       ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'], r['wire_bytes_formula']))],
+                   [f"the schedule as a trace, one track per stage: {trace} (open at ui.perfetto.dev)"] +
+                   [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
 
 
 class ScheduleClock:

@@ -1,34 +1,34 @@
 """
 Pipeline parallelism: train.py with the model's blocks split over pp stages, by hand with point-to-point
 send/recv. Stage 0 holds the embedding, the last stage the final norm, head and loss; each micro-step's batch
-is cut into n_microbatches that flow through the stages. Three schedules, one straight-line function each:
-GPipe, 1F1B and Megatron's interleaved 1F1B. Composes with data parallelism: world = dp x pp. On a measured
-step (the first, and every --measure_every-th) each stage's executed schedule is printed as a timeline, its
-bubble and held activations beside the formulas; every other step runs the schedules alone (no clock, barrier
-or counter).
+is cut into n_microbatches that flow through the stages. Four schedules, one straight-line function each:
+GPipe, 1F1B, Megatron's interleaved 1F1B and the zero-bubble ZB-H1. Composes with data parallelism (world =
+dp x pp). A measured step (the first, every --measure_every-th) prints each stage's executed schedule, its
+bubble and held activations beside the formulas; every other step runs the schedules alone.
 
     torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
     torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
     python consolidate.py out out_full    # out's stage checkpoints -> out_full/ckpt.pt, train.py's format
 """
 
+import contextlib
 import os
 import statistics
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from model import init_params, keep_own, materialize
-from training import (StepLogger, autocast_context, check_batch, check_no_compile, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, progress, run_main,
-                      run_shape, set_lr, should_evaluate, should_save)
-from checkpoints import (CheckpointWriter, adamw_state_dict, check_resume_grid, gather_rng_states, init_model, restore_rng,
-                         seed_dropout, train_checkpoint)
+from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure, load_dataset,
+                      log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape, training_loop)
+from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model, joined_checkpoint,
+                         load_mmap, load_world, restore_rng, seed_dropout, train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
-from measure import (NOT_MEASURED, ScheduleClock, StepProfiler, WireMeter, comm_report, measured_step,
-                     print_measured, print_timelines, time_split, write_schedule_trace)
+from measure import (NOT_MEASURED, ScheduleClock, WireMeter, comm_report, measured_step, print_schedule_report,
+                     time_split)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -37,7 +37,7 @@ sample_at_end = False           # (no sampling here: consolidate, then python sa
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
 pp = 2                          # pipeline stages; world size = dp * pp
-schedule = '1f1b'               # 'gpipe', '1f1b' or 'interleaved' (Megatron's interleaved 1F1B)
+schedule = '1f1b'               # 'gpipe', '1f1b', 'interleaved' (Megatron's interleaved 1F1B), 'zb1' (ZB-H1)
 virtual_stages = 1              # interleaved: model chunks per rank (v non-adjacent groups of layers each)
 n_microbatches = 4              # microbatches per micro-step: batch_size sequences cut into this many
 config = config_defaults(globals())
@@ -54,16 +54,13 @@ def validate(cfg, world_size):
     for bad, message in (
             (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
                                     f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
-            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m}) "
-                                 f"equal microbatches"),
-            (cfg.schedule == '1f1b' and m < p,
-             f"1f1b needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
+            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
+            (cfg.schedule in ('1f1b', 'zb1') and m < p,
+             f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
             (cfg.schedule == 'interleaved' and m % p,
-             f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): the microbatches go "
-             f"through the chunks in groups of pp"),
-            (cfg.dtype not in ('float32', 'bfloat16'),
-             f"pipeline.py trains in float32 or bfloat16, got dtype={cfg.dtype!r} (float16 would need one "
-             f"loss scale agreed by every stage)")):
+             f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
+            (cfg.dtype not in ('float32', 'bfloat16'), f"pipeline.py trains in float32 or bfloat16, got "
+                                                        f"{cfg.dtype!r} (float16: one loss scale for all stages)")):
         if bad:
             raise SystemExit(f"error: {message}")
     check_no_compile(cfg, 'pipeline.py')
@@ -71,24 +68,22 @@ def validate(cfg, world_size):
 
 
 def check_schedule(cfg):
-    """The schedule's keys, checked before any other (the others divide by them); parallel_4d.py checks
-    them too."""
+    """The schedule's keys, checked first (the other checks divide by them); parallel_4d.py checks them too."""
     if cfg.schedule not in SCHEDULES:
         raise SystemExit(f"error: --schedule={cfg.schedule} is not one of {', '.join(SCHEDULES)}")
     if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
         raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} must be 1, or more with "
                          f"--schedule=interleaved (got --schedule={cfg.schedule})")
-    if cfg.virtual_stages > 1 and cfg.pp == 1:  # (pp < 1 is the world-size check's)
-        raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} needs pp >= 2: the chunks pass "
-                         f"activations round the ring of stages, and with pp=1 a stage's neighbour is "
-                         f"itself; use --virtual_stages=1")
+    if cfg.pp == 1 and (cfg.virtual_stages > 1 or cfg.schedule == 'zb1'):  # (pp < 1: the world size's check)
+        raise SystemExit(f"error: --schedule={cfg.schedule} --virtual_stages={cfg.virtual_stages} needs pp >= 2 "
+                         f"(with chunks a stage is its own neighbour; zb1 has no bubble to fill): use 1f1b")
     if cfg.n_microbatches < 1:
         raise SystemExit(f"error: --n_microbatches={cfg.n_microbatches} must be at least 1")
 
 
 def embed_comm(grid, rank, tied):
-    """With tied embeddings and pp > 1: the group {first stage, last stage} of this rank's pipeline, which
-    holds the tied weight's two copies (None without). Every rank creates every pair's group, in one order."""
+    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline, which holds the
+    tied weight's two copies (else None). Every rank creates every pair's group, in one order."""
     if not tied or grid.size(1) == 1:
         return None
     comm = None
@@ -100,12 +95,10 @@ def embed_comm(grid, rank, tied):
 
 
 def keep_stage(model, stage, pp_size, virtual_stages=1):
-    """Cut the full GPT down to this stage's part, in place: its n_layer/pp blocks (the others become
-    Identity, so parameter names stay the full model's and the stage checkpoints merge by name), the embedding
-    on the first stage, ln_f and lm_head on the last. With tied embeddings and pp > 1 the first stage's wte
-    and the last stage's lm_head are two copies of the one weight, kept equal by summing their gradients (as
-    Megatron does). Returns the stage's chunks of layers: one, or with virtual stages v, the v non-adjacent
-    chunks of the interleaved schedule (chunk c of stage r is virtual stage c·pp + r)."""
+    """Cut the GPT to this stage's part, in place: its blocks (the others become Identity, so names stay the
+    whole model's and the stage files merge by name), the embedding on the first stage, ln_f and lm_head on the
+    last (tied and pp > 1: two copies of one weight, kept equal by summing their gradients, as Megatron does).
+    Returns its chunks of layers: one, or v non-adjacent ones (chunk c of stage r is virtual stage c·pp + r)."""
     n = model.config.n_layer // (pp_size * virtual_stages)
     chunks = [range((c * pp_size + stage) * n, (c * pp_size + stage + 1) * n) for c in range(virtual_stages)]
     for i in range(model.config.n_layer):
@@ -120,23 +113,21 @@ def keep_stage(model, stage, pp_size, virtual_stages=1):
 
 class Stage:
     """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
-    boundary, the microbatches whose activations it holds for their backward, and its sends in flight. clock:
-    a measured step's ScheduleClock (what ran when, the bytes held), NOT_MEASURED on every other step."""
+    boundary, what it holds for backward, its sends in flight. clock: a measured step's ScheduleClock (what ran
+    when, the bytes held), NOT_MEASURED on every other step."""
 
     def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
         self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
         self.is_first, self.is_last = index == 0, index == pp_size - 1  # the embedding / the head and loss
-        # neighbours: with chunks, a ring (the last stage's chunk c feeds the first stage's chunk c + 1)
-        ring = len(chunks) > 1
+        ring = len(chunks) > 1  # with chunks the stages are a ring: the last's chunk c feeds the first's c + 1
         self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
-        # the first chunk's embedding and the last chunk's head and loss: the model's own, unless another
-        # parallelism brings its own (parallel_4d.py: vocabulary-parallel, on this rank's part of the
-        # sequence)
+        # the embedding, and the head and loss: the model's, unless another parallelism brings its own
+        # (parallel_4d.py: vocabulary-parallel, on this rank's part of the sequence)
         self.embed, self.head = model.embed, model.head
         self.clock = NOT_MEASURED
-        self.held = {}           # microbatch (and chunk) -> (input, output): activations whose graph is alive
+        self.held = {}           # microbatch (and chunk) -> what its backward needs; its graph is alive
         self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
         self.loss_sum = torch.zeros((), device=device)
 
@@ -146,12 +137,10 @@ class Stage:
 
 
 def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-    """Post this stage's sends and receives together (Comm.send_recv: one batch_isend_irecv), and wait for the
-    receives. The sends are waited for at the next exchange (the compute in between overlaps them), so a sent
-    buffer is let go one exchange later, not kept until the schedule ends. The shape is known from the config,
-    so there is no shape handshake. Returns (from_prev, from_next); a measured step's clock records it as W.
-    """
-    with stage.clock.op('W'):
+    """Post this stage's sends and receives together (one batch_isend_irecv) and wait for the receives. The
+    sends are waited for at the next exchange (the compute in between overlaps them): a sent buffer is let go
+    one exchange later. The shape is the config's: no handshake. Returns (from_prev, from_next)."""
+    with stage.clock.op('send/recv'):
         finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
         # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two
         # stages both go to the same peer, and the tags keep them apart
@@ -191,28 +180,22 @@ def send_backward(stage, dx):
     return None if stage.is_first else communicate(stage, send_prev=dx)
 
 
-def send_forward_recv_backward(stage, y):
-    """1F1B's steady state: the forward's output goes on while the gradient of an older microbatch comes
-    back."""
+def send_forward_recv_backward(stage, y):  # 1F1B's steady state: an output goes on, a gradient comes back
     return None if stage.is_last else communicate(stage, send_next=y, recv_next=True)[1]
 
 
-def send_backward_recv_forward(stage, dx):
-    return None if stage.is_first else communicate(stage, send_prev=dx, recv_prev=True)[0]
-
-
 # -----------------------------------------------------------------------------
-# one microbatch's forward and backward on this stage
+# one microbatch's forward (F) and backward: whole (B), or split (zb1) into the input's (B) and the weights' (W)
 
 
-def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
+def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0, split=False):
     """F of microbatch i (with chunks: of chunk `chunk`, and i is (microbatch, chunk)): embed (the first chunk
-    of the first stage) or take the received activation, run the chunk's blocks, and after the last chunk of
-    the last stage the head and the loss. Keeps the input and output for the backward; returns what to send on
-    (the residual stream stays float32 under autocast, so the next stage's fp32 buffers fit it)."""
+    of the first stage) or take the received activation, run the chunk's blocks, after the last chunk of the
+    last stage the head and loss. Keeps what backward needs (split: with the output of each module holding
+    weights, where W starts); returns what to send on (float32 under autocast too: the residual stream)."""
     model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
     first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
-    with stage.clock.op('F', i), stage.clock.holding(i), stage.ctx:
+    with stage.clock.op('F', i), stage.clock.holding(i), stage.ctx, module_outputs(model, split) as outputs:
         if first:
             x, h = None, stage.embed(idx[microbatch])
         else:
@@ -222,20 +205,60 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0):
         if last:
             h = stage.head(h, targets[microbatch])[1] * loss_scale  # its gradient: the global batch's mean
             stage.loss_sum += h.detach()
-        stage.held[i] = (x, h)
+        stage.held[i] = (x, h, outputs)
     return None if last else h
+
+
+@contextlib.contextmanager
+def module_outputs(model, keep):
+    """keep: collect (module, output) from every call of a module that holds weights of its own."""
+    outputs = []
+    hooks = [m.register_forward_hook(lambda module, _, y: outputs.append((module, y)))
+             for m in (model.modules() if keep else ()) if next(m.parameters(recurse=False), None) is not None]
+    yield outputs
+    for hook in hooks:
+        hook.remove()
 
 
 def backward_step(stage, i, grad_output, chunk=0):
     """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or
-    from the received gradient of its output, free its activations, return the gradient of its input (to send
-    back)."""
+    the received gradient of its output, free its activations, return its input's gradient (to send back)."""
     with stage.clock.op('B', i):
-        x, out = stage.held.pop(i)
+        x, out, _ = stage.held.pop(i)
         stage.clock.released(i)
         loss = stage.is_last and chunk == len(stage.chunks) - 1
         torch.autograd.backward(out, None if loss else grad_output)
     return None if stage.is_first and chunk == 0 else x.grad
+
+
+def backward_input_step(stage, i, grad_output):
+    """zb1's B of microbatch i: its input's gradient alone, which the previous stage waits for. Asked for no
+    weight, autograd skips the weights' matmuls, and gives on its way each weight module's output gradient,
+    kept with the graph (retain_graph) for W. A weight used outside its module (parallel_4d.py's vocabulary-
+    parallel embedding) gets its gradient here."""
+    with stage.clock.op('B', i):
+        x, out, outputs = stage.held[i]
+        own = {p for module, _ in outputs for p in module.parameters(recurse=False)}
+        rest = [p for p in stage.model.parameters() if p.requires_grad and p not in own]
+        inputs = [y for _, y in outputs] + rest + ([] if stage.is_first else [x])
+        grads = torch.autograd.grad(out, inputs, None if stage.is_last else grad_output, retain_graph=True,
+                                    allow_unused=True)
+        for p, g in zip(rest, grads[len(outputs):]):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        stage.held[i] = list(zip(outputs, grads))  # each weight module's output, and its gradient
+    return None if stage.is_first else grads[-1]
+
+
+def backward_weight_step(stage, i):
+    """zb1's W of microbatch i: each weight module's gradients, by a short backward from its output (with the
+    gradient B kept) to its own weights: the matmuls B skipped, the same operations on the same values as a
+    whole backward, so the same gradients. Then the microbatch's activations go."""
+    with stage.clock.op('W', i):
+        for (module, y), dy in stage.held.pop(i):
+            if dy is not None:
+                torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
+        stage.clock.released(i)
 
 
 # -----------------------------------------------------------------------------
@@ -244,8 +267,7 @@ def backward_step(stage, i, grad_output, chunk=0):
 
 def gpipe(stage, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
-    activations before the first backward; the bubble is (p-1) forward slots at the start plus (p-1) backward
-    slots at the end."""
+    activations; the bubble is (p-1) forward slots at the start plus (p-1) backward slots at the end."""
     for i in range(m):
         send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale))
     for i in range(m):
@@ -254,23 +276,42 @@ def gpipe(stage, m, idx, targets, loss_scale):
 
 def one_f_one_b(stage, m, idx, targets, loss_scale):
     """1F1B (PipeDream-Flush, Megatron's non-interleaved schedule). Stage r first does p-r-1 forwards to fill
-    the pipeline, then alternates one forward and one backward, then drains the last backwards. The same
-    bubble as GPipe, but a stage never holds more than p-r microbatches' activations."""
+    the pipeline, then alternates one forward and one backward, then drains the last backwards. GPipe's
+    bubble, but a stage never holds more than p-r microbatches' activations."""
     warmup = min(stage.pp - stage.index - 1, m)
-    steady = m - warmup
     for i in range(warmup):  # warm-up: forwards only
         send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale))
-    x = recv_forward(stage) if steady > 0 else None
-    for k in range(steady):  # steady state: forward of microbatch warmup+k, then backward of microbatch k
-        y = forward_step(stage, warmup + k, x, idx, targets, loss_scale)
-        dy = send_forward_recv_backward(stage, y)
-        dx = backward_step(stage, k, dy)
-        if k == steady - 1:
-            send_backward(stage, dx)
+    for k in range(m):  # the backward of microbatch k, after the forward of microbatch warmup + k if any is left
+        if warmup + k < m:
+            dy = send_forward_recv_backward(stage, forward_step(stage, warmup + k, recv_forward(stage), idx,
+                                                                targets, loss_scale))
+        else:  # cool-down: the backwards of the last microbatches
+            dy = recv_backward(stage)
+        send_backward(stage, backward_step(stage, k, dy))
+
+
+def zero_bubble_h1(stage, m, idx, targets, loss_scale):
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split in two: B,
+    the gradient of the stage's input, which the previous stage waits for, and W, the weights' gradients,
+    which nobody waits for. Stage r runs each W r backwards late, after sending a B's gradient: where 1F1B's
+    stage waits for its next input or gradient it computes a W, and its last r W's fill 1F1B's idle cool-down.
+    The bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W); a microbatch is held until its W, so each stage
+    holds p microbatches at most: 1F1B's most, on stage 0."""
+    r = stage.index
+    warmup = stage.pp - r - 1  # (m >= p: validate)
+    for i in range(warmup):  # warm-up: forwards only, as 1F1B
+        send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale, split=True))
+    for k in range(m):  # B of microbatch k, after the forward of microbatch warmup + k if any is left
+        if warmup + k < m:
+            dy = send_forward_recv_backward(stage, forward_step(stage, warmup + k, recv_forward(stage), idx,
+                                                                targets, loss_scale, split=True))
         else:
-            x = send_backward_recv_forward(stage, dx)
-    for k in range(steady, m):  # cool-down: the backwards of the warm-up microbatches
-        send_backward(stage, backward_step(stage, k, recv_backward(stage)))
+            dy = recv_backward(stage)
+        send_backward(stage, backward_input_step(stage, k, dy))  # at once: the previous stage waits for it
+        if k >= r:
+            backward_weight_step(stage, k - r)  # while the neighbours compute what this stage needs next
+    for k in range(m - r, m):  # the cool-down, filled
+        backward_weight_step(stage, k)
 
 
 def interleaved_1f1b(stage, m, idx, targets, loss_scale):
@@ -335,11 +376,11 @@ def interleaved_1f1b(stage, m, idx, targets, loss_scale):
             grads[chunk_of(k + 1, forward=False)].append(dy)
 
 
-SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1b}
+SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1b, 'zb1': zero_bubble_h1}
 
 
 def run_schedule(stage, name, m, x, y, loss_scale):
-    """Split the micro-step's batch into m microbatches and run the schedule. The clock is a measured step's
+    """Split the micro-step's batch into m microbatches and run the schedule; the clock is a measured step's
     (all stages start together, and it keeps what each executed) or a no-op."""
     stage.clock.start()
     SCHEDULES[name](stage, m, list(x.chunk(m)), list(y.chunk(m)), loss_scale)
@@ -349,8 +390,7 @@ def run_schedule(stage, name, m, x, y, loss_scale):
 
 @torch.no_grad()
 def forward_loss(stage, x, y):
-    """The mean loss of one whole batch, forward only, through the stages (for estimate_loss), on every
-    rank."""
+    """The mean loss of one whole batch, forward only through the stages (for estimate_loss), on every rank."""
     stage.act_shape = (x.size(0),) + tuple(stage.act_shape[1:])  # whole batches: more rows, same tokens
     model, loss = stage.model, torch.zeros((), device=stage.device)
     for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of every stage
@@ -372,9 +412,9 @@ def forward_loss(stage, x, y):
 
 
 def train_step(stage, optimizer, batches, cfg, dp, embed):
-    """One iteration: the schedule over each micro-step's microbatches, then the gradient syncs a pipeline
-    adds: each stage's gradients averaged over its data-parallel column, the tied embedding's two copies
-    summed, the clip over every stage. Returns the mean loss over the global batch."""
+    """One iteration: the schedule over each micro-step's microbatches, then the syncs a pipeline adds: each
+    stage's gradients averaged over its data-parallel column, the tied embedding's two copies summed, the clip
+    over every stage. Returns the mean loss over the global batch."""
     model = stage.model
     stage.loss_sum = torch.zeros((), device=cfg.device)
     stage.act_shape = (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd)
@@ -400,8 +440,7 @@ def clip_grad_norm(stage, grads, max_norm, embed):
     """clip_grad_norm_ over the whole model: every stage's squared norm, summed over the pipeline. A tied
     weight counts once: on the last stage lm_head.weight is a copy of the first stage's wte."""
     tied_copy = stage.model.lm_head.weight if embed is not None and stage.is_last else None
-    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters()
-             if p.grad is not None and p is not tied_copy)
+    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters() if p.grad is not None and p is not tied_copy)
     sq = torch.as_tensor(sq, dtype=torch.float32, device=stage.device)
     stage.comm.all_reduce(sq, kind='scalars')
     clip_coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
@@ -410,15 +449,14 @@ def clip_grad_norm(stage, grads, max_norm, embed):
 
 
 def build(cfg, rank, world_size, vocab_size):
-    """The grid (dp x pp; every collective and send goes through a Comm, which counts it), then train.py's GPT
-    on the meta device cut to this stage's blocks (keep_stage), which alone get storage and then values:
-    train.py's (init_params, one tensor at a time) or this stage's checkpoint; this rank's dropout stream (its
-    own saved one, or seeded per replica and stage, as Megatron), and its AdamW. Returns (the Stage, the
-    optimizer, the dp and embed Comms, iter_num, best_val_loss, the whole model's FLOPs per token)."""
+    """The dp x pp grid (each group a counting Comm); train.py's GPT on the meta device cut to this stage
+    (keep_stage), which alone gets storage and values: train.py's (init_params) or this stage's checkpoint;
+    this rank's dropout stream (saved, or seeded per replica and stage, as Megatron); its AdamW. Returns (the
+    Stage, the optimizer, the dp and embed Comms, iter_num, best_val_loss, the whole model's FLOPs/token)."""
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
     dp, pp_comm, embed = comms['dp'], comms['pp'], embed_comm(grid, rank, cfg.tie_embeddings)
-    ckpt_path = stage_ckpt_path(cfg.out_dir, pp_comm.rank)
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, stage_ckpt_path(cfg.out_dir,
+                                                            pp_comm.rank), gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token(cfg.block_size)  # (whole model)
     chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
     materialize(model, cfg.device)  # storage for this stage's part alone
@@ -435,8 +473,7 @@ def build(cfg, rank, world_size, vocab_size):
                   f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
                   f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           device_type)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
@@ -448,9 +485,11 @@ def build(cfg, rank, world_size, vocab_size):
 # -----------------------------------------------------------------------------
 # checkpoints: one file per stage, its parameters under the whole model's names; consolidate() joins them
 
+STAGE_FILE = 'ckpt_stage{}.pt'
+
 
 def stage_ckpt_path(out_dir, stage):
-    return os.path.join(out_dir, f'ckpt_stage{stage}.pt')
+    return os.path.join(out_dir, STAGE_FILE.format(stage))
 
 
 def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
@@ -468,36 +507,18 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
 
 def consolidate(out_dir):
     """out_dir's stage files joined into train.py's checkpoint dict: the parameters merged by name (a tied
-    weight's two copies are equal: the first stage's is taken), AdamW's state in configure_optimizers' order,
-    each parameter with its own step. The files are memory-mapped; all must exist and be from one iteration.
-    """
-    first = torch.load(stage_ckpt_path(out_dir, 0), map_location='cpu', weights_only=False, mmap=True)
-    paths = [stage_ckpt_path(out_dir, s) for s in range(first['config']['pp'])]
-    if missing := [p for p in paths if not os.path.exists(p)]:
-        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {len(paths)} but not "
-                         f"{', '.join(missing)}")
-    model_sd, states, iters = {}, {}, set()
-    for s, path in enumerate(paths):
-        progress(s + 1, len(paths), 'consolidating the stages')
-        ck = torch.load(path, map_location='cpu', weights_only=False, mmap=True)
-        iters.add(ck['iter_num'])
+    weight's two copies are equal: the first stage's is taken), AdamW's state by name."""
+    first, model_sd, states = load_mmap(stage_ckpt_path(out_dir, 0)), {}, {}
+    for ck in load_world(out_dir, STAGE_FILE, first['config']['pp']):
         for name, values in ck['model'].items():
             model_sd.setdefault(name, values)
         for i, name in enumerate(ck['param_names']):
             if name not in states and i in ck['optimizer']['state']:
-                state = ck['optimizer']['state'][i]  # (its own step: a shared one advances per parameter)
-                states[name] = dict(state, step=torch.tensor(float(state['step'])))
-    if len(iters) != 1:
-        raise SystemExit(f"error: consolidate: the files ckpt_stage*.pt in {out_dir} are from different "
-                         f"iterations ({', '.join(map(str, sorted(iters)))})")
+                states[name] = ck['optimizer']['state'][i]
     if 'lm_head.weight' in states:  # (tied: AdamW knows the weight by its first name, train.py by both)
         states.setdefault('transformer.wte.weight', states['lm_head.weight'])
-    args = first['model_args']
-    if args.get('tie_embeddings', True):
-        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
-    cfg = {k: v for k, v in first['config'].items() if k != 'consolidate'} | {'init_from': 'resume'}
-    return train_checkpoint(model_sd, adamw_state_dict(args, states, cfg), first['rng_states'], args,
-                            first['iter_num'], first['best_val_loss'], cfg)
+    cfg = {k: v for k, v in first['config'].items() if k != 'consolidate'}
+    return joined_checkpoint(model_sd, states, first, first['rng_states'], cfg)
 
 
 # -----------------------------------------------------------------------------
@@ -512,55 +533,36 @@ def start_measuring(stage, comms, wire):
 
 
 def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
-    """Each rank's numbers beside the formulas, a log row each; rank 0 prints dp replica 0's stages."""
-    clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
+    """Each rank's numbers beside the formulas, a log row each; rank 0 prints dp replica 0's stages. The
+    formulas: GPipe's bubble (p-1)/(v·m+p-1); ZB-H1's idles (p-1)(F+B-W) of m(F+B+W) (Qi et al. 2023),
+    (p-1)/(3m+p-1) when F = B = W, and holds p microbatches on every stage (each until its W)."""
+    clock, m, p, v, s, zb1 = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index, cfg.schedule == 'zb1'
     stage.clock = NOT_MEASURED
     splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]  # (1st: warm-up)
-    sent, held = comm_report(comms), peak_microbatches_formula(cfg.schedule, p, m, s, v)
-    p2p = p2p_comm_bytes_formula(cfg.block_size, cfg.batch_size // m, stage.model.config.n_embd, p, m, 4, s,
-                                 v)
+    sent = comm_report(comms)
+    held = min(p, m) if zb1 else peak_microbatches_formula(cfg.schedule, p, m, s, v)
+    p2p = p2p_comm_bytes_formula(cfg.block_size, cfg.batch_size // m, stage.model.config.n_embd, p, m, 4, s, v)
     row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
-           **{k: statistics.median(split[k] for split in splits) for k in splits[0]},
-           'n_schedules': len(splits),
-           'bubble_fraction_formula': bubble_fraction_formula(p, m, v),
+           **{k: statistics.median(split[k] for split in splits) for k in splits[0]}, 'n_schedules': len(splits),
+           'bubble_fraction_formula': (p - 1) / (3 * m + p - 1) if zb1 else bubble_fraction_formula(p, m, v),
            'peak_microbatches_held': clock.peak_held, 'peak_microbatches_held_formula': held,
            'peak_activation_bytes': clock.peak_held_bytes, 'peak_activation_bytes_formula':
                held * clock.microbatch_bytes, 'activation_bytes_per_microbatch': clock.microbatch_bytes,
            'peak_pending_sends': clock.peaks.get('pending_sends', 0),
            'p2p_bytes_per_step': stage.comm.collective_bytes['send'],
            'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p,
-           'collective_bytes': sum(sent['collective_bytes'].values()),
-           'collective_bytes_by_kind': sent['collective_bytes'], 'wire_bytes': wire.stop(),
-           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not,
+           'collective_bytes': sum(sent['collective_bytes'].values()), 'collective_bytes_by_kind':
+               sent['collective_bytes'], 'wire_bytes': wire.stop(), 'wire_bytes_note': wire.why_not,
+           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
            'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
     stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
     if rank == 0:
-        trace = os.path.join(cfg.out_dir, 'schedule_trace.json')
-        tracks, total = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s']
-        print_timelines(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per stage, "
-                        f"iter {iter_num}", tracks, total, 3 * (v * m + p - 1), clock.name)  # a slot ~ one F
-        write_schedule_trace(tracks, total, trace)
-        held = {'gpipe': 'm', '1f1b': 'p-r'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
-        print_measured(f"measured at iter {iter_num}, the median of {stages[0]['n_schedules']} schedule(s); "
-                       f"formulas: bubble (p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the "
-                       f"ideal compute), held {held} microbatches x the most one held; bytes: counted at the "
-                       f"calls, the ring formula, on the stage's own sockets",
-                       [line for r in stages for line in stage_lines(r)],
-                       [f"the schedule as a trace, one track per stage: {trace} (open at ui.perfetto.dev)"] +
-                       [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
-
-
-def stage_lines(r):
-    """A stage's (quantity, measured, counted, modelled) lines for print_measured."""
-    return [(f"stage {r['stage']} {name}", *values) for name, *values in (
-        ('in compute', r['compute_fraction'], None, None),
-        ('in send/recv', r['send_recv_fraction'], None, None),
-        ('other', r['other_fraction'], None, None),
-        ('bubble (not computing)', r['bubble_fraction'], None, r['bubble_fraction_formula']),
-        ('microbatches held at peak', r['peak_microbatches_held'], None, r['peak_microbatches_held_formula']),
-        ('activation bytes at peak', r['peak_activation_bytes'], None, r['peak_activation_bytes_formula']),
-        ('p2p bytes sent', None, r['p2p_bytes_per_step'], r['p2p_bytes_per_step_formula']),
-        ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'], r['wire_bytes_formula']))]
+        bubble = f"(p-1)/(3m+p-1) (= (p-1)/(3m) = {(p - 1) / (3 * m):.3f} of the ideal compute, F = B = W)" if zb1 \
+            else f"(p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute)"
+        held = {'gpipe': 'm', '1f1b': 'p-r', 'zb1': 'p'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
+        print_schedule_report(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per "
+                              f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held} microbatches",
+                              os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
 
 
 # -----------------------------------------------------------------------------
@@ -575,31 +577,21 @@ def main(argv):
     torch.manual_seed(cfg.seed)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
-    comms, first_iter, wire = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter()
-    writer, profiler = CheckpointWriter(), StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)
-    logger = StepLogger(cfg, flops, n_devices=world_size)
-    while True:
-        lr = get_lr(iter_num, cfg)
-        set_lr(optimizer, lr)
-        if should_evaluate(iter_num, cfg):  # evaluate; save the state from which iteration iter_num starts
-            losses = evaluate(partial(forward_loss, stage), stage.model, data, cfg, iter_num, lr, dp)
-            if should_save(iter_num, losses['val'], best_val_loss, cfg):
-                best_val_loss = min(best_val_loss, losses['val'])
-                save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg)
-            logger.restart()
-        if iter_num == cfg.max_iters or cfg.eval_only:
-            break
-        if measured := measured_step(iter_num, first_iter, cfg.measure_every):
-            start_measuring(stage, comms, wire)
-        batches = micro_batches(data, cfg, iter_num, dp.rank, dp.size)
+    comms, first_iter, wire, writer = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter(), CheckpointWriter()
+
+    def step(it):  # one iteration; a measured one (the first, every measure_every-th) with the clock on
+        batches = micro_batches(data, cfg, it, dp.rank, dp.size)
+        if not measured_step(it, first_iter, cfg.measure_every):
+            return train_step(stage, optimizer, batches, cfg, dp, embed)
+        start_measuring(stage, comms, wire)
         loss = train_step(stage, optimizer, batches, cfg, dp, embed)
-        logger.step(iter_num, loss, lr)
-        if measured:
-            report(stage, cfg, comms, wire, iter_num, rank, dp.rank)
-            logger.restart()  # the report's time is not training time
-        profiler.step()
-        iter_num += 1
-    profiler.stop()
+        report(stage, cfg, comms, wire, it, rank, dp.rank)
+        return loss
+
+    training_loop(cfg, SimpleNamespace(
+        model=stage.model, optimizer=optimizer, loss_of=partial(forward_loss, stage), dp=dp, data=data, step=step,
+        save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg), flops_per_token=flops,
+        n_devices=world_size, rank=rank), iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (resume; python consolidate.py {cfg.out_dir}: one "

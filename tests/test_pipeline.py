@@ -17,9 +17,9 @@ LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
     'llama': dict(norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head=2, tie_embeddings=False),
 }
-CASES = [(p, s, layout) for p in (2, 4) for s in ('gpipe', '1f1b') for layout in LAYOUTS] + [
+CASES = [(p, s, layout) for p in (2, 4) for s in ('gpipe', '1f1b', 'zb1') for layout in LAYOUTS] + [
     (2, 'interleaved', layout) for layout in LAYOUTS]  # 2 chunks of 1 layer per stage
-V = {'gpipe': 1, '1f1b': 1, 'interleaved': 2}  # chunks per stage
+V = {'gpipe': 1, '1f1b': 1, 'zb1': 1, 'interleaved': 2}  # chunks per stage
 M = 4  # microbatches in the in-process checks (8 sequences: 2 per microbatch)
 
 
@@ -65,7 +65,8 @@ def _one_case(rank, world_size, p, schedule, layout):
     from model import GPT, GPTConfig
     from distributed import process_grid
     from measure import ScheduleClock
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
                        **LAYOUTS[layout])
     torch.manual_seed(1337)
@@ -97,14 +98,17 @@ def _one_case(rank, world_size, p, schedule, layout):
     out['grad_err'] = max(_rel_err(mine[n], ref_grads[n]) for n in mine)
     out['n_grads'] = len(mine)
     out['loss_err'] = _rel_err(st.loss_sum, ref_loss.detach()) if st.is_last else 0.0
-    ops = [(op, i) for op, i, _, _ in st.clock.schedules[-1][0] if op in 'FB']
+    ops = [(op, i) for op, i, _, _ in st.clock.schedules[-1][0] if op in 'FBW']
     keys = [(i, c) for i in range(M) for c in range(v)] if v > 1 else list(range(M))
-    out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in 'FB' for i in keys])
+    kinds = 'FBW' if schedule == 'zb1' else 'FB'
+    out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in kinds for i in keys])
     out['b_after_f'] = all(ops.index(('F', i)) < ops.index(('B', i)) for i in keys)
+    out['w_after_b'] = all(ops.index(('B', i)) < ops.index(('W', i)) for i in keys) if schedule == 'zb1' else True
     out['peak_held'] = st.clock.peak_held
     out['peak_held_bytes'], out['microbatch_bytes'] = st.clock.peak_held_bytes, st.clock.microbatch_bytes
     out['peak_pending_sends'] = st.clock.peaks['pending_sends']
-    out['peak_held_formula'] = formulas.peak_microbatches_formula(schedule, p, M, stage, v)
+    # ZB-H1 holds a microbatch until its W, r backwards after its B on stage r: p on every stage (1F1B's stage 0)
+    out['peak_held_formula'] = p if schedule == 'zb1' else formulas.peak_microbatches_formula(schedule, p, M, stage, v)
     out['ops'] = ops
 
     # torch.distributed.pipelining on the same weights and batch
@@ -119,6 +123,8 @@ def _one_case(rank, world_size, p, schedule, layout):
 
     if schedule == 'interleaved':
         sched = ScheduleInterleaved1F1B(pstages, M, loss_fn=loss_fn)
+    elif schedule == 'zb1':  # torch's ZB1P with one stage per rank: ZB-H1, and its own split of B and W
+        sched = ScheduleInterleavedZeroBubble(pstages, M, loss_fn=loss_fn)
     else:
         sched = (ScheduleGPipe if schedule == 'gpipe' else Schedule1F1B)(pstages[0], M, loss_fn=loss_fn)
     losses = []
@@ -159,7 +165,7 @@ def test_executed_order_is_a_valid_schedule(spawned, case):
     p, schedule, _ = case
     for rank, results in enumerate(spawned):
         r = results[case]
-        assert r['each_op_once'] and r['b_after_f'], (rank, r['ops'])
+        assert r['each_op_once'] and r['b_after_f'] and r['w_after_b'], (rank, r['ops'])
         assert r['peak_held'] == r['peak_held_formula'], (rank, r['peak_held'], r['ops'])
         # measured from the tensors autograd saved: the peak is that many microbatches' activations (with chunks,
         # that many chunk-microbatches, of which the embedding's and the loss's chunks hold a little more)
@@ -174,6 +180,8 @@ def test_executed_order_is_a_valid_schedule(spawned, case):
             assert [op for op, _ in r['ops']] == ['F'] * M + ['B'] * M
         elif schedule == 'interleaved':  # Megatron's order: 2(p-r-1) + (v-1)p warm-up forwards, then 1F1B
             assert r['ops'] == _megatron_interleaved_order(p, 2, M, stage), (rank, r['ops'])
+        elif schedule == 'zb1':  # 1F1B's F and B, and W r backwards late on stage r
+            assert r['ops'] == _zb_h1_order(p, M, stage), (rank, r['ops'])
         else:  # p-r-1 warm-up forwards, then F and B alternate, then the cool-down backwards
             warmup = p - stage - 1
             ops = [op for op, _ in r['ops']]
@@ -191,6 +199,51 @@ def _megatron_interleaved_order(p, v, m, r):
 
     steady = [o for k in range(total - warmup) for o in (op('F', k + warmup), op('B', k))]
     return [op('F', k) for k in range(warmup)] + steady + [op('B', k) for k in range(total - warmup, total)]
+
+
+def _zb_h1_order(p, m, r):
+    """ZB-H1's (op, microbatch) sequence on stage r, as torch.distributed.pipelining builds it for
+    ScheduleInterleavedZeroBubble with one stage per rank (_get_1f1b_rank_ops with enable_zero_bubble): 1F1B's
+    p-r-1 warm-up forwards, then F and B alternate, and after the r-th B each B is followed by the W of the
+    microbatch r backwards earlier; the last r W's close the schedule."""
+    warmup, ops = p - r - 1, []
+    for k in range(m):
+        ops += [('F', warmup + k)] if warmup + k < m else []
+        ops += [('B', k)] + ([('W', k - r)] if k >= r else [])
+    return [('F', i) for i in range(warmup)] + ops + [('W', k) for k in range(m - r, m)]
+
+
+def _unit_time_step(orders, cost):
+    """The length of a step whose stages run their executed orders (orders[r]: stage r's (op, microbatch) list)
+    with each op taking cost[op] units and waiting for what it needs: F for the previous stage's F, B for the
+    next stage's B (the last stage: its own F), W for its own B (orders run in sequence)."""
+    p, done, pos, free = len(orders), {}, [0] * len(orders), [0] * len(orders)
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if pos[r] < len(orders[r]):
+                op, i = orders[r][pos[r]]
+                need = (r - 1, 'F', i) if op == 'F' and r > 0 else (r + 1, 'B', i) if op == 'B' and r < p - 1 else None
+                if need is None or need in done:
+                    free[r] = done[(r, op, i)] = max(free[r], done.get(need, 0)) + cost[op]
+                    pos[r], moved = pos[r] + 1, True
+        assert moved, ('deadlock', pos)
+    return max(free)
+
+
+@pytest.mark.parametrize('p', [2, 4])
+def test_zb1_executed_order_has_a_smaller_bubble_than_1f1b(spawned, p):
+    """The bubble, deterministically: each stage's executed order of one pipeline replayed with unit costs (F = B
+    = W = 1; 1F1B's whole backward B + W = 2). 1F1B's step is the ideal 3m plus 3(p-1) idle units; zb1's is 3m
+    plus (p-1), the paper's (p-1)(F+B-W): a third of the bubble. (bench.py's pp rows compare the measured
+    time.)"""
+    for layout in LAYOUTS:
+        for pipeline in range(4 // p):
+            stages = range(pipeline * p, (pipeline + 1) * p)
+            one_f_one_b = [spawned[r][(p, '1f1b', layout)]['ops'] for r in stages]
+            zb1 = [spawned[r][(p, 'zb1', layout)]['ops'] for r in stages]
+            assert _unit_time_step(one_f_one_b, {'F': 1, 'B': 2}) == 3 * M + 3 * (p - 1)
+            assert _unit_time_step(zb1, {'F': 1, 'B': 1, 'W': 1}) == 3 * M + (p - 1)
 
 
 MEASURING = [('dist', 'barrier'), ('dist', 'all_gather_object'), ('torch.cuda', 'synchronize'),
@@ -345,10 +398,12 @@ def test_resume_with_dropout_is_exact(tmp_path):
     assert train_losses(split) == train_losses(whole)
 
 
-def test_interleaved_loss_curve_equals_train_py(baseline, tmp_path):
-    """pp=2, 2 chunks of one layer per stage (layers 0 and 2 on stage 0, 1 and 3 on stage 1), dp=2 beside."""
+@pytest.mark.parametrize('schedule,v', [('interleaved', 2), ('zb1', 1)])
+def test_dp_x_pp_loss_curve_equals_train_py(baseline, tmp_path, schedule, v):
+    """dp=2 x pp=2: interleaved with 2 chunks of one layer per stage (layers 0 and 2 on stage 0, 1 and 3 on stage
+    1), and zb1 (B and W apart)."""
     out = str(tmp_path)
-    check(run_script('pipeline.py', ARGS + ['--pp=2', '--schedule=interleaved', '--virtual_stages=2',
+    check(run_script('pipeline.py', ARGS + ['--pp=2', f'--schedule={schedule}', f'--virtual_stages={v}',
                                             '--n_microbatches=2', f'--out_dir={out}', '--max_iters=6'], nproc=4))
     assert_same_losses(train_losses(out), train_losses(baseline), range(6))
     assert_same_losses(eval_losses(out), eval_losses(baseline), [0, 3, 6])
@@ -357,9 +412,10 @@ def test_interleaved_loss_curve_equals_train_py(baseline, tmp_path):
         assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0, r
 
 
-def test_pp4_gpipe_loss_curve_equals_train_py(baseline, tmp_path):
+@pytest.mark.parametrize('schedule,m', [('gpipe', 2), ('zb1', 4)])
+def test_pp4_loss_curve_equals_train_py(baseline, tmp_path, schedule, m):
     out = str(tmp_path)
-    proc = check(run_script('pipeline.py', ARGS + ['--pp=4', '--schedule=gpipe', '--n_microbatches=2',
+    proc = check(run_script('pipeline.py', ARGS + ['--pp=4', f'--schedule={schedule}', f'--n_microbatches={m}',
                                                    f'--out_dir={out}', '--max_iters=6'], nproc=4))
     assert_same_losses(train_losses(out), train_losses(baseline), range(6))
     assert_same_losses(eval_losses(out), eval_losses(baseline), [0, 3, 6])
@@ -367,7 +423,8 @@ def test_pp4_gpipe_loss_curve_equals_train_py(baseline, tmp_path):
     rows = [r for r in read_log(out) if 'rank' in r]
     assert sorted(r['stage'] for r in rows) == [0, 1, 2, 3]
     for r in rows:
-        assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'] == 2  # GPipe holds all m
+        assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'] == 4 - 2 * (schedule == 'gpipe')
+        # (GPipe holds all m = 2; zb1 p = 4 on every stage, each microbatch until its W)
         assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0  # counted at the send calls
 
 
@@ -433,7 +490,7 @@ def test_timeline_shows_every_op_once_in_the_order_executed():
     shape a short B0 used to vanish and a long F2 show three times): every F and B appears exactly once, in the
     order executed; a long op continues with '-'; the waits (W) are not ops."""
     import measure
-    ops = [('F', 0, 0.0, 0.001), ('W', 0, 0.001, 0.2), ('F', 1, 0.2, 0.2001), ('B', 0, 0.2001, 0.2002),
+    ops = [('F', 0, 0.0, 0.001), ('send/recv', 0, 0.001, 0.2), ('F', 1, 0.2, 0.2001), ('B', 0, 0.2001, 0.2002),
            ('F', 2, 0.2002, 0.9), ('B', 1, 0.9, 0.9001), ('F', 3, 0.9001, 0.91), ('B', 2, 0.95, 0.9501),
            ('B', 3, 0.9501, 1.0)]
     for n_slots in (4, 10, 40):
