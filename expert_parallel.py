@@ -330,10 +330,9 @@ def report(iter_num, cfg, model, optimizer, comms, measured, why_not):
     moe = [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoE)]
     experts = sum(p.numel() for m in moe for e in m.experts if e is not None for p in e.parameters())
     dense = sum(p.numel() for p in model.parameters()) - experts
-    elem = 4  # the rows dispatched are the norm's output: fp32 under autocast too
     micro = cfg.gradient_accumulation_steps // dp.size
     uniform = ep_all_to_all_bytes_formula(cfg.batch_size * cfg.block_size, c.n_expert_active, c.n_embd,
-                                          ep.size, elem)
+                                          ep.size, 4, 2 if cfg.dtype == 'bfloat16' else 4)
     held = ep_model_state_bytes_formula(dense, experts * ep.size, ep.size)
     moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
     rows = log_rank_rows(cfg.out_dir, dict(

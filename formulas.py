@@ -199,16 +199,18 @@ def cp_comm_bytes_formula(s, b, n_head, n_kv_head, head_dim, cp, attention, byte
 # -----------------------------------------------------------------------------
 # Expert parallelism (GShard, Lepikhin et al. 2020; DeepSpeed-MoE): expert_parallel.py
 
-def ep_all_to_all_bytes_formula(tokens, k, h, ep, bytes_per_elem=4):
+def ep_all_to_all_bytes_formula(tokens, k, h, ep, bytes_per_elem=4, out_bytes_per_elem=None):
     """Bytes of one MoE layer's all-to-alls on one rank per micro-batch of `tokens` tokens (b·s), forward and
     backward: each token's k slots (h elements each) dispatched to their experts' ranks and combined back,
     then the gradients of both the other way: 4 all-to-alls of tokens·k·h elements handed to the calls
-    ('all_to_all_bytes'). Of them (ep-1)/ep leave the rank ('wire_bytes') ASSUMING UNIFORM ROUTING: the router
-    spreads the slots evenly over the experts, so 1/ep of them stay on this rank's own experts. A real router
-    is not uniform: what a rank hands to the combine and sends off-rank follows its experts' load, which is
-    why the scripts print the counted bytes beside this. The split sizes exchanged first (ep·E/ep integers
+    ('all_to_all_bytes'). The dispatched rows and their gradients are the norm's output, bytes_per_elem (fp32
+    under autocast too); the experts' outputs and their gradients out_bytes_per_elem (2 under bf16 autocast;
+    default bytes_per_elem). Of them (ep-1)/ep leave the rank ('wire_bytes') ASSUMING UNIFORM ROUTING: the
+    router spreads the slots evenly over the experts, so 1/ep of them stay on this rank's own experts. A real
+    router is not uniform: what a rank hands to the combine and sends off-rank follows its experts' load, which
+    is why the scripts print the counted bytes beside this. The split sizes exchanged first (ep·E/ep integers
     each way) are left out."""
-    handed = 4 * tokens * k * h * bytes_per_elem
+    handed = 2 * tokens * k * h * (bytes_per_elem + (out_bytes_per_elem or bytes_per_elem))
     return {'all_to_all_bytes': handed, 'wire_bytes': (ep - 1) / ep * handed}
 
 

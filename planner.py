@@ -59,7 +59,8 @@ def gpt_config_from(config_path, overrides, vocab_size):
 def param_counts(gptconf, pp=1):
     """Parameters counted on the meta device (no memory): the whole model, and the largest pipeline stage (its
     n_layer/pp blocks, plus the embeddings on the first and the final norm and head on the last; a tied embedding
-    is held by both, as Megatron does)."""
+    is held by both, as Megatron does). A mixture of experts: its routed experts (all of them: what memory holds),
+    and the active parameters (those one token multiplies: k of each MoE layer's experts, what FLOPs count)."""
     with torch.device('meta'):
         model = GPT(gptconf)
     total = sum(p.numel() for p in model.parameters())
@@ -73,7 +74,10 @@ def param_counts(gptconf, pp=1):
         stages = [sum(per_block[i * k:(i + 1) * k]) for i in range(pp)]
         stages[0] += first
         stages[-1] += last
-    return dict(total=total, pp_stage_max=max(stages) if stages else None)
+    experts = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.' in n)
+    idle = experts * (1 - gptconf.n_expert_active / gptconf.n_expert) if gptconf.n_expert else 0
+    return dict(total=total, active=total - round(idle), experts=experts,
+                pp_stage_max=max(stages) if stages else None)
 
 
 def model_states(numel, dp, stage, mixed_precision):
@@ -81,14 +85,16 @@ def model_states(numel, dp, stage, mixed_precision):
     return formulas.model_state_bytes_formula(numel, dp, stage, mixed_precision)
 
 
-def strategies(gpus, tp, pp, cp, zero_stage):
+def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
     """(name, shape) of each strategy the estimate prices, from the least added cost to the most: communication
     volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives), then the
     pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
     def shape(**k):
-        return dict(dict(dp=1, tp=1, pp=1, cp=1, stage=0, sp=False, schedule=None, offload=False), **k)
+        return dict(dict(dp=1, tp=1, pp=1, cp=1, ep=1, stage=0, sp=False, schedule=None, offload=False), **k)
     rows = [('DDP', shape(dp=gpus))] + [(f'ZeRO-{s}', shape(dp=gpus, stage=s)) for s in (1, 2, 3)]
     rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
+    if ep > 1 and gpus % ep == 0:  # a mixture of experts: its experts split over ep of the dp ranks
+        rows += [(f'dp={gpus} with EP={ep} (each expert on 1 of {ep} ranks)', shape(dp=gpus, ep=ep))]
     if tp > 1 and gpus % tp == 0 and gpus > tp:
         rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', shape(dp=gpus // tp, tp=tp, sp=True,
                                                                          stage=zero_stage))]
@@ -105,32 +111,42 @@ def strategies(gpus, tp, pp, cp, zero_stage):
 
 
 def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, zero_stage,
-             mixed_precision):
+             mixed_precision, ep=1):
     """One dict per strategy: model-state bytes, activation and logits bytes with and without activation
     checkpointing, bytes communicated per step, and whether it fits (activations_of, comm_per_step)."""
     s, a, L = seq_len, gptconf.n_head, gptconf.n_layer
     rows = []
-    for name, k in strategies(gpus, tp, pp, cp, zero_stage):
+    for name, k in strategies(gpus, tp, pp, cp, zero_stage, ep):
         dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
         row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
-                   schedule=k['schedule'], offload=k['offload'], notes=[], **{x: k[x] for x in GRID_DIMS})
+                   schedule=k['schedule'], offload=k['offload'], notes=[], ep=k['ep'],
+                   **{x: k[x] for x in GRID_DIMS})
         problems = [msg for bad, msg in [
             (row['gpus_used'] > gpus, f"needs {row['gpus_used']} GPUs"),
             (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
             (L % p, f"n_layer {L} not divisible by pp={p}"),
             (s % (2 * c) if c > 1 else 0, f"seq_len {s} not divisible by 2 x cp={c} (the zig-zag split)"),
-            (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)")] if bad]
+            (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)"),
+            (gptconf.n_expert % k['ep'], f"n_expert {gptconf.n_expert} not divisible by ep={k['ep']}")] if bad]
         if problems:
             rows.append(dict(row, error=problems[0]))
             continue
         counts = param_counts(gptconf, p)
         numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
                  counts['pp_stage_max'] if p > 1 else counts['total'])
+        if k['ep'] > 1:  # the dense weights whole, 1/ep of the experts (formulas.ep_model_state_bytes_formula)
+            numel = counts['total'] - counts['experts'] + counts['experts'] // k['ep']
         row['params_per_rank'] = numel
         # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0 scripts
         # keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
         row.update(formulas.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0,
                                                       k['offload']))
+        if k['ep'] > 1:
+            row.update(formulas.ep_model_state_bytes_formula(counts['total'] - counts['experts'],
+                                                             counts['experts'], k['ep']))
+        if gptconf.n_expert:
+            row['notes'].append("a mixture of experts' activations are priced as the dense block's (one MLP per "
+                                "token): an MoE layer keeps about k times the MLP's, and the k dispatched rows")
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
         if p > 1:
@@ -186,6 +202,13 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     act_bytes = 2 if mixed_precision else 4
     grad_bytes = act_bytes if stage > 0 else 4
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
+    if k['ep'] > 1:  # expert_parallel.py: fp32 dense gradients over all dp ranks, each expert's over its dp/ep
+        # replicas, and per MoE layer and micro-batch the all-to-alls (formulas.ep_all_to_all_bytes_formula)
+        e, experts = k['ep'], param_counts(gptconf)['experts'] // k['ep']
+        comm = formulas.comm_bytes_formula(numel - experts, dp, 0, 4) + formulas.comm_bytes_formula(
+            experts, dp // e, 0, 4)
+        a2a = formulas.ep_all_to_all_bytes_formula(b * s, gptconf.n_expert_active, h, e, 4, act_bytes)
+        comm += sum(map(gptconf.is_moe, range(L))) * m * a2a['wire_bytes']
     if t > 1:
         per_layer = formulas.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
         edges = formulas.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
@@ -220,8 +243,8 @@ def estimate_json(rows):
         for ckpt in (False, True):
             name = r['strategy'] + (' + ckpt' if ckpt else '')
             entry = {k: r.get(k) for k in ('param_bytes', 'grad_bytes', 'optim_bytes')}
-            entry.update({x: r[x] for x in GRID_DIMS + ('zero_stage', 'sequence_parallel', 'schedule', 'offload',
-                                                        'gpus_used')})
+            entry.update({x: r[x] for x in GRID_DIMS + ('ep', 'zero_stage', 'sequence_parallel', 'schedule',
+                                                        'offload', 'gpus_used')})
             entry['activation_checkpointing'] = ckpt
             if 'error' in r:
                 out[name] = dict(entry, activation_bytes=None, logits_bytes=None, total_bytes=None,
@@ -320,13 +343,14 @@ def largest_divisor(limit, *numbers):
 def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     """The torchrun command that runs a planned strategy with this repo's scripts: the script of its idea, its
     degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (the same command on every node; they meet at HOST)."""
-    shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp') if row[d] > 1]
+    shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp', 'ep') if row.get(d, 1) > 1]
     if row['pp'] > 1:  # a pipeline's micro-step is n_micro microbatches of micro_batch sequences
         script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 else 'parallel_4d.py'), [
             f"--schedule={row['schedule']}", f"--n_microbatches={n_micro}",
             f"--batch_size={args.micro_batch * n_micro}", f"--gradient_accumulation_steps={row['dp']}"]
     else:
         script = ('train_fsdp.py' if row['strategy'].startswith('FSDP') else
+                  'expert_parallel.py' if row.get('ep', 1) > 1 else
                   'parallel_4d.py' if row['dp'] > 1 and row['tp'] > 1 else
                   'tensor_parallel.py' if row['tp'] > 1 else 'context_parallel.py' if row['cp'] > 1 else
                   'zero.py' if row['zero_stage'] or row['offload'] else 'train_ddp.py')
@@ -358,10 +382,13 @@ def run_estimate(args, overrides, check=None):
     args.tp = args.tp or largest_divisor(min(args.gpus, 8), gptconf.n_head, gptconf.n_kv_head)
     args.pp = args.pp or largest_divisor(min(args.gpus, 4), gptconf.n_layer)
     args.cp = args.cp or largest_divisor(min(args.gpus, 4), seq_len // 2, args.gpus)
-    numel = param_counts(gptconf)['total']
+    counts = param_counts(gptconf)
+    numel = counts['total']
     n_micro = args.n_microbatches or max(1, 2 * args.pp)
+    # a mixture of experts: ep, the largest that divides the experts and the GPUs (at most 8: one node)
+    ep = getattr(args, 'ep', None) or largest_divisor(min(args.gpus, 8), gptconf.n_expert or 1, args.gpus)
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
-                    n_micro, args.zero_stage, mixed)
+                    n_micro, args.zero_stage, mixed, ep)
     best = cheapest(rows, args.gpus)
     ds_path = command = None
     if best:
@@ -374,13 +401,17 @@ def run_estimate(args, overrides, check=None):
                                  ds_path if best_row['zero_stage'] else None)
     checked = check(args, overrides, rows, best, ds_path, n_micro) if args.check and check else None
     if args.json:
-        print(json.dumps({'config': args.estimate, 'params': numel, 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
+        print(json.dumps({'config': args.estimate, 'params': numel, 'active_params': counts['active'],
+                          'expert_params': counts['experts'], 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
                           'dtype': args.dtype, 'micro_batch': args.micro_batch, 'seq_len': seq_len,
                           'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
                           'ds_config': ds_path, 'command': command, 'checked': checked}, indent=1))
         return
     header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
-              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}); {args.gpus} GPUs of "
+              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}"
+              + (f"; {gptconf.n_expert} experts, top-{gptconf.n_expert_active}: {counts['active'] / 1e9:.3g}B "
+                 f"active, {counts['experts'] / 1e9:.3g}B in the experts" if gptconf.n_expert else '')
+              + f"); {args.gpus} GPUs of "
               f"{args.gpu_mem_gb} GB; micro-batch {args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches "
               f"per step; {'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
     print(model_state_markdown(numel, args.gpus, mixed) + '\n')
