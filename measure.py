@@ -235,6 +235,7 @@ def print_measured(title, lines, notes=()):
 
 import contextlib  # noqa: E402 (this section's own imports: it was appended)
 import json  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 
 
@@ -248,6 +249,23 @@ def time_split(records, total):
     comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'send/recv')
     return {'compute_fraction': compute / total, 'send_recv_fraction': comm / total,
             'other_fraction': 1 - (compute + comm) / total, 'bubble_fraction': 1 - compute / total}
+
+
+def schedule_measurements(clock, comms, wire, sent_p2p):
+    """A measured step's numbers for its log row: the median time split of its schedules (the first left out
+    as a warm-up when there are more), the peaks the clock kept, the bytes counted at the calls and on the wire.
+    """
+    splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]
+    sent = comm_report(comms)
+    return {**{k: statistics.median(split[k] for split in splits) for k in splits[0]},
+            'n_schedules': len(splits),
+            'peak_microbatches_held': clock.peak_held, 'peak_activation_bytes': clock.peak_held_bytes,
+            'activation_bytes_per_microbatch': clock.microbatch_bytes,
+            'peak_pending_sends': clock.peaks.get('pending_sends', 0), 'p2p_bytes_per_step': sent_p2p,
+            'collective_bytes': sum(sent['collective_bytes'].values()),
+            'collective_bytes_by_kind': sent['collective_bytes'], 'wire_bytes': wire.stop(),
+            'wire_bytes_note': wire.why_not, 'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
+            'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
 
 
 def op_label(op, i):

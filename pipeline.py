@@ -3,8 +3,7 @@ Pipeline parallelism: train.py with the model's blocks split over pp stages, by 
 send/recv. Stage 0 holds the embedding, the last stage the final norm, head and loss; each micro-step's batch
 is cut into n_microbatches that flow through the stages. Four schedules, one straight-line function each:
 GPipe, 1F1B, Megatron's interleaved 1F1B and the zero-bubble ZB-H1. Composes with data parallelism (world =
-dp x pp). A measured step (the first, every --measure_every-th) prints each stage's executed schedule, its
-bubble and held activations beside the formulas; every other step runs the schedules alone.
+dp x pp). A measured step (the first, every --measure_every-th) prints the executed schedules and bubbles.
 
     torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
     torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
@@ -13,7 +12,6 @@ bubble and held activations beside the formulas; every other step runs the sched
 
 import contextlib
 import os
-import statistics
 from functools import partial
 from types import SimpleNamespace
 
@@ -22,13 +20,15 @@ import torch.distributed as dist
 
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from model import init_params, keep_own, materialize
-from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure, load_dataset,
-                      log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape, training_loop)
-from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model, joined_checkpoint,
-                         load_mmap, load_world, restore_rng, seed_dropout, train_checkpoint)
+from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
+                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape,
+                      training_loop)
+from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
+                         joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
+                         train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
-from measure import (NOT_MEASURED, ScheduleClock, WireMeter, comm_report, measured_step, print_schedule_report,
-                     time_split)
+from measure import (NOT_MEASURED, ScheduleClock, WireMeter, measured_step, print_schedule_report,
+                     schedule_measurements)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -54,13 +54,14 @@ def validate(cfg, world_size):
     for bad, message in (
             (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
                                     f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
-            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
+            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches "
+                                 f"({m})"),
             (cfg.schedule in ('1f1b', 'zb1') and m < p,
              f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
             (cfg.schedule == 'interleaved' and m % p,
              f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
-            (cfg.dtype not in ('float32', 'bfloat16'), f"pipeline.py trains in float32 or bfloat16, got "
-                                                        f"{cfg.dtype!r} (float16: one loss scale for all stages)")):
+            (cfg.dtype not in ('float32', 'bfloat16'),
+             f"pipeline.py trains in float32 or bfloat16, not {cfg.dtype} (float16: one loss scale)")):
         if bad:
             raise SystemExit(f"error: {message}")
     check_no_compile(cfg, 'pipeline.py')
@@ -68,22 +69,21 @@ def validate(cfg, world_size):
 
 
 def check_schedule(cfg):
-    """The schedule's keys, checked first (the other checks divide by them); parallel_4d.py checks them too."""
+    """The schedule's keys, checked first (the others divide by them); parallel_4d.py checks them too."""
     if cfg.schedule not in SCHEDULES:
         raise SystemExit(f"error: --schedule={cfg.schedule} is not one of {', '.join(SCHEDULES)}")
     if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
         raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} must be 1, or more with "
                          f"--schedule=interleaved (got --schedule={cfg.schedule})")
     if cfg.pp == 1 and (cfg.virtual_stages > 1 or cfg.schedule == 'zb1'):  # (pp < 1: the world size's check)
-        raise SystemExit(f"error: --schedule={cfg.schedule} --virtual_stages={cfg.virtual_stages} needs pp >= 2 "
-                         f"(with chunks a stage is its own neighbour; zb1 has no bubble to fill): use 1f1b")
+        raise SystemExit(f"error: --schedule={cfg.schedule} --virtual_stages={cfg.virtual_stages} needs pp "
+                         f">= 2 (with chunks a stage is its own neighbour; zb1 has no bubble to fill)")
     if cfg.n_microbatches < 1:
         raise SystemExit(f"error: --n_microbatches={cfg.n_microbatches} must be at least 1")
 
 
 def embed_comm(grid, rank, tied):
-    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline, which holds the
-    tied weight's two copies (else None). Every rank creates every pair's group, in one order."""
+    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline (else None)."""
     if not tied or grid.size(1) == 1:
         return None
     comm = None
@@ -95,10 +95,10 @@ def embed_comm(grid, rank, tied):
 
 
 def keep_stage(model, stage, pp_size, virtual_stages=1):
-    """Cut the GPT to this stage's part, in place: its blocks (the others become Identity, so names stay the
-    whole model's and the stage files merge by name), the embedding on the first stage, ln_f and lm_head on the
-    last (tied and pp > 1: two copies of one weight, kept equal by summing their gradients, as Megatron does).
-    Returns its chunks of layers: one, or v non-adjacent ones (chunk c of stage r is virtual stage c·pp + r)."""
+    """Cut the GPT to this stage's part, in place: its blocks (the others Identity: names stay the whole
+    model's), the embedding on the first stage, ln_f and lm_head on the last (tied: two copies of one weight,
+    kept equal by summing their gradients, as Megatron does). Returns its chunks of layers: one, or v apart
+    (chunk c of stage r is virtual stage c·pp + r)."""
     n = model.config.n_layer // (pp_size * virtual_stages)
     chunks = [range((c * pp_size + stage) * n, (c * pp_size + stage + 1) * n) for c in range(virtual_stages)]
     for i in range(model.config.n_layer):
@@ -112,20 +112,17 @@ def keep_stage(model, stage, pp_size, virtual_stages=1):
 
 
 class Stage:
-    """What one pipeline stage knows: its part of the model, its neighbours, the shape of what crosses the
-    boundary, what it holds for backward, its sends in flight. clock: a measured step's ScheduleClock (what ran
-    when, the bytes held), NOT_MEASURED on every other step."""
+    """One pipeline stage: its part of the model, its neighbours, what it holds. clock: a measured step's
+    ScheduleClock (what ran when, the bytes held), NOT_MEASURED on every other step."""
 
     def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
         self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
         self.is_first, self.is_last = index == 0, index == pp_size - 1  # the embedding / the head and loss
-        ring = len(chunks) > 1  # with chunks the stages are a ring: the last's chunk c feeds the first's c + 1
+        ring = len(chunks) > 1  # with chunks, a ring: the last stage's chunk c feeds the first's c + 1
         self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
-        # the embedding, and the head and loss: the model's, unless another parallelism brings its own
-        # (parallel_4d.py: vocabulary-parallel, on this rank's part of the sequence)
-        self.embed, self.head = model.embed, model.head
+        self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
         self.clock = NOT_MEASURED
         self.held = {}           # microbatch (and chunk) -> what its backward needs; its graph is alive
         self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
@@ -137,13 +134,12 @@ class Stage:
 
 
 def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-    """Post this stage's sends and receives together (one batch_isend_irecv) and wait for the receives. The
-    sends are waited for at the next exchange (the compute in between overlaps them): a sent buffer is let go
-    one exchange later. The shape is the config's: no handshake. Returns (from_prev, from_next)."""
+    """Post this stage's sends and receives together (one batch_isend_irecv), wait for the receives; the sends
+    are waited for at the next exchange (overlapping the compute in between). Returns (from_prev, from_next).
+    """
     with stage.clock.op('send/recv'):
         finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
-        # tag 0: activations (to the next stage), tag 1: gradients (to the previous one); on a ring of two
-        # stages both go to the same peer, and the tags keep them apart
+        # tag 0: activations, tag 1: gradients (on a ring of two stages both go to one peer)
         sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
                  ((send_next, stage.next_rank, 0), (send_prev, stage.prev_rank, 1)) if t is not None]
         from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
@@ -185,14 +181,13 @@ def send_forward_recv_backward(stage, y):  # 1F1B's steady state: an output goes
 
 
 # -----------------------------------------------------------------------------
-# one microbatch's forward (F) and backward: whole (B), or split (zb1) into the input's (B) and the weights' (W)
+# one microbatch's forward (F) and backward: whole (B), or (zb1) split into the input's (B) and weights' (W)
 
 
 def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0, split=False):
-    """F of microbatch i (with chunks: of chunk `chunk`, and i is (microbatch, chunk)): embed (the first chunk
-    of the first stage) or take the received activation, run the chunk's blocks, after the last chunk of the
-    last stage the head and loss. Keeps what backward needs (split: with the output of each module holding
-    weights, where W starts); returns what to send on (float32 under autocast too: the residual stream)."""
+    """F of microbatch i (with chunks: i is (microbatch, chunk)): embed or take the received activation, run
+    the chunk's blocks, the head and loss after the model's last. Keeps what backward needs (split: with each
+    weight module's output, where W starts); returns what to send on (the fp32 residual stream)."""
     model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
     first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
     with stage.clock.op('F', i), stage.clock.holding(i), stage.ctx, module_outputs(model, split) as outputs:
@@ -214,15 +209,14 @@ def module_outputs(model, keep):
     """keep: collect (module, output) from every call of a module that holds weights of its own."""
     outputs = []
     hooks = [m.register_forward_hook(lambda module, _, y: outputs.append((module, y)))
-             for m in (model.modules() if keep else ()) if next(m.parameters(recurse=False), None) is not None]
+             for m in (model.modules() if keep else ()) if list(m.parameters(recurse=False))]
     yield outputs
     for hook in hooks:
         hook.remove()
 
 
 def backward_step(stage, i, grad_output, chunk=0):
-    """B of microbatch i (of chunk `chunk`): backpropagate from its loss (the last chunk of the last stage) or
-    the received gradient of its output, free its activations, return its input's gradient (to send back)."""
+    """B of microbatch i: backpropagate from its loss or its output's gradient; return its input's."""
     with stage.clock.op('B', i):
         x, out, _ = stage.held.pop(i)
         stage.clock.released(i)
@@ -281,7 +275,7 @@ def one_f_one_b(stage, m, idx, targets, loss_scale):
     warmup = min(stage.pp - stage.index - 1, m)
     for i in range(warmup):  # warm-up: forwards only
         send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale))
-    for k in range(m):  # the backward of microbatch k, after the forward of microbatch warmup + k if any is left
+    for k in range(m):  # the backward of microbatch k, after the forward of microbatch warmup + k if any
         if warmup + k < m:
             dy = send_forward_recv_backward(stage, forward_step(stage, warmup + k, recv_forward(stage), idx,
                                                                 targets, loss_scale))
@@ -315,12 +309,10 @@ def zero_bubble_h1(stage, m, idx, targets, loss_scale):
 
 
 def interleaved_1f1b(stage, m, idx, targets, loss_scale):
-    """Megatron's interleaved 1F1B (Narayanan et al. 2021). Each stage holds v chunks of layers; chunk c of
-    stage r is virtual stage c·p + r, so a microbatch goes around the ring of stages v times. The k-th
-    forward of a stage works on chunk (k mod p·v) // p and microbatch (k // p·v)·p + k mod p: groups of p
-    microbatches through one chunk, then the next (the k-th backward: chunk v-1 minus that). Warm-up is
-    2(p-r-1) + (v-1)·p forwards, then 1F1B, then the rest of the backwards; received tensors wait in a queue
-    per chunk until their forward or backward comes. The bubble shrinks v times."""
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): v chunks per stage, chunk c of stage r virtual
+    stage c·p + r, a microbatch goes round the ring v times. The k-th forward runs chunk (k mod p·v) // p on
+    microbatch (k // p·v)·p + k mod p (the k-th backward: chunk v-1 minus that). Warm-up 2(p-r-1) + (v-1)·p
+    forwards, then 1F1B, then the rest of the backwards; received tensors queue per chunk. Bubble / v."""
     p, v, r = stage.pp, len(stage.chunks), stage.index
     total, warmup = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
     inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # received, waiting for their F / B
@@ -390,7 +382,7 @@ def run_schedule(stage, name, m, x, y, loss_scale):
 
 @torch.no_grad()
 def forward_loss(stage, x, y):
-    """The mean loss of one whole batch, forward only through the stages (for estimate_loss), on every rank."""
+    """The mean loss of a whole batch, forward only through the stages (for estimate_loss), on every rank."""
     stage.act_shape = (x.size(0),) + tuple(stage.act_shape[1:])  # whole batches: more rows, same tokens
     model, loss = stage.model, torch.zeros((), device=stage.device)
     for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of every stage
@@ -412,9 +404,8 @@ def forward_loss(stage, x, y):
 
 
 def train_step(stage, optimizer, batches, cfg, dp, embed):
-    """One iteration: the schedule over each micro-step's microbatches, then the syncs a pipeline adds: each
-    stage's gradients averaged over its data-parallel column, the tied embedding's two copies summed, the clip
-    over every stage. Returns the mean loss over the global batch."""
+    """One iteration: the schedule over each micro-step, then the gradients averaged over dp, the tied
+    embedding's two copies summed, the clip over every stage. Returns the mean loss over the global batch."""
     model = stage.model
     stage.loss_sum = torch.zeros((), device=cfg.device)
     stage.act_shape = (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd)
@@ -437,10 +428,10 @@ def train_step(stage, optimizer, batches, cfg, dp, embed):
 
 
 def clip_grad_norm(stage, grads, max_norm, embed):
-    """clip_grad_norm_ over the whole model: every stage's squared norm, summed over the pipeline. A tied
-    weight counts once: on the last stage lm_head.weight is a copy of the first stage's wte."""
+    """clip_grad_norm_ over the whole model: the stages' squared norms summed (a tied weight's copy once)."""
     tied_copy = stage.model.lm_head.weight if embed is not None and stage.is_last else None
-    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters() if p.grad is not None and p is not tied_copy)
+    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters()
+             if p.grad is not None and p is not tied_copy)
     sq = torch.as_tensor(sq, dtype=torch.float32, device=stage.device)
     stage.comm.all_reduce(sq, kind='scalars')
     clip_coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
@@ -449,10 +440,8 @@ def clip_grad_norm(stage, grads, max_norm, embed):
 
 
 def build(cfg, rank, world_size, vocab_size):
-    """The dp x pp grid (each group a counting Comm); train.py's GPT on the meta device cut to this stage
-    (keep_stage), which alone gets storage and values: train.py's (init_params) or this stage's checkpoint;
-    this rank's dropout stream (saved, or seeded per replica and stage, as Megatron); its AdamW. Returns (the
-    Stage, the optimizer, the dp and embed Comms, iter_num, best_val_loss, the whole model's FLOPs/token)."""
+    """The dp x pp grid; train.py's GPT on the meta device cut to this stage, which alone gets storage and
+    values (train.py's, or its checkpoint's); its dropout stream (per replica and stage) and AdamW."""
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
     dp, pp_comm, embed = comms['dp'], comms['pp'], embed_comm(grid, rank, cfg.tie_embeddings)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, stage_ckpt_path(cfg.out_dir,
@@ -473,7 +462,8 @@ def build(cfg, rank, world_size, vocab_size):
                   f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
                   f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
@@ -493,8 +483,7 @@ def stage_ckpt_path(out_dir, stage):
 
 
 def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
-    """This stage's part in train.py's checkpoint format, with every replica's dropout stream and the names of
-    the optimizer's parameters in its order; written by dp replica 0 (the replicas of a stage are equal)."""
+    """This stage's part in train.py's format, every replica's dropout stream, the optimizer's names."""
     rng_states = gather_rng_states(dp)
     if dp.rank == 0:
         name_of = {id(p): n for n, p in stage.model.named_parameters()}
@@ -536,29 +525,23 @@ def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
     """Each rank's numbers beside the formulas, a log row each; rank 0 prints dp replica 0's stages. The
     formulas: GPipe's bubble (p-1)/(v·m+p-1); ZB-H1's idles (p-1)(F+B-W) of m(F+B+W) (Qi et al. 2023),
     (p-1)/(3m+p-1) when F = B = W, and holds p microbatches on every stage (each until its W)."""
-    clock, m, p, v, s, zb1 = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index, cfg.schedule == 'zb1'
+    clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
+    zb1 = cfg.schedule == 'zb1'
     stage.clock = NOT_MEASURED
-    splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]  # (1st: warm-up)
-    sent = comm_report(comms)
     held = min(p, m) if zb1 else peak_microbatches_formula(cfg.schedule, p, m, s, v)
-    p2p = p2p_comm_bytes_formula(cfg.block_size, cfg.batch_size // m, stage.model.config.n_embd, p, m, 4, s, v)
+    b, h = cfg.batch_size // m, stage.model.config.n_embd
+    p2p = p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, s, v)
     row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
-           **{k: statistics.median(split[k] for split in splits) for k in splits[0]}, 'n_schedules': len(splits),
+           **schedule_measurements(clock, comms, wire, stage.comm.collective_bytes['send']),
            'bubble_fraction_formula': (p - 1) / (3 * m + p - 1) if zb1 else bubble_fraction_formula(p, m, v),
-           'peak_microbatches_held': clock.peak_held, 'peak_microbatches_held_formula': held,
-           'peak_activation_bytes': clock.peak_held_bytes, 'peak_activation_bytes_formula':
-               held * clock.microbatch_bytes, 'activation_bytes_per_microbatch': clock.microbatch_bytes,
-           'peak_pending_sends': clock.peaks.get('pending_sends', 0),
-           'p2p_bytes_per_step': stage.comm.collective_bytes['send'],
-           'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p,
-           'collective_bytes': sum(sent['collective_bytes'].values()), 'collective_bytes_by_kind':
-               sent['collective_bytes'], 'wire_bytes': wire.stop(), 'wire_bytes_note': wire.why_not,
-           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
-           'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
+           'peak_microbatches_held_formula': held,
+           'peak_activation_bytes_formula': held * clock.microbatch_bytes,
+           'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p}
     stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
     if rank == 0:
-        bubble = f"(p-1)/(3m+p-1) (= (p-1)/(3m) = {(p - 1) / (3 * m):.3f} of the ideal compute, F = B = W)" if zb1 \
-            else f"(p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute)"
+        bubble = (f"(p-1)/(3m+p-1) (= (p-1)/(3m) = {(p - 1) / (3 * m):.3f} of the ideal compute, F = B = W)"
+                  if zb1 else
+                  f"(p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute)")
         held = {'gpipe': 'm', '1f1b': 'p-r', 'zb1': 'p'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
         print_schedule_report(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per "
                               f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held} microbatches",
@@ -577,7 +560,8 @@ def main(argv):
     torch.manual_seed(cfg.seed)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
-    comms, first_iter, wire, writer = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter(), CheckpointWriter()
+    comms, first_iter, wire, writer = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter(), \
+        CheckpointWriter()
 
     def step(it):  # one iteration; a measured one (the first, every measure_every-th) with the clock on
         batches = micro_batches(data, cfg, it, dp.rank, dp.size)
@@ -589,9 +573,9 @@ def main(argv):
         return loss
 
     training_loop(cfg, SimpleNamespace(
-        model=stage.model, optimizer=optimizer, loss_of=partial(forward_loss, stage), dp=dp, data=data, step=step,
-        save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg), flops_per_token=flops,
-        n_devices=world_size, rank=rank), iter_num, best_val_loss)
+        model=stage.model, optimizer=optimizer, loss_of=partial(forward_loss, stage), dp=dp, data=data,
+        step=step, save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg),
+        flops_per_token=flops, n_devices=world_size, rank=rank), iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (resume; python consolidate.py {cfg.out_dir}: one "
