@@ -80,20 +80,20 @@ def dispatch(rows, counts, ep):
     """Each token-slot's row (sorted by expert, so by the rank that holds it) to that rank. First the split
     sizes: an all-to-all of the counts, so that each rank learns how many rows each rank sends to each of its
     experts; then the rows, an all-to-all of those variable sizes. Returns (the rows received, by source rank
-    then local expert; their counts (ep, experts per rank))."""
-    to_rank = counts.view(ep.size, -1)  # [r, j]: slots for rank r's j-th expert
+    then local expert; their counts [source rank][local expert]; the rows (sent, received) per rank)."""
+    to_rank = counts.view(ep.size, -1)  # [r][j]: slots for rank r's j-th expert
     counts_in = torch.empty_like(to_rank)
     ep.all_to_all_v(counts_in, to_rank, [1] * ep.size, [1] * ep.size, 'split sizes')
-    send, recv = to_rank.sum(1).tolist(), counts_in.sum(1).tolist()  # (the sizes must be on the host)
-    return AllToAll.apply(rows, ep, send, recv, 'dispatch'), counts_in
+    sizes = counts_in.tolist()  # (the sizes must be on the host: the one wait for the device)
+    send, recv = [sum(r) for r in to_rank.tolist()], [sum(r) for r in sizes]
+    return AllToAll.apply(rows, ep, send, recv, 'dispatch'), sizes, (send, recv)
 
 
-def compute(experts, received, counts_in):
+def compute(experts, received, sizes):
     """Each expert this rank holds on every row sent to it: its rows from all the source ranks in one batch,
     the outputs put back in the order the rows came (source rank, then expert)."""
-    n_src, n_local = counts_in.shape
-    sizes = counts_in.tolist()
-    chunks, out = received.split(counts_in.flatten().tolist()), [None] * (n_src * n_local)
+    n_src, n_local = len(sizes), len(experts)
+    chunks, out = received.split([n for row in sizes for n in row]), [None] * (n_src * n_local)
     for j, expert in enumerate(experts):
         y = expert(torch.cat([chunks[s * n_local + j] for s in range(n_src)]))
         for s, part in enumerate(y.split([sizes[s][j] for s in range(n_src)])):
@@ -101,11 +101,12 @@ def compute(experts, received, counts_in):
     return torch.cat(out)
 
 
-def combine_back(out, counts_in, send, ep, order, weights):
+def combine_back(out, splits, ep, order, weights):
     """The experts' outputs back to the ranks their tokens came from (the reverse all-to-all: what came from
     rank i goes back to rank i, in the order it came), then model.combine: each token's k outputs summed by
     the router's weights in slot order, the same sum as one process."""
-    back = AllToAll.apply(out, ep, counts_in.sum(1).tolist(), send, 'combine')
+    sent, received = splits
+    back = AllToAll.apply(out, ep, received, sent, 'combine')
     return combine(back, order, weights)
 
 
@@ -114,9 +115,8 @@ def expert_parallel_forward(moe, experts, ep, x, index, weights):
     them (a stable argsort), dispatched, computed, combined back."""
     order = index.flatten().argsort(stable=True)  # the token-slots (t*k + j) by expert, in token order
     counts = torch.bincount(index.flatten(), minlength=moe.n_expert)
-    received, counts_in = dispatch(x[order // moe.k], counts, ep)
-    out = compute(experts, received, counts_in)
-    return combine_back(out, counts_in, counts.view(ep.size, -1).sum(1).tolist(), ep, order, weights)
+    received, sizes, splits = dispatch(x[order // moe.k], counts, ep)
+    return combine_back(compute(experts, received, sizes), splits, ep, order, weights)
 
 
 def ep_comms(world_size, rank, ep_size):
@@ -369,7 +369,9 @@ def report(iter_num, cfg, model, optimizer, comms, measured, why_not):
     print_measured(f"iter {iter_num}: dp {dp.size} = ep {ep.size} x {edp.size} replicas, {c.n_expert} "
                    f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "
                    f"(counted at the calls; modelled: uniform routing)", lines,
-                   [f"wire bytes {why_not}"] if why_not else [])
+                   ["all-to-all counted != modelled: the formula assumes the router spreads the slots "
+                    "evenly; each rank's combine carries its experts' real load"]
+                   + ([f"wire bytes {why_not}"] if why_not else []))
 
 
 def main(argv):
