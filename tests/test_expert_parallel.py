@@ -304,6 +304,7 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
     (MOE + ['--ep=2', '--gradient_accumulation_steps=3'], 2, 'gradient_accumulation_steps (3) must be divisible'),
     (MOE + ['--ep=2', '--dtype=float16'], 2, 'float32 or bfloat16'),
     (MOE + ['--ep=2', '--init_from=gpt2'], 2, "init_from must be 'scratch' or 'resume'"),
+    (MOE + ['--ep=2', '--moe_every=3'], 2, 'moe_every (3) > n_layer (2): no MoE layer'),
 ])
 def test_bad_input_is_one_line(argv, world, message, monkeypatch):
     from helpers import assert_config_error
