@@ -272,8 +272,8 @@ def check_config(cfg, world_size):
                          "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model "
                          "with train_ddp.py")
     if not any(model_config(cfg, 256).is_moe(i) for i in range(cfg.n_layer)):  # (the model's checks first)
-        raise SystemExit(f"error: moe_every ({cfg.moe_every}) > n_layer ({cfg.n_layer}): no MoE layer, nothing "
-                         f"to split")
+        raise SystemExit(f"error: moe_every ({cfg.moe_every}) > n_layer ({cfg.n_layer}): no MoE layer, "
+                         f"nothing to split")
     data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world
     if cfg.n_expert % cfg.ep:
         raise SystemExit(f"error: n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep rank "
