@@ -1,6 +1,6 @@
 """
-Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and a
-memory planner for models too large to run here.
+Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and
+a memory planner for models too large to run here.
 
     python bench.py                                   # quick: 8 rows, a small model, about a minute on 2 cores
     python bench.py --full                            # every row, 512 wide (about 10 minutes on 2 cores)
@@ -14,8 +14,8 @@ memory planner for models too large to run here.
 The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
 log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
 bench.py measures nothing itself and writes no formula: the estimate calls formulas.py, the very functions the
-scripts print beside what they measure; --check runs three of the strategies here and prints what they measured
-beside the estimate.
+scripts print beside what they measure; --check runs three of the strategies here and prints what they
+measured beside the estimate.
 """
 
 import argparse
@@ -46,26 +46,28 @@ CHECK_FLAGS = ['--dropout=0.0', '--compile=False', '--eval_iters=1', '--eval_int
 def check_estimate(args, overrides, rows, best, ds_path, n_micro):
     """--check: run three of the estimated strategies here, on --gpus processes with the estimate's shapes (so
     only for a model that fits this machine), and read back what each script measured: the cheapest ZeRO stage
-    (zero.py with the ds_config.json just written; ZeRO-1 when the cheapest is not a ZeRO stage) its model states,
-    TP + SP one block's saved activations and its parameters, PP 1F1B the first stage's peak of saved activations.
-    Returns one dict per number."""
+    (zero.py with the ds_config.json just written; ZeRO-1 when the cheapest is not a ZeRO stage) its model
+    states, TP + SP one block's saved activations and its parameters, PP 1F1B the first stage's peak of saved
+    activations. Returns one dict per number."""
     by_name = {r['strategy']: r for r in rows}
     base = [args.estimate] + list(overrides) + CHECK_FLAGS + [f'--dtype={args.dtype}']
     if args.seq_len:
         base.append(f'--block_size={args.seq_len}')
     runs = []
-    # zero.py run with the DeepSpeed config of the cheapest strategy when that is a ZeRO stage, else of ZeRO-1 (the
-    # DDP row is priced as train_ddp.py holds it, which zero.py's stage 0 does not: it keeps bf16 weights)
+    # zero.py run with the DeepSpeed config of the cheapest strategy when that is a ZeRO stage, else of ZeRO-1
+    # (the DDP row is priced as train_ddp.py holds it, which zero.py's stage 0 does not: it keeps bf16
+    # weights)
     zero_row = by_name.get((best or '').replace(' + ckpt', ''))
-    if not (zero_row and zero_row['zero_stage'] >= 1 and zero_row['tp'] == zero_row['pp'] == zero_row['cp'] == 1
-            and 'FSDP' not in zero_row['strategy']):
+    plain_zero = zero_row and zero_row['tp'] == zero_row['pp'] == zero_row['cp'] == 1
+    if not (plain_zero and zero_row['zero_stage'] >= 1 and 'FSDP' not in zero_row['strategy']):
         zero_row = by_name['ZeRO-1']
         ds_path = os.path.join(args.out, 'check_ds_config.json')
         with open(ds_path, 'w') as f:
             json.dump(ds_config_for(zero_row, args.estimate, overrides, args.micro_batch, n_micro,
                                     args.dtype != 'float32'), f, indent=2)
     runs.append((zero_row, 'zero.py', [f'--deepspeed_config={ds_path}'],
-                 [('param_bytes', 'param_bytes'), ('grad_bytes', 'grad_bytes'), ('optim_bytes', 'optim_bytes')]))
+                 [('param_bytes', 'param_bytes'), ('grad_bytes', 'grad_bytes'),
+                  ('optim_bytes', 'optim_bytes')]))
     tp_row = by_name.get(f'TP={args.tp} + SP')
     if tp_row and 'error' not in tp_row and args.gpus % args.tp == 0:
         runs.append((tp_row, 'tensor_parallel.py', [f'--tp={args.tp}', '--sequence_parallel=True',
@@ -74,7 +76,8 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
                      [('activation_bytes_per_layer', 'activation_bytes'), ('param_bytes', 'param_bytes')]))
     pp_row = by_name.get(f'PP={args.pp} 1F1B')
     if pp_row and 'error' not in pp_row and args.gpus % args.pp == 0:
-        runs.append((pp_row, 'pipeline.py', [f'--pp={args.pp}', '--schedule=1f1b', f'--n_microbatches={n_micro}',
+        runs.append((pp_row, 'pipeline.py',
+                     [f'--pp={args.pp}', '--schedule=1f1b', f'--n_microbatches={n_micro}',
                                              f'--batch_size={args.micro_batch * n_micro}',
                                              f'--gradient_accumulation_steps={args.gpus // args.pp}'],
                      [('activation_bytes', 'peak_activation_bytes')]))
@@ -87,7 +90,8 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
                               env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
         if proc.returncode != 0:
             raise SystemExit(f"error: --check: {' '.join(cmd[1:])} failed:\n{proc.stderr[-2000:]}")
-        ranks = [r for r in read_log(out_dir) if 'rank' in r and (script != 'pipeline.py' or r.get('stage') == 0)]
+        ranks = [r for r in read_log(out_dir)
+                 if 'rank' in r and (script != 'pipeline.py' or r.get('stage') == 0)]
         for planned, measured in pairs:
             values = [r[measured] for r in ranks if r.get(measured) is not None]
             checked.append({'strategy': row['strategy'], 'script': script, 'what': measured,
@@ -99,6 +103,7 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
 # the bench: every script on the same small GPT, the same data and the same global batch
 
 # `python bench.py` runs these (about a minute on 2 cores); --full runs every row of bench_rows
+MOE, MOE_ROWS = ['--n_expert=4', '--n_expert_active=2'], ('train_moe', 'ep')
 QUICK_ROWS = ['train', 'ddp', 'zero0', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
 
 
@@ -116,17 +121,25 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
         'fsdp': ('train_fsdp.py', [], w),
         'tp': ('tensor_parallel.py', [f'--tp={w}'], w),
         'tp_sp': ('tensor_parallel.py', [f'--tp={w}', '--sequence_parallel=True'], w),
-        'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}', last],
+        'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}',
+                                     last],
                      w),
-        'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}', last],
+        'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
+                                    last],
                     w),
-        # the same run measured on every step (a barrier, a synchronize, clocks and a MAX all-reduce per schedule)
-        'pp_1f1b_measured': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
+        'pp_zb1': ('pipeline.py', [f'--pp={w}', '--schedule=zb1', f'--n_microbatches={n_microbatches}', last], w),
+        # the same run measured on every step (a barrier, a synchronize, clocks and a MAX all-reduce per
+        # schedule)
+        'pp_1f1b_measured': ('pipeline.py',
+                             [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
                                              '--measure_every=1'], w),
         'pp_interleaved': ('pipeline.py', [f'--pp={w}', '--schedule=interleaved', '--virtual_stages=2',
                                            f'--n_microbatches={n_microbatches}', last], w),
         'cp_ring': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ring'], w),
         'cp_ulysses': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ulysses'], w),
+        # a mixture of experts (4 experts, top-2): its own model, so its own reference row
+        'train_moe': ('train.py', MOE, 1),
+        'ep': ('expert_parallel.py', [f'--ep={w}'] + MOE, w),
         # the grid: dp = world_size again, times 2 x 2 more processes (8 for the default world_size of 2)
         'grid_dp_pp_tp': ('parallel_4d.py', ['--pp=2', '--tp=2'], 4 * w),
         'grid_dp_cp_tp': ('parallel_4d.py', ['--cp=2', '--tp=2'], 4 * w),
@@ -135,21 +148,24 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
 
 def model_flags(args):
     """The small GPT and the batch every row trains: the same global batch (batch_size x world_size sequences)
-    for every script; dp ranks split it, tp/pp ranks share it. fp32, dropout 0: every row must give one loss."""
+    for every script; dp ranks split it, tp/pp ranks share it. fp32, dropout 0: every row must give one loss.
+    """
     return [f'--n_layer={args.n_layer}', f'--n_head={args.n_head}', f'--n_embd={args.n_embd}',
             f'--block_size={args.block_size}', f'--batch_size={args.batch_size}',
             f'--gradient_accumulation_steps={args.world_size}', f'--max_iters={args.max_iters}',
             f'--lr_decay_iters={args.max_iters}', '--warmup_iters=2', f'--learning_rate={args.learning_rate}',
             '--log_interval=1',
             f'--eval_interval={args.max_iters}', '--eval_iters=1', '--dropout=0.0', f'--dtype={args.dtype}',
-            '--compile=False', '--sample_at_end=False', '--always_save_checkpoint=False', f'--seed={args.seed}'] + (
+            '--compile=False', '--sample_at_end=False', '--always_save_checkpoint=False',
+            f'--seed={args.seed}'] + (
         [f'--peak_flops={args.peak_flops}'] if args.peak_flops else [])
 
 
 def command(script, flags, nproc):
     if nproc == 1:
         return [sys.executable, script] + flags
-    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', script] + flags
+    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+            script] + flags
 
 
 def read_log(out_dir):
@@ -200,10 +216,12 @@ def run_row(name, script, flags, nproc, args, runs_dir):
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED='1')
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout, env=env)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout,
+                              env=env)
     except subprocess.TimeoutExpired:
         return {'status': f'failed: no result within {args.row_timeout} s', 'wall_s': time.time() - t0}
-    row = {'wall_s': time.time() - t0, 'command': ' '.join(['python' if c == sys.executable else c for c in cmd])}
+    row = {'wall_s': time.time() - t0,
+           'command': ' '.join(['python' if c == sys.executable else c for c in cmd])}
     if proc.returncode != 0:
         lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
         # the script's own line ('[rank r] error: ...', or a traceback's last line), not torchrun's summary
@@ -217,17 +235,20 @@ def run_row(name, script, flags, nproc, args, runs_dir):
 
 
 def check_losses(results, rtol):
-    """Compare every row's loss curve with the first ok row's (train.py's when it ran): the largest relative
-    difference over the iterations both logged. Marks each row 'same' or 'DIFFERS'."""
-    ok = [r for r in results.values() if r.get('status') == 'ok']
+    """Compare every row's loss curve with the first ok row's of the same model (train.py's when it ran; the
+    mixture-of-experts rows with train_moe's): the largest relative difference over the iterations both
+    logged. Marks each row 'same' or 'DIFFERS'."""
+    ok = {n: r for n, r in results.items() if r.get('status') == 'ok'}
     if not ok:
         return None
-    ref = ok[0]['losses']
-    for r in ok:
+    for name, r in ok.items():
+        group = [n for n in ok if (n in MOE_ROWS) == (name in MOE_ROWS)]
+        ref = ok[group[0]]['losses']
         common = [i for i in r['losses'] if i in ref]
-        r['loss_max_rel_diff'] = max(abs(r['losses'][i] - ref[i]) / abs(ref[i]) for i in common) if common else None
+        r['loss_max_rel_diff'] = (max(abs(r['losses'][i] - ref[i]) / abs(ref[i]) for i in common)
+                                  if common else None)
         r['loss_matches'] = r['loss_max_rel_diff'] is not None and r['loss_max_rel_diff'] <= rtol
-    return all(r['loss_matches'] for r in ok)
+    return all(r['loss_matches'] for r in ok.values())
 
 
 def measured_cell(row, key, fmt=fmt_bytes):
@@ -239,15 +260,16 @@ def measured_cell(row, key, fmt=fmt_bytes):
 
 
 def activation_cell(row):
-    """tensor_parallel.py: one layer's saved activations; pipeline.py: the stage's peak of saved activations."""
+    """tensor_parallel.py: one layer's saved activations; pipeline.py: the stage's peak of saved
+    activations."""
     if row.get('activation_bytes') is None and row.get('peak_activation_bytes') is not None:
         return measured_cell(row, 'peak_activation_bytes') + ' peak'
     return measured_cell(row, 'activation_bytes')
 
 
 def sent_cells(row):
-    """Bytes one rank sent per step: handed to its collectives and sends (counted at the calls), and on the wire:
-    measured from the OS's loopback counter (the ring formula for those calls in parentheses)."""
+    """Bytes one rank sent per step: handed to its collectives and sends (counted at the calls), and on the
+    wire: measured from the OS's loopback counter (the ring formula for those calls in parentheses)."""
     counted = fmt_bytes(row.get('collective_bytes')) if row.get('collective_bytes') is not None else '-'
     if row.get('wire_bytes') is None and row.get('wire_bytes_formula') is None:
         return counted, '-'
@@ -255,8 +277,8 @@ def sent_cells(row):
 
 
 def bubble_cell(row, pct):
-    """The pipeline's measured bubble (formula), the share of the step in send/recv, and the most micro-batches'
-    activations a stage held."""
+    """The pipeline's measured bubble (formula), the share of the step in send/recv, and the most
+    micro-batches' activations a stage held."""
     cell = measured_cell(row, 'bubble_fraction', pct)
     if row.get('send_recv_fraction') is not None:
         cell += f", send/recv {pct(row['send_recv_fraction'])}"
@@ -267,7 +289,8 @@ def bubble_cell(row, pct):
 def bench_markdown(results, rows, all_same, rtol):
     pct = lambda x: f"{100 * x:.1f}%"
     lines = ['| row | script | ms/step | tokens/s | MFU | params/rank | grads/rank | optimizer/rank | '
-             'activations/rank | sent/step/rank: collective bytes | wire bytes | bubble | final loss | same loss |',
+             'activations/rank | sent/step/rank: collective bytes | wire bytes | bubble | final loss | same '
+             'loss |',
              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for name, r in results.items():
         script = ' '.join([rows[name][0]] + rows[name][1])
@@ -284,14 +307,17 @@ def bench_markdown(results, rows, all_same, rtol):
                      f"{r['final_loss']:.6f} | {same} |")
     ok = [n for n, r in results.items() if r.get('status') == 'ok' and n != GPT2_ROW]
     if all_same:
-        verdict = f"Final loss: the same in every row that ran ({len(ok)} rows, loss curves within {rtol:g} relative)."
+        verdict = (f"Final loss: the same in every row that ran ({len(ok)} rows, loss curves within {rtol:g} "
+                   f"relative).")
     elif all_same is None:
         verdict = "No row ran."
     else:
         differ = [n for n in ok if not results[n]['loss_matches']]
-        verdict = f"Final loss: DIFFERS in rows {', '.join(differ)} (more than {rtol:g} relative from {ok[0]})."
+        verdict = (f"Final loss: DIFFERS in rows {', '.join(differ)} (more than {rtol:g} relative from "
+                   f"{ok[0]}).")
     missing = [f"{n} ({results[n]['status']})" for n in results if results[n].get('status') != 'ok']
-    return '\n'.join(lines + ['', verdict] + ([f"Rows that did not run: {'; '.join(missing)}."] if missing else []))
+    not_run = [f"Rows that did not run: {'; '.join(missing)}."] if missing else []
+    return '\n'.join(lines + ['', verdict] + not_run)
 
 
 def machine_description(args):
@@ -308,9 +334,9 @@ GPT2_ROW = 'gpt2_124m_bf16_compile'  # a different model: left out of the same-l
 
 
 def plot(results, out_dir):
-    """Three pictures of a bench run (matplotlib, an optional install): every row's loss curve on one axis (they
-    coincide: that is the point), per-rank memory by component measured beside formula, and the bytes sent per step
-    counted, by the ring formula and measured on the wire. Returns the paths written."""
+    """Three pictures of a bench run (matplotlib, an optional install): every row's loss curve on one axis
+    (they coincide: that is the point), per-rank memory by component measured beside formula, and the bytes
+    sent per step counted, by the ring formula and measured on the wire. Returns the paths written."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -323,26 +349,31 @@ def plot(results, out_dir):
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (name, r) in enumerate(ok.items()):
         iters = sorted(int(k) for k in r['losses'])
-        ax.plot(iters, [r['losses'][k] if k in r['losses'] else r['losses'][str(k)] for k in iters], label=name,
+        ax.plot(iters, [r['losses'][k] if k in r['losses'] else r['losses'][str(k)] for k in iters],
+                label=name,
                 linewidth=2.5 - 1.8 * i / max(1, len(ok) - 1), marker='o' if i == 0 else None)
     ax.set(xlabel='iteration', ylabel='training loss (global batch)', title='Every strategy, one loss curve')
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(paths[0], dpi=110)
 
-    components = [('param_bytes', 'parameters'), ('grad_bytes', 'gradients'), ('optim_bytes', 'optimizer state'),
-                  ('activation_bytes', 'activations (one layer)'), ('peak_activation_bytes', 'activations (peak)')]
+    components = [('param_bytes', 'parameters'), ('grad_bytes', 'gradients'),
+                  ('optim_bytes', 'optimizer state'),
+                  ('activation_bytes', 'activations (one layer)'),
+                  ('peak_activation_bytes', 'activations (peak)')]
     names = [n for n, r in ok.items() if any(r.get(k) is not None for k, _ in components)]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for side, suffix, hatch in ((-0.2, '', None), (0.2, '_formula', '//')):
         bottom = [0.0] * len(names)
         for c, (key, label) in enumerate(components):
             values = [(ok[n].get(key + suffix) or 0) / 1e6 for n in names]
-            ax.bar([i + side for i in range(len(names))], values, 0.38, bottom=bottom, color=f'C{c}', hatch=hatch,
+            ax.bar([i + side for i in range(len(names))], values, 0.38, bottom=bottom, color=f'C{c}',
+                   hatch=hatch,
                    label=label if not suffix else None, edgecolor='white')
             bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
-    ax.set(ylabel='MB per rank (largest rank)', title='Memory per rank: measured (left) beside formula (hatched)')
+    ax.set(ylabel='MB per rank (largest rank)',
+           title='Memory per rank: measured (left) beside formula (hatched)')
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(paths[1], dpi=110)
@@ -352,7 +383,8 @@ def plot(results, out_dir):
     for j, (key, label) in enumerate((('collective_bytes', 'collective bytes (counted at the calls)'),
                                       ('wire_bytes_formula', 'wire bytes, ring formula'),
                                       ('wire_bytes', 'wire bytes, measured (loopback)'))):
-        ax.bar([i + 0.27 * (j - 1) for i in range(len(names))], [(ok[n].get(key) or 0) / 1e6 for n in names], 0.26,
+        ax.bar([i + 0.27 * (j - 1) for i in range(len(names))], [(ok[n].get(key) or 0) / 1e6 for n in names],
+               0.26,
                label=label, color=f'C{j}')
     ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
     ax.set(ylabel='MB per rank per step', title='Bytes sent per step: counted, modelled, measured')
@@ -372,11 +404,13 @@ def run_bench(args):
     rows = bench_rows(args.world_size, args.n_microbatches, args.max_iters)
     if n_gpus == 1:
         rows = {'train': rows['train']}
-    if n_gpus >= 1:  # and on a GPU, GPT-2 124M in bf16 with compile, for MFU: on GPT-2 BPE tokens when they are
+    # and on a GPU, GPT-2 124M in bf16 with compile, for MFU: on GPT-2 BPE tokens when they are
+    if n_gpus >= 1:
         # there (python data/shakespeare/prepare.py), else the same shape on the default characters (vocab 96)
         bpe = os.path.exists(os.path.join(REPO, 'data', 'shakespeare', 'train.bin'))
         rows[GPT2_ROW] = ('train.py', ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
-                                       '--batch_size=16', '--gradient_accumulation_steps=1', '--dtype=bfloat16',
+                                       '--batch_size=16', '--gradient_accumulation_steps=1',
+                                       '--dtype=bfloat16',
                                        '--compile=True', '--bias=True',
                                        f"--dataset={'shakespeare' if bpe else 'stdlib_char'}"], 1)
     selected = list(rows) if args.rows == 'all' else args.rows.split(',')  # (quick: QUICK_ROWS)
@@ -411,7 +445,8 @@ def run_bench(args):
     all_same = check_losses(compared, rtol)
     cmd_line = 'python bench.py ' + ' '.join(sys.argv[1:])
     header = (f"`{cmd_line.strip()}` on {machine}. Model: {args.n_layer} layers, {args.n_head} "
-              f"heads, {args.n_embd} wide, block {args.block_size}; global batch {args.batch_size * args.world_size} "
+              f"heads, {args.n_embd} wide, block {args.block_size}; global batch "
+              f"{args.batch_size * args.world_size} "
               f"sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
               f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
     table = bench_markdown(results, rows, all_same, rtol)
@@ -430,7 +465,8 @@ def run_bench(args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument('--estimate', nargs='?', const='', default=None, metavar='CONFIG',
                    help='plan memory for the model of a config file (config keys may follow as --key=value)')
     p.add_argument('--params', default=None, help='--estimate with a parameter count only (model states)')
@@ -438,18 +474,24 @@ def parse_args(argv):
     p.add_argument('--gpu_mem_gb', type=float, default=80)
     p.add_argument('--micro_batch', type=int, default=1, help='sequences per micro-batch per GPU')
     p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")
-    p.add_argument('--tp', type=int, default=None, help='tensor-parallel degree (default: the largest <= 8 that fits)')
-    p.add_argument('--pp', type=int, default=None, help='pipeline stages (default: the largest <= 4 that fits)')
-    p.add_argument('--cp', type=int, default=None, help='context-parallel degree (default: the largest <= 4 that fits)')
+    p.add_argument('--tp', type=int, default=None,
+                   help='tensor-parallel degree (default: the largest <= 8 that fits)')
+    p.add_argument('--pp', type=int, default=None,
+                   help='pipeline stages (default: the largest <= 4 that fits)')
+    p.add_argument('--cp', type=int, default=None,
+                   help='context-parallel degree (default: the largest <= 4 that fits)')
     p.add_argument('--json', action='store_true', help='--estimate: print the estimate as JSON')
     p.add_argument('--check', action='store_true',
-                   help='--estimate: run three of the strategies here (--gpus processes) and compare with the estimate')
+                   help='--estimate: run three of the strategies here (--gpus processes) and compare with '
+                        'the estimate')
     p.add_argument('--n_microbatches', type=int, default=None,
                    help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
-    p.add_argument('--vocab_size', type=int, default=None, help='default: a "# vocab_size: N" line, else 50304')
+    p.add_argument('--vocab_size', type=int, default=None,
+                   help='default: a "# vocab_size: N" line, else 50304')
     p.add_argument('--full', action='store_true', help='every row, on the 512-wide model, 12 iterations')
-    p.add_argument('--rows', default=None, help=f"comma-separated rows (default {','.join(QUICK_ROWS)}; --full: all)")
+    p.add_argument('--rows', default=None,
+                   help=f"comma-separated rows (default {','.join(QUICK_ROWS)}; --full: all)")
     p.add_argument('--world_size', type=int, default=2)
     p.add_argument('--max_iters', type=int, default=None, help='default 8 (--full: 12)')
     p.add_argument('--warmup', type=int, default=2, help='iterations left out of the timing')
@@ -460,19 +502,24 @@ def parse_args(argv):
                         'measure a bubble near the formula')
     p.add_argument('--block_size', type=int, default=128)
     p.add_argument('--learning_rate', type=float, default=3e-4,
-                   help='low enough that the 512-wide model trains without a loss spike: a spike amplifies the '
+                   help='low enough that the 512-wide model trains without a loss spike: a spike amplifies '
+                        'the '
                         'rounding differences between strategies past the same-loss tolerance')
-    p.add_argument('--batch_size', type=int, default=8, help='sequences per dp rank; global batch x world_size')
-    p.add_argument('--dtype', default=None, help='bench default float32; estimate default bfloat16 (mixed precision)')
+    p.add_argument('--batch_size', type=int, default=8,
+                   help='sequences per dp rank; global batch x world_size')
+    p.add_argument('--dtype', default=None,
+                   help='bench default float32; estimate default bfloat16 (mixed precision)')
     p.add_argument('--seed', type=int, default=1337)
-    p.add_argument('--peak_flops', type=float, default=None, help="the device's peak FLOP/s, for MFU on a CPU")
+    p.add_argument('--peak_flops', type=float, default=None,
+                   help="the device's peak FLOP/s, for MFU on a CPU")
     p.add_argument('--loss_rtol', type=float, default=None, help='default 1e-4 (fp32), 2e-2 (16-bit)')
     p.add_argument('--threads', type=int, default=None,
                    help='threads per process in every row (default: cores / world_size, at least 1)')
     p.add_argument('--row_timeout', type=int, default=600)
     p.add_argument('--out', default='out_bench')
     p.add_argument('--plot', action='store_true',
-                   help='also draw the loss curves, memory and communication as PNGs in --out (needs matplotlib)')
+                   help='also draw the loss curves, memory and communication as PNGs in --out (needs '
+                        'matplotlib)')
     args, rest = p.parse_known_args(argv)
     args.rows = args.rows or ('all' if args.full else ','.join(QUICK_ROWS))
     args.max_iters = args.max_iters or (12 if args.full else 8)
@@ -481,12 +528,12 @@ def parse_args(argv):
     if bad:
         raise SystemExit(f"error: unrecognized arguments: {' '.join(bad)}")
     if (args.json or args.check) and (args.estimate is None or args.params):
-        raise SystemExit("error: --json and --check go with --estimate CONFIG (a model's shape, not --params)")
+        raise SystemExit("error: --json and --check go with --estimate CONFIG (a model's shape), not --params")
     args.dtype = args.dtype or ('bfloat16' if args.estimate is not None else 'float32')
     if args.dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {args.dtype!r}")
     if args.estimate is None and args.max_iters <= args.warmup:
-        raise SystemExit(f"error: --max_iters ({args.max_iters}) must be larger than --warmup ({args.warmup})")
+        raise SystemExit(f"error: --max_iters ({args.max_iters}) must be more than --warmup ({args.warmup})")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.world_size)
     if args.gpus < 1 or args.world_size < 1 or args.micro_batch < 1:
         raise SystemExit("error: --gpus, --world_size and --micro_batch must be at least 1")

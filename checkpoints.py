@@ -1,7 +1,8 @@
 """
-Checkpoints and random streams: atomic writes (in the background), the model every script starts from (train.py's
-initialization, a checkpoint to resume, GPT-2's weights), train.py's checkpoint format that every sharded layout
-consolidates back into, and every rank's random streams saved and restored so that dropout resumes exactly.
+Checkpoints and random streams: atomic writes (in the background), the model every script starts from
+(train.py's initialization, a checkpoint to resume, GPT-2's weights), train.py's checkpoint format that every
+sharded layout consolidates back into, and every rank's random streams saved and restored so that dropout
+resumes exactly.
 """
 
 import contextlib
@@ -18,8 +19,8 @@ from training import model_config
 
 
 def trim_log(out_dir, iter_num):
-    """On resume, drop the log rows from iter_num on: the resumed run writes them again, so log.jsonl stays the
-    record of one run."""
+    """On resume, drop the log rows from iter_num on: the resumed run writes them again, so log.jsonl stays
+    the record of one run."""
     path = os.path.join(out_dir, 'log.jsonl')
     if os.path.exists(path):
         rows = [line for line in open(path) if line.strip() and json.loads(line).get('iter', -1) < iter_num]
@@ -40,7 +41,8 @@ def save_checkpoint(obj, path):
 
 
 def cpu_copy(obj):
-    """A copy of obj (dicts, lists, tuples of tensors and plain values) with every tensor copied to CPU memory."""
+    """A copy of obj (dicts, lists, tuples of tensors and plain values) with every tensor copied to CPU
+    memory."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to('cpu', copy=True)
     if isinstance(obj, dict):
@@ -51,10 +53,11 @@ def cpu_copy(obj):
 
 
 class CheckpointWriter:
-    """Writes checkpoints in a background thread (as torch.distributed.checkpoint's async_save does), so that a
-    slow disk never keeps a rank out of the next collective while its peers wait there under the process group's
-    timeout: a 7B model's checkpoint takes minutes, the timeout is one. save() copies the state to CPU memory
-    (training goes on changing the tensors), waits for the previous write, starts this one and returns."""
+    """Writes checkpoints in a background thread (as torch.distributed.checkpoint's async_save does), so that
+    a slow disk never keeps a rank out of the next collective while its peers wait there under the process
+    group's timeout: a 7B model's checkpoint takes minutes, the timeout is one. save() copies the state to CPU
+    memory (training goes on changing the tensors), waits for the previous write, starts this one and returns.
+    """
 
     def __init__(self):
         self.thread, self.error = None, None
@@ -82,12 +85,12 @@ class CheckpointWriter:
 
 def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     """The model init_from names: 'scratch' (train.py's initialization from cfg.seed), 'resume' (ckpt_path, a
-    checkpoint with 'model_args') or a GPT-2 name (when gpt2). On the CPU, with the checkpoint's 'model' loaded.
-    With meta: on the meta device, shapes only and no values, for a sharded script to cut before it materializes
-    its share and fills it (init_params, load_params or its own checkpoint); the checkpoint is memory-mapped, so a
-    rank that copies out its share of a whole one reads only those pages; a GPT-2's weights are read one tensor at
-    a time by init_values.
-    Returns (model, the checkpoint or None, iter_num, best_val_loss); on resume the log is trimmed to iter_num."""
+    checkpoint with 'model_args') or a GPT-2 name (when gpt2). On the CPU, with the checkpoint's 'model'
+    loaded. With meta: on the meta device, shapes only and no values, for a sharded script to cut before it
+    materializes its share and fills it (init_params, load_params or its own checkpoint); the checkpoint is
+    memory-mapped, so a rank that copies out its share of a whole one reads only those pages; a GPT-2's
+    weights are read one tensor at a time by init_values. Returns (model, the checkpoint or None, iter_num,
+    best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
     on_meta = torch.device('meta') if meta else contextlib.nullcontext()
     if cfg.init_from == 'scratch':
@@ -115,15 +118,17 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         raise SystemExit(f"error: init_from must be 'scratch', 'resume'{' or a GPT-2 name' if gpt2 else ''}, "
                          f"got {cfg.init_from!r}")
     if cfg.block_size > model.config.block_size:
-        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
+        raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's "
+                         f"{model.config.block_size}")
     return model, checkpoint, iter_num, best_val_loss
 
 
 def check_resume_files(checkpoint, ckpt_path):
-    """init_from=resume: every rank found its checkpoint file (ckpt_path: a shard, a slice, a stage, or one ckpt.pt
-    for all), and all are from one iteration. Each file is written atomically, but by its own rank, so a run stopped
-    while saving can leave some ranks' files a save behind: resumed, that mix would be a model that never existed.
-    Said on every rank in one line (the ranks compare notes first), never left to hang a later collective."""
+    """init_from=resume: every rank found its checkpoint file (ckpt_path: a shard, a slice, a stage, or one
+    ckpt.pt for all), and all are from one iteration. Each file is written atomically, but by its own rank, so
+    a run stopped while saving can leave some ranks' files a save behind: resumed, that mix would be a model
+    that never existed. Said on every rank in one line (the ranks compare notes first), never left to hang a
+    later collective."""
     iters = [None if checkpoint is None else checkpoint['iter_num']]
     if dist.is_initialized() and dist.get_world_size() > 1:
         mine, iters = iters[0], [None] * dist.get_world_size()
@@ -132,29 +137,34 @@ def check_resume_files(checkpoint, ckpt_path):
         raise SystemExit(f"error: init_from=resume but there is no checkpoint at {ckpt_path}")
     missing = [rank for rank, it in enumerate(iters) if it is None]
     if missing:
-        raise SystemExit(f"error: init_from=resume but rank(s) {', '.join(map(str, missing))} found no checkpoint "
+        raise SystemExit(f"error: init_from=resume but rank(s) {', '.join(map(str, missing))} found no "
+                         "checkpoint "
                          f"(this rank's: {ckpt_path})")
     if len(set(iters)) > 1:
         at = ', '.join(f"rank {rank}: {it}" for rank, it in enumerate(iters))
-        raise SystemExit(f"error: init_from=resume: the ranks' checkpoint files are from different iterations ({at}; "
+        raise SystemExit("error: init_from=resume: the ranks' checkpoint files are from different "
+                         f"iterations ({at}; "
                          f"this rank's is {ckpt_path}): a run stopped while saving leaves some a save behind")
 
 
-def train_checkpoint(model_sd, optimizer_sd, rng_states, model_args, iter_num, best_val_loss, config, scaler_sd=None):
-    """train.py's checkpoint: what every script resumes from and sample.py reads. rng_states: every data-parallel
-    rank's random streams, in rank order (rank 0's are also saved under nanoGPT's names)."""
+def train_checkpoint(model_sd, optimizer_sd, rng_states, model_args, iter_num, best_val_loss, config,
+                     scaler_sd=None):
+    """train.py's checkpoint: what every script resumes from and sample.py reads. rng_states: every
+    data-parallel rank's random streams, in rank order (rank 0's are also saved under nanoGPT's names)."""
     return {'model': model_sd, 'optimizer': optimizer_sd, 'scaler': scaler_sd or {},
-            'rng_state': rng_states[0]['cpu'], 'cuda_rng_state': rng_states[0]['cuda'], 'rng_states': rng_states,
+            'rng_state': rng_states[0]['cpu'], 'cuda_rng_state': rng_states[0]['cuda'],
+            'rng_states': rng_states,
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
 
 
 def adamw_state_dict(model_args, state_by_name, cfg):
-    """torch AdamW's state_dict for train.py's model (configure_optimizers' groups and parameter order), from the
-    per-parameter states {name: {'step', 'exp_avg', 'exp_avg_sq'}} a consolidation has put back together. The model
-    is built on the meta device: its names and order, none of its memory."""
+    """torch AdamW's state_dict for train.py's model (configure_optimizers' groups and parameter order), from
+    the per-parameter states {name: {'step', 'exp_avg', 'exp_avg_sq'}} a consolidation has put back together.
+    The model is built on the meta device: its names and order, none of its memory."""
     with torch.device('meta'):
         dense = GPT(GPTConfig(**model_args))
-    optimizer = dense.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']),
+    optimizer = dense.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
+                                           (cfg['beta1'], cfg['beta2']),
                                            'cpu')
     name_of = {id(p): n for n, p in dense.named_parameters()}
     order = [name_of[id(p)] for group in optimizer.param_groups for p in group['params']]
@@ -167,8 +177,8 @@ def adamw_state_dict(model_args, state_by_name, cfg):
 
 def rng_state():
     """This process's random streams: the CPU generator, and the current GPU's when there is one."""
-    return {'cpu': torch.get_rng_state(),
-            'cuda': torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if on_gpu else None}
 
 
 def set_rng_state(state):
@@ -178,10 +188,11 @@ def set_rng_state(state):
 
 
 def seed_dropout(seed, dp_rank, pp_rank=0):
-    """Call once the model is built (every rank built the same weights from `seed`). Each data-parallel rank, and
-    each pipeline stage (as Megatron offsets its seed by the stage), then draws its own dropout masks. The rank
-    at (0, 0) keeps the stream train.py has at this point, so a run of one rank is train.py. The same call in
-    every data-parallel script: DDP, ZeRO and FSDP draw the same masks and give one another's loss curve."""
+    """Call once the model is built (every rank built the same weights from `seed`). Each data-parallel rank,
+    and each pipeline stage (as Megatron offsets its seed by the stage), then draws its own dropout masks. The
+    rank at (0, 0) keeps the stream train.py has at this point, so a run of one rank is train.py. The same
+    call in every data-parallel script: DDP, ZeRO and FSDP draw the same masks and give one another's loss
+    curve."""
     if (dp_rank, pp_rank) != (0, 0):
         torch.manual_seed(seed + dp_rank + 100_003 * pp_rank)
 
@@ -196,9 +207,9 @@ def gather_rng_states(comm):
 
 
 def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
-    """Resume the random streams: this rank's own saved state when the checkpoint has one per rank of a world of
-    this size ('rng_states'), else (another world size: masks cannot continue exactly) rank 0 takes train.py's
-    'rng_state' and the others start their own stream, as at the start of a run."""
+    """Resume the random streams: this rank's own saved state when the checkpoint has one per rank of a world
+    of this size ('rng_states'), else (another world size: masks cannot continue exactly) rank 0 takes
+    train.py's 'rng_state' and the others start their own stream, as at the start of a run."""
     states = checkpoint.get('rng_states')
     if states is not None and len(states) == world_size:
         set_rng_state(states[rank])
@@ -236,25 +247,28 @@ def load_mmap(path):
 
 
 def load_world(out_dir, pattern, count):
-    """The files pattern.format(r) for r < count, memory-mapped: all must exist and be from one iteration (each
-    file is written atomically, but a run stopped while saving can leave some ranks' files a save behind)."""
+    """The files pattern.format(r) for r < count, memory-mapped: all must exist and be from one iteration
+    (each file is written atomically, but a run stopped while saving can leave some ranks' files a save
+    behind)."""
     paths = [os.path.join(out_dir, pattern.format(r)) for r in range(count)]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {count} but not {', '.join(missing)}")
+        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {count} but not "
+                         f"{', '.join(missing)}")
     files = [load_mmap(p) for p in paths]
     iters = sorted({f['iter_num'] for f in files})
     if len(iters) != 1:
-        raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from different "
+        raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from "
+                         "different "
                          f"iterations ({', '.join(map(str, iters))})")
     return files
 
 
 def joined_checkpoint(model_sd, state_by_name, first, rng_states, cfg):
-    """train.py's checkpoint from a consolidation's parts: the whole model's tensors, AdamW's state by parameter
-    name, the first file's model_args / iter_num / best_val_loss, every rank's random streams, the run's config.
-    A tied embedding is known to train.py by both its names; each parameter gets its own step tensor (one shared
-    by all would be advanced once per parameter per step)."""
+    """train.py's checkpoint from a consolidation's parts: the whole model's tensors, AdamW's state by
+    parameter name, the first file's model_args / iter_num / best_val_loss, every rank's random streams, the
+    run's config. A tied embedding is known to train.py by both its names; each parameter gets its own step
+    tensor (one shared by all would be advanced once per parameter per step)."""
     if first['model_args'].get('tie_embeddings', True):
         model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
     state_by_name = {n: dict(s, step=torch.tensor(float(s['step']))) for n, s in state_by_name.items()}

@@ -6,7 +6,7 @@ AdamW's state in configure_optimizers' order, which train.py, sample.py and ever
 world size). The shards are memory-mapped and read a tensor at a time, so the process holds about one
 consolidated checkpoint (what it writes), not every shard besides.
 
-    python consolidate.py out-zero              # whichever sharded checkpoint out-zero/ holds -> out-zero/ckpt.pt
+    python consolidate.py out-zero              # the sharded checkpoint in out-zero/ -> out-zero/ckpt.pt
     python consolidate.py out-tp out_full       # -> out_full/ckpt.pt
 
 zero.py            zero_rank{r}.pt      each rank's chunk of every flat bucket: the chunks laid end to end
@@ -14,11 +14,13 @@ tensor_parallel.py ckpt_rank{r}.pt      each tp rank's slices: joined along the 
 pipeline.py        ckpt_stage{s}.pt     each stage's blocks, by their names in the whole model: merged
 train_fsdp.py      ckpt_dcp/            torch.distributed.checkpoint's shards: each tensor read by itself
 parallel_4d.py     ckpt_4d_rank{r}.pt   all of the above in turn: ZeRO-1 chunks, then tp slices, then stages
+expert_parallel.py ckpt_ep_rank{r}.pt   each ep rank's experts, the dense weights once: merged by name
 """
 
 import os
 import sys
 
+import expert_parallel
 import parallel_4d
 import pipeline
 import tensor_parallel
@@ -31,7 +33,8 @@ LAYOUTS = {os.path.basename(zero.shard_path('', 0)): zero.consolidate,
            os.path.basename(tensor_parallel.rank_ckpt_path('', 0)): tensor_parallel.consolidate,
            os.path.basename(pipeline.stage_ckpt_path('', 0)): pipeline.consolidate,
            train_fsdp.SHARDED: train_fsdp.consolidate,
-           os.path.basename(parallel_4d.rank_file('', 0)): parallel_4d.consolidate}
+           os.path.basename(parallel_4d.rank_file('', 0)): parallel_4d.consolidate,
+           os.path.basename(expert_parallel.rank_file('', 0)): expert_parallel.consolidate}
 
 
 def consolidate(out_dir, dest_dir=None):
@@ -40,7 +43,8 @@ def consolidate(out_dir, dest_dir=None):
     found = [name for name in LAYOUTS if os.path.exists(os.path.join(out_dir, name))]
     if len(found) != 1:
         what = 'none' if not found else 'several: ' + ', '.join(found)
-        raise SystemExit(f"error: consolidate: {out_dir} must hold one sharded checkpoint ({', '.join(LAYOUTS)}), "
+        raise SystemExit(f"error: consolidate: {out_dir} must hold one sharded checkpoint "
+                         f"({', '.join(LAYOUTS)}), "
                          f"holds {what}" + ('; train it with a sharded script first' if not found else
                                             '; move all but one to a folder of their own'))
     checkpoint = LAYOUTS[found[0]](out_dir)
@@ -55,6 +59,7 @@ def consolidate(out_dir, dest_dir=None):
 
 if __name__ == '__main__':
     if len(sys.argv) not in (2, 3) or sys.argv[1].startswith('-'):
-        raise SystemExit("usage: python consolidate.py OUT_DIR [DEST_DIR]   (writes DEST_DIR/ckpt.pt, default "
+        raise SystemExit("usage: python consolidate.py OUT_DIR [DEST_DIR]   (writes DEST_DIR/ckpt.pt, "
+                         "default "
                          "OUT_DIR)")
     consolidate(*sys.argv[1:])

@@ -1,7 +1,7 @@
 """
-Process groups and the collectives every parallel script calls: init_distributed / finish_distributed (torchrun's
-group: NCCL on GPUs, gloo on CPU), the dp x pp x cp x tp grid, and Comm, one group's collectives with every byte
-handed to them counted (the papers' ring formula beside it).
+Process groups and the collectives every parallel script calls: init_distributed / finish_distributed
+(torchrun's group: NCCL on GPUs, gloo on CPU), the dp x pp x cp x tp grid, and Comm, one group's collectives
+with every byte handed to them counted (the papers' ring formula beside it).
 """
 
 import json
@@ -31,22 +31,25 @@ reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or dist.red
 # What a ring algorithm sends per rank, as a multiple of the full tensor's bytes (n ranks in the group): an
 # all-reduce is a reduce-scatter then an all-gather. A send moves the tensor once.
 RING_FACTOR = {'all_reduce': lambda n: 2 * (n - 1) / n, 'reduce_scatter': lambda n: (n - 1) / n,
-               'all_gather': lambda n: (n - 1) / n, 'all_to_all': lambda n: (n - 1) / n, 'send': lambda n: 1.0}
+               'all_gather': lambda n: (n - 1) / n, 'all_to_all': lambda n: (n - 1) / n,
+               'send': lambda n: 1.0}
 
 
 class Comm:
     """One process group (name: 'dp', 'tp', 'pp', ...), the rank's place in it, and its collectives. Every
     collective and send of a strategy goes through one, so the bytes are counted in one place:
     collective_bytes[kind] counts the bytes of the tensors handed to each kind of call (the full tensor for a
-    reduce-scatter or all-gather), wire_bytes_formula[kind] what ring algorithms send for those calls (the papers'
-    number). What really crosses the wire depends on the backend: see WireMeter. A group of one moves nothing."""
+    reduce-scatter or all-gather), wire_bytes_formula[kind] what ring algorithms send for those calls (the
+    papers' number). What really crosses the wire depends on the backend: see WireMeter. A group of one moves
+    nothing."""
 
     def __init__(self, group=None, name='dp', alone=False):
         self.group, self.name = group, name  # group None: the whole world; alone: a group of this rank only
         self.rank = dist.get_rank(group) if dist.is_initialized() and not alone else 0
         self.size = dist.get_world_size(group) if dist.is_initialized() and not alone else 1
         self.collective_bytes, self.wire_bytes_formula = Counter(), Counter()
-        self.observe = None  # a function to call at every collective, as it is posted (to sample memory there)
+        # a function to call at every collective, as it is posted (to sample memory there)
+        self.observe = None
 
     def count(self, kind, tensor, op=None):
         nbytes = tensor.numel() * tensor.element_size()
@@ -82,7 +85,8 @@ class Comm:
         return all_gather_single(full, shard, group=self.group, async_op=async_op)
 
     def all_to_all(self, out, inp):
-        """out's i-th 1/size slice (dim 0) = rank i's inp's slice for this rank: each rank sends (size-1)/size."""
+        """out's i-th 1/size slice (dim 0) = rank i's inp's slice for this rank: each rank sends
+        (size-1)/size."""
         if self.size == 1:
             out.copy_(inp)
             return None
@@ -111,8 +115,8 @@ class Comm:
 
     def send_recv(self, sends, recvs, kind='send'):
         """Post sends [(tensor, global peer rank[, tag])] and receives [(buffer, peer[, tag])] together in one
-        batch_isend_irecv (as Megatron does: two neighbours sending to each other at once cannot deadlock, on NCCL
-        too). Returns (works of the sends, works of the receives); the caller waits for them."""
+        batch_isend_irecv (as Megatron does: two neighbours sending to each other at once cannot deadlock, on
+        NCCL too). Returns (works of the sends, works of the receives); the caller waits for them."""
         ops = [dist.P2POp(dist.isend, t, peer, tag=rest[0] if rest else 0) for t, peer, *rest in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, tag=rest[0] if rest else 0) for t, peer, *rest in recvs]
         for t, *_ in sends:
@@ -140,11 +144,11 @@ _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_dis
 
 
 def init_distributed(timeout_s, group_of_one=False):
-    """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run as
-    one process without it (group_of_one: in a group of one, for code that needs a group, as FSDP2 does). NCCL
-    with one GPU per process when CUDA is there, gloo on CPU. Inside a process group that already exists (a
-    notebook, a test harness) it joins that one and leaves it standing at the end.
-    Returns (rank, local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
+    """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run
+    as one process without it (group_of_one: in a group of one, for code that needs a group, as FSDP2 does).
+    NCCL with one GPU per process when CUDA is there, gloo on CPU. Inside a process group that already exists
+    (a notebook, a test harness) it joins that one and leaves it standing at the end. Returns (rank,
+    local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
     import datetime
     global _GROUP_IS_OURS
     local_rank = int(os.environ.get('LOCAL_RANK', '0'))
@@ -153,7 +157,8 @@ def init_distributed(timeout_s, group_of_one=False):
         return dist.get_rank(), local_rank, dist.get_world_size(), device
     if 'RANK' not in os.environ:
         script = os.path.basename(sys.argv[0])
-        print(f"running as a single process (started without torchrun); for N processes: torchrun --standalone "
+        print("running as a single process (started without torchrun); for N processes: torchrun "
+              "--standalone "
               f"--nproc_per_node=N {script} {' '.join(sys.argv[1:])}".rstrip(), flush=True)
     if 'RANK' not in os.environ and not group_of_one:
         return 0, 0, 1, ('cuda' if torch.cuda.is_available() else 'cpu')
@@ -163,14 +168,15 @@ def init_distributed(timeout_s, group_of_one=False):
     if 'RANK' in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0,
+                                world_size=1)
     _GROUP_IS_OURS = True
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
 def finish_distributed(cfg=None):
-    """Leave together: every rank's peak memory reported (with cfg: one line, and one row in log.jsonl), then a
-    barrier, then tear down the group init_distributed made (tearing gloo down under a peer still inside a
+    """Leave together: every rank's peak memory reported (with cfg: one line, and one row in log.jsonl), then
+    a barrier, then tear down the group init_distributed made (tearing gloo down under a peer still inside a
     collective can abort it)."""
     global _GROUP_IS_OURS
     if cfg is not None and dist.is_initialized():
@@ -206,14 +212,15 @@ def data_parallel_size(world_size, **degrees):
 
 
 def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
-    """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank is
-    ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group, which
-    talks the most, is neighbouring ranks (one node's GPUs). A dimension's groups are the ranks that differ only in
-    that coordinate. Every rank creates every group in the same order (new_group is collective).
-    Returns (grid, {dim: this rank's coordinate}, {dim: Comm of this rank's group along dim})."""
+    """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank
+    is ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group,
+    which talks the most, is neighbouring ranks (one node's GPUs). A dimension's groups are the ranks that
+    differ only in that coordinate. Every rank creates every group in the same order (new_group is
+    collective). Returns (grid, {dim: this rank's coordinate}, {dim: Comm of this rank's group along dim})."""
     sizes = dict(dp=dp, pp=pp, cp=cp, tp=tp)
     if dp * pp * cp * tp != world_size:
-        raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp}")
+        raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x "
+                         f"{tp}")
     grid = torch.arange(world_size).view(dp, pp, cp, tp)
     coords = dict(zip(GRID_DIMS, (int(i) for i in (grid == rank).nonzero()[0])))
     comms = {}

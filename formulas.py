@@ -147,20 +147,25 @@ def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_el
 # -----------------------------------------------------------------------------
 # Pipeline parallelism (GPipe; Narayanan et al. 2021): pipeline.py
 
-def bubble_fraction_formula(p, m, v=1):
+def bubble_fraction_formula(p, m, v=1, schedule=None):
     """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
     bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the
-    ideal)."""
+    ideal). ZB-H1 (Qi et al. 2023) splits each backward into B and W and fills the cool-down with W: idle
+    (p-1)(F+B-W) of m(F+B+W), so with F = B = W, (p-1)/(3m+p-1) of the total."""
+    if schedule == 'zb1':
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
 
 def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
-    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m);
+    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m); ZB-H1 p;
     interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a chunk's worth."""
     if schedule_name == 'gpipe':
         return m
     if schedule_name == 'interleaved':
         return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    if schedule_name == 'zb1':  # a microbatch is held until its W: p on every stage, 1F1B's first stage's
+        return min(p, m)
     return min(p - stage, m)
 
 

@@ -301,7 +301,7 @@ class GPT(nn.Module):
         if non_embedding and self.transformer.wpe is not None:
             n -= self.transformer.wpe.weight.numel()
         if active:
-            n -= sum((m.n_expert - m.k) * sum(p.numel() for p in m.experts[0].parameters())
+            n -= sum((m.n_expert - m.k) * sum(p.numel() for p in next(filter(None, m.experts)).parameters())
                      for m in self.modules() if isinstance(m, MoE))
         return n
 

@@ -237,7 +237,8 @@ def check_config(cfg, world_size):
         raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with "
                          f"sequence_parallel)")
     if cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel):
-        raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (the ring cannot "
+        raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (the ring "
+                         "cannot "
                          "replay dropout; sequence parallelism inside a cp chunk is not composed here)")
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}")
@@ -333,7 +334,8 @@ def report(stage, zero, comms, wire, cfg, coords, iter_num):
            'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not}
     rows = log_rank_rows(cfg.out_dir, row)
     if dist.get_rank() == 0:
-        print_measured(f"iter {iter_num}: what each rank holds (ZeRO-1's formula for its slice) and sends per "
+        print_measured(f"iter {iter_num}: what each rank holds (ZeRO-1's formula for its slice) and sends "
+                       "per "
                        f"step (counted at the calls, the ring formula, its own sockets)",
                        [line for r in rows for line in (
                            *((f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])

@@ -522,18 +522,17 @@ def start_measuring(stage, comms, wire):
 
 
 def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
-    """Each rank's numbers beside the formulas, a log row each; rank 0 prints dp replica 0's stages. The
-    formulas: GPipe's bubble (p-1)/(v·m+p-1); ZB-H1's idles (p-1)(F+B-W) of m(F+B+W) (Qi et al. 2023),
-    (p-1)/(3m+p-1) when F = B = W, and holds p microbatches on every stage (each until its W)."""
+    """Each rank's numbers beside the formulas (formulas.py: the bubble, the microbatches held, the bytes
+    sent), a log row each; rank 0 prints dp replica 0's stages."""
     clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
     zb1 = cfg.schedule == 'zb1'
     stage.clock = NOT_MEASURED
-    held = min(p, m) if zb1 else peak_microbatches_formula(cfg.schedule, p, m, s, v)
+    held = peak_microbatches_formula(cfg.schedule, p, m, s, v)
     b, h = cfg.batch_size // m, stage.model.config.n_embd
     p2p = p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, s, v)
     row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
            **schedule_measurements(clock, comms, wire, stage.comm.collective_bytes['send']),
-           'bubble_fraction_formula': (p - 1) / (3 * m + p - 1) if zb1 else bubble_fraction_formula(p, m, v),
+           'bubble_fraction_formula': bubble_fraction_formula(p, m, v, cfg.schedule),
            'peak_microbatches_held_formula': held,
            'peak_activation_bytes_formula': held * clock.microbatch_bytes,
            'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p}

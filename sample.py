@@ -9,8 +9,8 @@ model flags are needed) or real GPT-2 weights through Hugging Face transformers.
     python sample.py --export_hf=out_hf     # out/ckpt.pt as a Hugging Face model directory, then exit
 
 An exported directory loads with transformers.AutoModelForCausalLM.from_pretrained('out_hf') and gives this
-model's logits (the GPT-2 layout as GPT2LMHeadModel, the LLaMA layout as LlamaForCausalLM). The tokenizer is not
-exported: a character-level data set's vocabulary is in data/<dataset>/meta.pkl, a BPE one is GPT-2's.
+model's logits (the GPT-2 layout as GPT2LMHeadModel, the LLaMA layout as LlamaForCausalLM). The tokenizer is
+not exported: a character-level data set's vocabulary is in data/<dataset>/meta.pkl, a BPE one is GPT-2's.
 """
 
 import os
@@ -61,8 +61,6 @@ def load_model(cfg):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
-        raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
     if cfg.top_k < 0:
         raise SystemExit(f"error: top_k must be >= 0 (0 keeps all tokens), got {cfg.top_k}")
     prompt = cfg.start

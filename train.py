@@ -27,7 +27,7 @@ log_interval = 25
 eval_iters = 20
 eval_only = False
 always_save_checkpoint = True   # save at every eval, not only when val loss improves
-init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', ...
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-xl'
 sample_at_end = True            # print a short sample when training ends
 # data
 dataset = 'stdlib_char'
@@ -57,7 +57,7 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
 compile = False
 seed = 1337
-peak_flops = None               # the device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
+peak_flops = None               # a device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
 profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
@@ -94,10 +94,26 @@ def log_moe(out_dir, iter_num, model, every):
     print(f"iter {iter_num}: moe aux {model.aux_loss.item():.4f}, load max/mean {imbalance:.2f}", flush=True)
 
 
+def build(cfg, vocab_size, device_type):
+    """The model init_from names (train.py's initialization, a checkpoint to resume, or GPT-2), its AdamW
+    and the float16 loss scaler, on cfg.device. Returns (model, optimizer, scaler, iter_num,
+    best_val_loss)."""
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
+    model.to(cfg.device)
+    print(run_shape('one process', cfg, model.get_num_params()))
+    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        scaler.load_state_dict(checkpoint['scaler'])
+        restore_rng(checkpoint, 0, 1, cfg.seed, 0)
+    return model, optimizer, scaler, iter_num, best_val_loss
+
+
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
-        raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -109,17 +125,8 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
 
     # model
+    model, optimizer, scaler, iter_num, best_val_loss = build(cfg, vocab_size, device_type)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
-    model.to(cfg.device)
-    print(run_shape('one process', cfg, model.get_num_params()))
-    scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng(checkpoint, 0, 1, cfg.seed, 0)
-    checkpoint = None  # free it
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)

@@ -1,15 +1,15 @@
 """
-train.py plus data parallelism with PyTorch's DistributedDataParallel: every rank holds the whole model, takes its
-own slice of the global batch, and DDP all-reduces (averages) the gradients during backward, so every rank takes
-the same optimizer step that one process would take on the whole batch.
+train.py plus data parallelism with PyTorch's DistributedDataParallel: every rank holds the whole model, takes
+its own slice of the global batch, and DDP all-reduces (averages) the gradients during backward, so every rank
+takes the same optimizer step that one process would take on the whole batch.
 
     torchrun --standalone --nproc_per_node=2 train_ddp.py   # CPU (gloo) or one GPU per process (NCCL)
     python train_ddp.py                                     # one process, no torchrun: exactly train.py
-    torchrun --standalone --nproc_per_node=2 train_ddp.py --init_from=resume   # from its or train.py's ckpt.pt
+    torchrun --standalone --nproc_per_node=2 train_ddp.py --init_from=resume   # its (or train.py's) ckpt.pt
 
-The global batch is batch_size * gradient_accumulation_steps sequences whatever the world size: N ranks each run
-gradient_accumulation_steps // N micro-steps. The ranks share the evaluation; rank 0 logs and writes train.py's
-checkpoint format, with every rank's random state in it.
+The global batch is batch_size * gradient_accumulation_steps sequences whatever the world size: N ranks each
+run gradient_accumulation_steps // N micro-steps. The ranks share the evaluation; rank 0 logs and writes
+train.py's checkpoint format, with every rank's random state in it.
 """
 
 import contextlib
@@ -51,7 +51,7 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp):
         with sync_context(model, micro_step, len(batches)):
             with ctx:
                 _, loss = model(x, y)
-                loss = loss / len(batches)  # the gradient is the mean over the whole batch (DDP averages ranks)
+                loss = loss / len(batches)  # the gradient is the mean over the batch (DDP averages ranks)
             loss_sum += loss.detach()
             scaler.scale(loss).backward()
     if grad_clip != 0.0:
@@ -64,20 +64,24 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp):
     return loss_sum.item() / dp.size
 
 
-def build_ddp(cfg, vocab_size, dp_rank, dp_size, ckpt_path):
-    """train.py's model, optimizer and scaler (from ckpt_path on resume), each rank its own dropout stream, and the
-    model wrapped in DDP. Returns (the wrapped model, the model itself, optimizer, scaler, iter_num, best_val_loss)."""
+def build_ddp(cfg, vocab_size, dp_rank, dp_size):
+    """train.py's model, optimizer and scaler (from out_dir/ckpt.pt on resume), each rank its own dropout
+    stream, and the model wrapped in DDP. Returns (the wrapped model, the model itself, optimizer, scaler,
+    iter_num, best_val_loss)."""
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
     model.to(cfg.device)
     if dp_rank == 0:
         print(run_shape(f'world {dp_size} = dp {dp_size} (DDP)', cfg, model.get_num_params()))
     scaler = torch.amp.GradScaler(device_type, enabled=(cfg.dtype == 'float16'))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
         scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)  # every rank its own saved dropout stream
+        # every rank its own saved dropout stream
+        restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)
     else:
         seed_dropout(cfg.seed, dp_rank)  # its own dropout masks; rank 0 keeps train.py's stream
     raw_model = model
@@ -91,28 +95,23 @@ def build_ddp(cfg, vocab_size, dp_rank, dp_size, ckpt_path):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.dtype not in ('float32', 'bfloat16', 'float16'):
-        raise SystemExit(f"error: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
     check_batch(cfg, world_size_from_env(), world_size_from_env())
-    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # joins torchrun's group; one process without
-    if dist.is_initialized():
-        cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
-    master_process = dp_rank == 0  # logs, writes the checkpoint, samples
-    dp = Comm(None, 'dp')  # the whole world is one data-parallel group
+    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # torchrun's group (or one process)
+    cfg.device = device if dist.is_initialized() else cfg.device  # cuda:LOCAL_RANK with NCCL, else the cpu
+    master_process, dp = dp_rank == 0, Comm(None, 'dp')  # rank 0 logs and saves; dp: the whole world
 
     # setup
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
+    ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
 
     # data
     data, vocab_size = load_dataset(cfg.dataset)
 
     # model: train.py's, wrapped in DDP (build_ddp)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, raw_model, optimizer, scaler, iter_num, best_val_loss = build_ddp(cfg, vocab_size, dp_rank, dp_size,
-                                                                             ckpt_path)
+    model, raw_model, optimizer, scaler, iter_num, best_val_loss = build_ddp(cfg, vocab_size, dp_rank,
+                                                                             dp_size)
 
     def loss_of(x, y):
         with ctx:
@@ -150,7 +149,7 @@ def main(argv):
     writer.wait()
     finish_distributed(cfg)
 
-    if cfg.sample_at_end and not cfg.eval_only and master_process:  # after the group is gone: no timeout to trip
+    if master_process and cfg.sample_at_end and not cfg.eval_only:  # the group is gone: no timeout to trip
         print_sample(raw_model, cfg, ctx)
     if master_process:
         print(outputs_line(cfg.out_dir, "ckpt.pt (train.py's format: resume, sample.py)", *profiled(cfg)))

@@ -26,9 +26,9 @@ from measure import StepProfiler, mfu, peak_flops_for, peak_memory_bytes
 from model import GPTConfig
 
 
-# The config keys every training script shares, with nanoGPT's names. train.py spells them out in its own block
-# (tests/test_train.py keeps the two equal); every other script declares only the keys of its idea (and any
-# default it changes) and takes these. `python X.py --help` lists a script's keys with these comments.
+# The config keys every training script shares, with nanoGPT's names. train.py spells them out in its own
+# block (tests/test_train.py keeps the two equal); every other script declares only the keys of its idea (and
+# any default it changes) and takes these. `python X.py --help` lists a script's keys with these comments.
 TRAIN_DEFAULTS = dict(
     out_dir='out',                  # where the checkpoints and log.jsonl go
     eval_interval=250,              # evaluate (and checkpoint) every this many iterations
@@ -38,7 +38,7 @@ TRAIN_DEFAULTS = dict(
     always_save_checkpoint=True,    # save at every eval, not only when val loss improves
     init_from='scratch',            # 'scratch', 'resume' (out_dir's checkpoint) or a GPT-2 name: 'gpt2', ...
     sample_at_end=True,             # print a short sample when training ends
-    dataset='stdlib_char',          # data/<dataset>/{train,val}.bin (stdlib_char is built offline on first use)
+    dataset='stdlib_char',          # data/<dataset>/{train,val}.bin (stdlib_char: built offline on first use)
     gradient_accumulation_steps=2,  # micro-steps per iteration, summed over all data-parallel ranks
     batch_size=8,                   # sequences per micro-step per data-parallel rank
     block_size=128,                 # tokens per sequence
@@ -58,7 +58,7 @@ TRAIN_DEFAULTS = dict(
     lr_decay_iters=1250,            # cosine decay ends here (usually max_iters)
     min_lr=2e-4,                    # the learning rate after the decay
     device='cuda' if torch.cuda.is_available() else 'cpu',  # 'cpu', 'cuda' (each rank takes its LOCAL_RANK)
-    dtype='bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32',  # autocast
+    dtype='bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32',  # AMP
     compile=False,                  # torch.compile the model (train.py)
     seed=1337,                      # the seed of the initialization, the batches and the dropout streams
     peak_flops=None,                # the device's peak FLOP/s for MFU; None: looked up by GPU name
@@ -84,7 +84,8 @@ def config_help(defaults, script):
     sources = [open(p).read() for p in (script, __file__, os.path.join(os.path.dirname(__file__), 'model.py'))
                if os.path.isfile(p)]
     said = lambda text, key: re.search(rf'^\s*{key}\s*(?::[^=\n]*)?=[^\n]*?#\s*(.*)$', text, re.M)
-    lines = [f"usage: python {os.path.basename(script)} [config/file.py ...] [--key=value ...]  (torchrun too)"]
+    lines = [f"usage: python {os.path.basename(script)} [config/file.py ...] [--key=value ...]  (torchrun "
+             "too)"]
     model_keys = [f.name for f in fields(GPTConfig)]
     own = [k for k in defaults if k not in TRAIN_DEFAULTS and k not in model_keys]
     shared = [k for k in TRAIN_DEFAULTS if k in defaults]
@@ -95,7 +96,8 @@ def config_help(defaults, script):
 
 
 def _checked(key, value, default):
-    """value, if it has the type of default (an int is a fine float, None fits a None default), else SystemExit."""
+    """value, if it has the type of default (an int is a fine float, None fits a None default), else
+    SystemExit."""
     if default is None or value is None and key in ('n_kv_head', 'n_hidden', 'peak_flops'):
         return value
     if isinstance(default, bool) or isinstance(value, bool):
@@ -111,9 +113,9 @@ def _checked(key, value, default):
 
 
 def configure(defaults, argv):
-    """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order.
-    A config file is Python that assigns keys; values on the command line are Python literals (or plain strings).
-    An unknown key or a value of the wrong type exits before any work, naming the key and the valid ones."""
+    """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order. A config
+    file is Python that assigns keys; values on the command line are Python literals (or plain strings). An
+    unknown key or a value of the wrong type exits before any work, naming the key and the valid ones."""
     cfg = dict(defaults)
     if '--help' in argv or '-h' in argv:
         print(config_help(defaults, os.path.abspath(sys.argv[0])))
@@ -143,6 +145,8 @@ def configure(defaults, argv):
             except (SyntaxError, ValueError):
                 value = text  # a bare word is a string
             set_key(key, value, arg)
+    if cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'):
+        raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
     return SimpleNamespace(**cfg)
 
 
@@ -157,9 +161,9 @@ def model_config(cfg, vocab_size):
 
 
 def prepare_once(data_dir, prepare):
-    """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the first
-    to lock data_dir/.prepare.lock prepares, the others wait on the lock and then find the files (written under
-    temporary names and renamed, so nobody reads half a file)."""
+    """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the
+    first to lock data_dir/.prepare.lock prepares, the others wait on the lock and then find the files
+    (written under temporary names and renamed, so nobody reads half a file)."""
     import fcntl
     import runpy
     with open(os.path.join(data_dir, '.prepare.lock'), 'w') as lock:
@@ -202,7 +206,8 @@ def get_batch(tokens, seed, stream, step, n_rows, block_size, rows=None, device=
     at iteration `step` and each data-parallel rank just takes its own contiguous slice of it; resume needs no
     data-loader state. x is the sequence, y the same shifted by one token."""
     if len(tokens) <= block_size + 1:
-        raise SystemExit(f"error: block_size {block_size} is too large for a data split of {len(tokens)} tokens")
+        raise SystemExit(f"error: block_size {block_size} is too large for a data split of {len(tokens)} "
+                         "tokens")
     rng = np.random.default_rng([seed, stream, step])
     starts = rng.integers(0, len(tokens) - block_size - 1, size=n_rows)
     if rows is not None:
@@ -216,9 +221,10 @@ def get_batch(tokens, seed, stream, step, n_rows, block_size, rows=None, device=
 
 
 def micro_batch_rows(cfg, dp_rank, dp_size, micro_step):
-    """The one batch rule of this repo. The global batch is batch_size * gradient_accumulation_steps sequences,
-    whatever the world size. Each of the dp_size data-parallel ranks owns a contiguous block of it and walks
-    through that block batch_size sequences per micro-step, gradient_accumulation_steps // dp_size micro-steps."""
+    """The one batch rule of this repo. The global batch is batch_size * gradient_accumulation_steps
+    sequences, whatever the world size. Each of the dp_size data-parallel ranks owns a contiguous block of it
+    and walks through that block batch_size sequences per micro-step, gradient_accumulation_steps // dp_size
+    micro-steps."""
     rows_per_rank = cfg.batch_size * (cfg.gradient_accumulation_steps // dp_size)
     first = dp_rank * rows_per_rank + micro_step * cfg.batch_size
     return slice(first, first + cfg.batch_size)
@@ -238,11 +244,11 @@ def get_lr(it, cfg):
 
 @torch.no_grad()
 def estimate_loss(loss_of, data, cfg, dp=None):
-    """Mean loss over eval_iters global batches for each split, by training's one batch rule: evaluation batch k
-    is the global batch (batch_size * gradient_accumulation_steps sequences) of (seed, EVAL_STREAM, k), each
+    """Mean loss over eval_iters global batches for each split, by training's one batch rule: evaluation batch
+    k is the global batch (batch_size * gradient_accumulation_steps sequences) of (seed, EVAL_STREAM, k), each
     data-parallel rank (dp: their Comm) takes its contiguous slice in micro-batches of batch_size, and one
-    all-reduce adds the sums up. So the losses are equal for every strategy, world size and split of the batch.
-    loss_of(x, y) returns the mean loss of one micro-batch however the strategy computes it."""
+    all-reduce adds the sums up. So the losses are equal for every strategy, world size and split of the
+    batch. loss_of(x, y) returns the mean loss of one micro-batch however the strategy computes it."""
     dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
     n_micro, global_rows = cfg.gradient_accumulation_steps, cfg.batch_size * cfg.gradient_accumulation_steps
     sums = torch.zeros(2, device=cfg.device)
@@ -259,18 +265,20 @@ def estimate_loss(loss_of, data, cfg, dp=None):
 
 
 def autocast_context(device_type, dtype):
-    """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32. On CUDA, float32 matmuls
-    run on the TF32 tensor cores, as nanoGPT sets them (so MFU divides by the TF32 peak)."""
+    """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32. On CUDA, float32
+    matmuls run on the TF32 tensor cores, as nanoGPT sets them (so MFU divides by the TF32 peak)."""
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if dtype == 'float32':
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
+    return torch.autocast(device_type=device_type,
+                          dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
 
 
 def progress(done, total, what):
-    """For a long step (consolidating, preparing data): 'what: done/total (pct)' each time it crosses a tenth."""
+    """For a long step (consolidating, preparing data): 'what: done/total (pct)' each time it crosses a
+    tenth."""
     if total and (done == total or int(10 * done / total) != int(10 * (done - 1) / total)):
         print(f"{what}: {done}/{total} ({100 * done / total:.0f}%)", flush=True)
 
@@ -278,7 +286,8 @@ def progress(done, total, what):
 def run_shape(shape, cfg, n_params):
     """The line every training script prints when it starts: the run's shape, in one place."""
     rows = cfg.batch_size * cfg.gradient_accumulation_steps
-    return (f"run: {shape}; global batch {rows} sequences x {cfg.block_size} tokens = {rows * cfg.block_size:,} "
+    return (f"run: {shape}; global batch {rows} sequences x {cfg.block_size} tokens = "
+            f"{rows * cfg.block_size:,} "
             f"tokens per step; {n_params / 1e6:.2f}M parameters; {cfg.dtype} on {cfg.device}; outputs in "
             f"{cfg.out_dir}/")
 
@@ -298,11 +307,13 @@ def log_row(out_dir, row):
     with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
         f.write(json.dumps(row) + '\n')
     if 'val_loss' in row:
-        print(f"step {row['iter']}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}", flush=True)
+        print(f"step {row['iter']}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}",
+              flush=True)
     elif 'loss' in row:
         mfu = f"{100 * row['mfu']:.2f}%" if row.get('mfu') is not None else 'n/a'
         print(f"iter {row['iter']}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
-              f"{row['tokens_per_sec']:.0f} tok/s, mfu {mfu}, peak mem {row['peak_mem_bytes'] / 2**20:.0f} MiB",
+              f"{row['tokens_per_sec']:.0f} tok/s, mfu {mfu}, peak mem {row['peak_mem_bytes'] / 2**20:.0f} "
+              "MiB",
               flush=True)
 
 
@@ -320,8 +331,8 @@ def log_rank_rows(out_dir, row):
 
 
 def get_codec(dataset):
-    """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl if it
-    has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
+    """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl
+    if it has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
     import pickle
     meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset or '', 'meta.pkl')
     if dataset is not None and os.path.exists(meta_path):
@@ -349,8 +360,10 @@ def check_batch(cfg, dp_size, world_size):
     """The one batch rule needs whole micro-batches on every data-parallel rank."""
     if cfg.gradient_accumulation_steps % dp_size:
         fits = math.ceil(cfg.gradient_accumulation_steps / dp_size) * dp_size
-        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible "
-                         f"by the data-parallel size dp={dp_size} (world size {world_size}): each data-parallel "
+        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be "
+                         "divisible "
+                         f"by the data-parallel size dp={dp_size} (world size {world_size}): each "
+                         "data-parallel "
                          f"rank takes whole micro-batches; use --gradient_accumulation_steps={fits} or fewer "
                          f"processes")
 
@@ -366,12 +379,14 @@ def should_evaluate(iter_num, cfg):
 
 def evaluate(loss_of, model, data, cfg, iter_num, lr, dp=None):
     """estimate_loss with the model in eval mode (no dropout), logged by rank 0. Every rank must call it (the
-    data-parallel ranks share the batches). A loss that is not finite stops the run, keeping the last checkpoint."""
+    data-parallel ranks share the batches). A loss that is not finite stops the run, keeping the last
+    checkpoint."""
     model.eval()
     losses = estimate_loss(loss_of, data, cfg, dp)
     model.train()
     if is_master():
-        log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'], 'lr': lr})
+        log_row(cfg.out_dir, {'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val'],
+                              'lr': lr})
     if not math.isfinite(losses['val']):
         raise SystemExit(f"error: val loss is {losses['val']} at iter {iter_num}; kept the last checkpoint")
     return losses
@@ -382,7 +397,8 @@ def should_save(iter_num, val_loss, best_val_loss, cfg):
 
 
 def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
-    """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch rule)."""
+    """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch
+    rule)."""
     global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
     return [get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size,
                       micro_batch_rows(cfg, dp_rank, dp_size, micro_step), cfg.device)
@@ -391,8 +407,8 @@ def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
 
 class StepLogger:
     """The line logged every log_interval iterations: the time per iteration since the last line (host clock,
-    after the loss's .item() has waited for the device), tokens per second of the whole run, MFU per device, peak
-    memory. Every iteration it checks that the loss is finite."""
+    after the loss's .item() has waited for the device), tokens per second of the whole run, MFU per device,
+    peak memory. Every iteration it checks that the loss is finite."""
 
     def __init__(self, cfg, flops_per_token, n_devices):
         self.cfg, self.flops_per_token, self.n_devices = cfg, flops_per_token, n_devices
@@ -407,7 +423,7 @@ class StepLogger:
 
     def step(self, iter_num, loss, lr):
         if not math.isfinite(loss):
-            raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint is kept")
+            raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint kept")
         self.iters += 1
         if iter_num % self.every == 0 and is_master():
             dt = (time.time() - self.t_last) / self.iters
@@ -415,7 +431,8 @@ class StepLogger:
             tokens_per_sec = self.tokens_per_iter / dt
             log_row(self.cfg.out_dir, {'iter': iter_num, 'loss': loss, 'lr': lr, 'ms': 1000 * dt,
                                        'tokens_per_sec': tokens_per_sec,
-                                       'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices, self.peak),
+                                       'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices,
+                                                  self.peak),
                                        'peak_mem_bytes': peak_memory_bytes(self.cfg.device)})
 
 
@@ -454,7 +471,8 @@ def print_sample(model, cfg, ctx, show=True, hint='python sample.py --out_dir={o
     be worth the time: it only says how."""
     if cfg.max_iters < 100:
         if show:
-            print(f"(no sample after {cfg.max_iters} iterations; to sample: {hint.format(out_dir=cfg.out_dir)})")
+            print(f"(no sample after {cfg.max_iters} iterations; to sample: "
+                  f"{hint.format(out_dir=cfg.out_dir)})")
         return
     encode, decode = get_codec(cfg.dataset)
     model.eval()
@@ -467,8 +485,9 @@ def print_sample(model, cfg, ctx, show=True, hint='python sample.py --out_dir={o
 
 
 def record_for_torchrun(message, callstack):
-    """Leave the rank's error where torchrun's closing summary reads it (TORCHELASTIC_ERROR_FILE, the format of
-    torch.distributed.elastic's @record), so the user's last screen says what went wrong, not only an exit code."""
+    """Leave the rank's error where torchrun's closing summary reads it (TORCHELASTIC_ERROR_FILE, the format
+    of torch.distributed.elastic's @record), so the user's last screen says what went wrong, not only an exit
+    code."""
     path = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if path:
         with open(path, 'w') as f:
@@ -481,21 +500,25 @@ def run_main(main):
     torchrun that line, or an unexpected error's traceback, is also what torchrun's summary shows."""
     try:
         main(sys.argv[1:])
-        # free what the run built (DDP's reducer, gloo's work objects) while the interpreter is whole: freed during
-        # its shutdown instead, a C++ thread can reach for the GIL too late and abort the process (SIGABRT)
+        # free what the run built (DDP's reducer, gloo's work objects) while the interpreter is whole: freed
+        # during its shutdown instead, a C++ thread can reach for the GIL too late and abort the process
+        # (SIGABRT)
         import gc
         gc.collect()
     except SystemExit as e:
         if isinstance(e.code, str):
             rank = os.environ.get('RANK')
             line = (f"[rank {rank}] " if rank is not None else '') + e.code + '\n'
-            # the whole line in one write: the ranks share one stderr pipe, and print() writes the text and its
-            # newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run together
+            # the whole line in one write: the ranks share one stderr pipe, and print() writes the text and
+            # its newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run
+            # together
             sys.stderr.write(line)
             sys.stderr.flush()
             record_for_torchrun(e.code, line)
-            if dist.is_initialized() and distributed._GROUP_IS_OURS:  # (an error found after joining, e.g. on resume): left to
-                dist.destroy_process_group()  # the interpreter's exit, gloo's threads can abort ('terminate called')
+            # (an error found after joining, e.g. on resume): left to
+            if dist.is_initialized() and distributed._GROUP_IS_OURS:
+                # the interpreter's exit, gloo's threads can abort ('terminate called')
+                dist.destroy_process_group()
             sys.exit(1)
         raise
     except Exception as e:
