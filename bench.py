@@ -1,15 +1,15 @@
 """
 Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and
-a memory planner for models too large to run here.
+a memory planner (planner.py) for models too large to run here.
 
-    python bench.py                                   # quick: 8 rows, a small model, about a minute on 2 cores
+    python bench.py                                   # quick: 8 rows, a small model, ~a minute on 2 cores
     python bench.py --full                            # every row, 512 wide (about 10 minutes on 2 cores)
     python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
-    python bench.py --plot                            # and draw it: loss curves, memory, communication (matplotlib)
+    python bench.py --plot                            # and draw it (matplotlib): plots.py
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
-    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # the same as JSON; the cheapest that fits
+    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # as JSON; the cheapest that fits
     python bench.py --estimate config/train_stdlib_char.py --gpus=2 --tp=2 --pp=2 --vocab_size=96 --check
-    python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's worked example (model states only)
+    python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's example (model states only)
 
 The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
 log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from planner import ds_config_for, fmt_bytes, run_estimate
+from plots import plot
+from planner import add_estimate_arguments, ds_config_for, fmt_bytes, run_estimate
 from training import load_dataset
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -127,7 +128,8 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
         'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
                                     last],
                     w),
-        'pp_zb1': ('pipeline.py', [f'--pp={w}', '--schedule=zb1', f'--n_microbatches={n_microbatches}', last], w),
+        'pp_zb1': ('pipeline.py', [f'--pp={w}', '--schedule=zb1', f'--n_microbatches={n_microbatches}', last],
+                   w),
         # the same run measured on every step (a barrier, a synchronize, clocks and a MAX all-reduce per
         # schedule)
         'pp_1f1b_measured': ('pipeline.py',
@@ -333,98 +335,40 @@ def machine_description(args):
 GPT2_ROW = 'gpt2_124m_bf16_compile'  # a different model: left out of the same-loss comparison
 
 
-def plot(results, out_dir):
-    """Three pictures of a bench run (matplotlib, an optional install): every row's loss curve on one axis
-    (they coincide: that is the point), per-rank memory by component measured beside formula, and the bytes
-    sent per step counted, by the ring formula and measured on the wire. Returns the paths written."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("error: --plot needs matplotlib, an optional install: pip install matplotlib")
-    ok = {n: r for n, r in results.items() if r.get('status') == 'ok' and n != GPT2_ROW}
-    paths = [os.path.join(out_dir, f'bench_{name}.png') for name in ('loss', 'memory', 'comm')]
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (name, r) in enumerate(ok.items()):
-        iters = sorted(int(k) for k in r['losses'])
-        ax.plot(iters, [r['losses'][k] if k in r['losses'] else r['losses'][str(k)] for k in iters],
-                label=name,
-                linewidth=2.5 - 1.8 * i / max(1, len(ok) - 1), marker='o' if i == 0 else None)
-    ax.set(xlabel='iteration', ylabel='training loss (global batch)', title='Every strategy, one loss curve')
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-
-    components = [('param_bytes', 'parameters'), ('grad_bytes', 'gradients'),
-                  ('optim_bytes', 'optimizer state'),
-                  ('activation_bytes', 'activations (one layer)'),
-                  ('peak_activation_bytes', 'activations (peak)')]
-    names = [n for n, r in ok.items() if any(r.get(k) is not None for k, _ in components)]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for side, suffix, hatch in ((-0.2, '', None), (0.2, '_formula', '//')):
-        bottom = [0.0] * len(names)
-        for c, (key, label) in enumerate(components):
-            values = [(ok[n].get(key + suffix) or 0) / 1e6 for n in names]
-            ax.bar([i + side for i in range(len(names))], values, 0.38, bottom=bottom, color=f'C{c}',
-                   hatch=hatch,
-                   label=label if not suffix else None, edgecolor='white')
-            bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
-    ax.set(ylabel='MB per rank (largest rank)',
-           title='Memory per rank: measured (left) beside formula (hatched)')
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-
-    names = [n for n, r in ok.items() if r.get('collective_bytes') is not None]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for j, (key, label) in enumerate((('collective_bytes', 'collective bytes (counted at the calls)'),
-                                      ('wire_bytes_formula', 'wire bytes, ring formula'),
-                                      ('wire_bytes', 'wire bytes, measured (loopback)'))):
-        ax.bar([i + 0.27 * (j - 1) for i in range(len(names))], [(ok[n].get(key) or 0) / 1e6 for n in names],
-               0.26,
-               label=label, color=f'C{j}')
-    ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
-    ax.set(ylabel='MB per rank per step', title='Bytes sent per step: counted, modelled, measured')
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[2], dpi=110)
-    plt.close('all')
-    return paths
-
-
-def run_bench(args):
+def select_rows(args):
+    """The rows this machine runs: (every row by name, the names selected). On one GPU only the single-process
+    rows, and (on any GPU) GPT-2 124M in bf16 with compile, for MFU: on GPT-2 BPE tokens when they are there
+    (python data/shakespeare/prepare.py), else the same shape on the default characters."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n_gpus == 1:  # one GPU: the single-process rows only
+    if n_gpus == 1:
         args.world_size = 1
     elif n_gpus > 1 and args.world_size > n_gpus:
         raise SystemExit(f"error: --world_size={args.world_size} but only {n_gpus} GPUs")
     rows = bench_rows(args.world_size, args.n_microbatches, args.max_iters)
     if n_gpus == 1:
         rows = {'train': rows['train']}
-    # and on a GPU, GPT-2 124M in bf16 with compile, for MFU: on GPT-2 BPE tokens when they are
     if n_gpus >= 1:
-        # there (python data/shakespeare/prepare.py), else the same shape on the default characters (vocab 96)
         bpe = os.path.exists(os.path.join(REPO, 'data', 'shakespeare', 'train.bin'))
         rows[GPT2_ROW] = ('train.py', ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
                                        '--batch_size=16', '--gradient_accumulation_steps=1',
-                                       '--dtype=bfloat16',
-                                       '--compile=True', '--bias=True',
+                                       '--dtype=bfloat16', '--compile=True', '--bias=True',
                                        f"--dataset={'shakespeare' if bpe else 'stdlib_char'}"], 1)
-    selected = list(rows) if args.rows == 'all' else args.rows.split(',')  # (quick: QUICK_ROWS)
-    if n_gpus == 1 and args.rows == ','.join(QUICK_ROWS):  # one GPU: the single-process rows
-        selected = list(rows)
+    selected = list(rows) if args.rows == 'all' or (n_gpus == 1 and args.rows == ','.join(QUICK_ROWS)) \
+        else args.rows.split(',')
     unknown = [n for n in selected if n not in rows]
     if unknown:
         raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
     if args.world_size < 2 and any(rows[n][2] > 1 for n in selected):
         raise SystemExit("error: distributed rows need --world_size >= 2")
-    if any(n.startswith(('tp', 'pp', 'cp', 'grid')) for n in selected) and (args.n_head % args.world_size or
-                                                                   args.n_layer % args.world_size):
+    split = any(n.startswith(('tp', 'pp', 'cp', 'grid')) for n in selected)
+    if split and (args.n_head % args.world_size or args.n_layer % args.world_size):
         raise SystemExit(f"error: n_head ({args.n_head}) and n_layer ({args.n_layer}) must be divisible by "
                          f"--world_size={args.world_size} for the tp, pp and cp rows")
+    return rows, selected
+
+
+def run_bench(args):
+    rows, selected = select_rows(args)
     load_dataset('stdlib_char')  # prepare the data once, before the rows race to do it
     runs_dir = os.path.join(args.out, 'runs')
     os.makedirs(runs_dir, exist_ok=True)
@@ -446,8 +390,8 @@ def run_bench(args):
     cmd_line = 'python bench.py ' + ' '.join(sys.argv[1:])
     header = (f"`{cmd_line.strip()}` on {machine}. Model: {args.n_layer} layers, {args.n_head} "
               f"heads, {args.n_embd} wide, block {args.block_size}; global batch "
-              f"{args.batch_size * args.world_size} "
-              f"sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
+              f"{args.batch_size * args.world_size} sequences; {args.dtype}. Times: median of iterations "
+              f"{args.warmup}..{args.max_iters - 1}. "
               f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
     table = bench_markdown(results, rows, all_same, rtol)
     print('\n' + header + '\n\n' + table, flush=True)
@@ -458,7 +402,7 @@ def run_bench(args):
                    'loss_rtol': rtol, 'rows': results}, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'bench.md')} and bench.json ({time.time() - t_start:.0f} s)")
     if args.plot:
-        print(f"drew {', '.join(plot(results, args.out))}")
+        print(f"drew {', '.join(plot(results, args.out, GPT2_ROW))}")
     failed = [n for n, r in results.items() if r['status'].startswith('failed')]
     if failed or all_same is False:
         sys.exit(1)
@@ -467,28 +411,7 @@ def run_bench(args):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument('--estimate', nargs='?', const='', default=None, metavar='CONFIG',
-                   help='plan memory for the model of a config file (config keys may follow as --key=value)')
-    p.add_argument('--params', default=None, help='--estimate with a parameter count only (model states)')
-    p.add_argument('--gpus', type=int, default=8)
-    p.add_argument('--gpu_mem_gb', type=float, default=80)
-    p.add_argument('--micro_batch', type=int, default=1, help='sequences per micro-batch per GPU')
-    p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")
-    p.add_argument('--tp', type=int, default=None,
-                   help='tensor-parallel degree (default: the largest <= 8 that fits)')
-    p.add_argument('--pp', type=int, default=None,
-                   help='pipeline stages (default: the largest <= 4 that fits)')
-    p.add_argument('--cp', type=int, default=None,
-                   help='context-parallel degree (default: the largest <= 4 that fits)')
-    p.add_argument('--json', action='store_true', help='--estimate: print the estimate as JSON')
-    p.add_argument('--check', action='store_true',
-                   help='--estimate: run three of the strategies here (--gpus processes) and compare with '
-                        'the estimate')
-    p.add_argument('--n_microbatches', type=int, default=None,
-                   help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
-    p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
-    p.add_argument('--vocab_size', type=int, default=None,
-                   help='default: a "# vocab_size: N" line, else 50304')
+    add_estimate_arguments(p)  # --estimate and its flags: planner.py
     p.add_argument('--full', action='store_true', help='every row, on the 512-wide model, 12 iterations')
     p.add_argument('--rows', default=None,
                    help=f"comma-separated rows (default {','.join(QUICK_ROWS)}; --full: all)")
@@ -503,8 +426,7 @@ def parse_args(argv):
     p.add_argument('--block_size', type=int, default=128)
     p.add_argument('--learning_rate', type=float, default=3e-4,
                    help='low enough that the 512-wide model trains without a loss spike: a spike amplifies '
-                        'the '
-                        'rounding differences between strategies past the same-loss tolerance')
+                        'the rounding differences between strategies past the same-loss tolerance')
     p.add_argument('--batch_size', type=int, default=8,
                    help='sequences per dp rank; global batch x world_size')
     p.add_argument('--dtype', default=None,
@@ -518,8 +440,7 @@ def parse_args(argv):
     p.add_argument('--row_timeout', type=int, default=600)
     p.add_argument('--out', default='out_bench')
     p.add_argument('--plot', action='store_true',
-                   help='also draw the loss curves, memory and communication as PNGs in --out (needs '
-                        'matplotlib)')
+                   help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')
     args, rest = p.parse_known_args(argv)
     args.rows = args.rows or ('all' if args.full else ','.join(QUICK_ROWS))
     args.max_iters = args.max_iters or (12 if args.full else 8)
@@ -528,7 +449,7 @@ def parse_args(argv):
     if bad:
         raise SystemExit(f"error: unrecognized arguments: {' '.join(bad)}")
     if (args.json or args.check) and (args.estimate is None or args.params):
-        raise SystemExit("error: --json and --check go with --estimate CONFIG (a model's shape), not --params")
+        raise SystemExit("error: --json and --check need --estimate CONFIG (a model's shape), not --params")
     args.dtype = args.dtype or ('bfloat16' if args.estimate is not None else 'float32')
     if args.dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {args.dtype!r}")

@@ -1,7 +1,8 @@
 """
 The DeepSpeed JSON bridge of zero.py: the common subset of a DeepSpeed config (ZeRO stage, offload, batch,
-accumulation, clipping, bf16, AdamW) read onto zero.py's config (--deepspeed_config=ds.json), and a run's config
-written as DeepSpeed JSON (--print_ds_config, planner.py's ds_config.json). A helper: it imports no script.
+accumulation, clipping, bf16, AdamW) read onto zero.py's config (--deepspeed_config=ds.json), and a run's
+config written as DeepSpeed JSON (--print_ds_config, planner.py's ds_config.json). A helper: it imports no
+script.
 """
 
 import json
@@ -14,8 +15,8 @@ DS_OPTIMIZER_PARAMS = {'lr', 'betas', 'eps', 'weight_decay'}
 
 
 def deepspeed_config_of(cfg, world_size):
-    """The DeepSpeed JSON config that runs what this run does: the inverse of apply_deepspeed_config (DeepSpeed's
-    gradient_accumulation_steps is per rank, ours summed over ranks)."""
+    """The DeepSpeed JSON config that runs what this run does: the inverse of apply_deepspeed_config
+    (DeepSpeed's gradient_accumulation_steps is per rank, ours summed over ranks)."""
     return {'train_batch_size': cfg.batch_size * cfg.gradient_accumulation_steps,
             'train_micro_batch_size_per_gpu': cfg.batch_size,
             'gradient_accumulation_steps': cfg.gradient_accumulation_steps // world_size,
@@ -23,7 +24,8 @@ def deepspeed_config_of(cfg, world_size):
             'bf16': {'enabled': cfg.dtype == 'bfloat16'},
             'zero_optimization': dict({'stage': cfg.stage}, **({'offload_optimizer': {
                 'device': 'cpu', 'pin_memory': True}} if cfg.offload_optimizer else {})),
-            'optimizer': {'type': 'AdamW', 'params': {'lr': cfg.learning_rate, 'betas': [cfg.beta1, cfg.beta2],
+            'optimizer': {'type': 'AdamW',
+                          'params': {'lr': cfg.learning_rate, 'betas': [cfg.beta1, cfg.beta2],
                                                       'eps': cfg.adam_eps, 'weight_decay': cfg.weight_decay}}}
 
 
@@ -50,16 +52,19 @@ def apply_deepspeed_config(cfg, path, world_size):
                                  f"supported: {', '.join(sorted(allowed))}")
     opt = ds.get('optimizer', {})
     if opt.get('type', 'AdamW').lower() != 'adamw':
-        raise SystemExit(f"error: deepspeed_config optimizer.type '{opt['type']}' is not supported: zero.py is AdamW")
+        raise SystemExit(f"error: deepspeed_config optimizer.type '{opt['type']}' is not supported: zero.py "
+                         "is AdamW")
     for sub in opt.get('params', {}):
         if sub not in DS_OPTIMIZER_PARAMS:
-            raise SystemExit(f"error: deepspeed_config key 'optimizer.params.{sub}' is not supported by zero.py; "
+            raise SystemExit(f"error: deepspeed_config key 'optimizer.params.{sub}' is not supported by "
+                             "zero.py; "
                              f"supported: {', '.join(sorted(DS_OPTIMIZER_PARAMS))}")
     params = opt.get('params', {})
     zero_opt = ds.get('zero_optimization', {})
     offload = zero_opt.get('offload_optimizer', {}).get('device', 'none')
     if offload not in ('cpu', 'none'):
-        raise SystemExit(f"error: deepspeed_config zero_optimization.offload_optimizer.device '{offload}' is not "
+        raise SystemExit(f"error: deepspeed_config zero_optimization.offload_optimizer.device '{offload}' is "
+                         "not "
                          f"supported by zero.py: 'cpu' or 'none'")
     updates = {'stage': zero_opt.get('stage'),
                'offload_optimizer': offload == 'cpu' if 'offload_optimizer' in zero_opt else None,
@@ -74,9 +79,11 @@ def apply_deepspeed_config(cfg, path, world_size):
     for key, value in updates.items():
         if value is not None:
             setattr(cfg, key, float(value) if isinstance(getattr(cfg, key), float) else value)
-    if 'train_batch_size' in ds and ds['train_batch_size'] != cfg.batch_size * cfg.gradient_accumulation_steps:
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
+    if 'train_batch_size' in ds and ds['train_batch_size'] != global_batch:
         raise SystemExit(f"error: deepspeed_config train_batch_size {ds['train_batch_size']} is not "
-                         f"micro batch × accumulation × world = {cfg.batch_size * cfg.gradient_accumulation_steps}")
+                         "micro batch × accumulation × world = "
+                         f"{cfg.batch_size * cfg.gradient_accumulation_steps}")
     return cfg
 
 

@@ -1,12 +1,12 @@
 """
 Modelled: the formulas this repo prints beside what it measures and counts, in one place. Most are the papers'
-(ZeRO, Megatron-LM and Korthikanti et al., GPipe, ring attention); saved_bytes_formula is this repo's own count of
-what one of its blocks keeps for backward, read off model.py. Each script prints the ones of its idea next to its
-measurements; bench.py --estimate prices every strategy with them; the tests hold each one against the bytes the
-code really holds and sends.
+(ZeRO, Megatron-LM and Korthikanti et al., GPipe, ring attention); saved_bytes_formula is this repo's own
+count of what one of its blocks keeps for backward, read off model.py. Each script prints the ones of its idea
+next to its measurements; bench.py --estimate prices every strategy with them; the tests hold each one against
+the bytes the code really holds and sends.
 
-Notation: Ψ parameters, N data-parallel ranks, t tensor-parallel, p pipeline stages, m microbatches, v chunks per
-stage, s sequence length, b micro-batch size, h hidden size, a attention heads.
+Notation: Ψ parameters, N data-parallel ranks, t tensor-parallel, p pipeline stages, m microbatches, v chunks
+per stage, s sequence length, b micro-batch size, h hidden size, a attention heads.
 """
 
 import math
@@ -31,9 +31,10 @@ def model_state_bytes_formula(numel, world_size, stage, mixed_precision, offload
 
 def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):
     """Bytes one rank sends per step, ring algorithms (the paper's count). Stages 0-2: one all-reduce's worth,
-    2(N-1)/N·Ψ (stage 1/2 as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters gathered
-    for forward and again for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so they reduce
-    at every one. On gloo a reduce-scatter is an all-reduce underneath: the wire carries more (see WireMeter)."""
+    2(N-1)/N·Ψ (stage 1/2 as a reduce-scatter plus an all-gather). Stage 3: 3(N-1)/N·Ψ, the parameters
+    gathered for forward and again for backward. Stages 2 and 3 cannot hold gradients across micro-steps, so
+    they reduce at every one. On gloo a reduce-scatter is an all-reduce underneath: the wire carries more (see
+    WireMeter)."""
     one = (world_size - 1) / world_size * numel * bytes_per_elem
     return {0: 2 * one, 1: 2 * one, 2: (micro_steps + 1) * one, 3: 3 * micro_steps * one}[stage]
 
@@ -58,10 +59,12 @@ def param_bytes_formula(config, t, bytes_per_elem=4):
     h, L, hd, bias = config.n_embd, config.n_layer, config.n_embd // config.n_head, int(config.bias)
     qkv = (config.n_head + 2 * config.n_kv_head) * hd
     n_mlp_in = 2 if config.mlp == 'swiglu' else 1
-    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + config.n_hidden * (n_mlp_in * (h + bias) + h)
+    mlp = config.n_hidden * (n_mlp_in * (h + bias) + h)
+    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + mlp
     split = L * split_per_layer + config.vocab_size * h * (1 if config.tie_embeddings else 2)
     norm = h * (1 + (bias if config.norm == 'layernorm' else 0))
-    replicated = L * (2 * norm + 2 * h * bias) + norm + (config.block_size * h if config.pos == 'learned' else 0)
+    wpe = config.block_size * h if config.pos == 'learned' else 0
+    replicated = L * (2 * norm + 2 * h * bias) + norm + wpe
     return (split / t + replicated) * bytes_per_elem
 
 
@@ -81,15 +84,16 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     """Bytes one of this repo's blocks keeps for backward on one tp rank, read off model.py's code (dropout 0;
     scaled_dot_product_attention's flash/efficient kernels keep no s x s matrix, only q, k, v, out and the
     log-sum-exp). What saves what: each norm its input (the residual stream, fp32 under autocast) and fp32
-    statistics (RMSNorm also its fp32 normalised x); each Linear its input; SDPA q, k, v (views of c_attn's output
-    keep that whole output alive; RoPE and GQA's repeat make new tensors) and its output, which c_proj then saves
-    with no copy; GELU its input; SwiGLU its gate output, the SiLU and c_fc outputs and their product. Under
-    tensor parallelism the heads and the MLP's hidden width are 1/t per rank; sequence parallelism cuts the norms
-    and the residual stream to s/t, while the column-parallel Linears keep their all-gathered input (Megatron
-    keeps the chunk and all-gathers again in backward: that is Korthikanti's 34/t, activation_bytes_formula).
-    bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32 weights (train.py, DDP, tensor and
-    pipeline parallelism) the bf16 copy of each weight that autocast makes is saved for backward too; zero.py and
-    FSDP2 compute with bf16 weights (fp32_weights=False), so there is no copy."""
+    statistics (RMSNorm also its fp32 normalised x); each Linear its input; SDPA q, k, v (views of c_attn's
+    output keep that whole output alive; RoPE and GQA's repeat make new tensors) and its output, which c_proj
+    then saves with no copy; GELU its input; SwiGLU its gate output, the SiLU and c_fc outputs and their
+    product. Under tensor parallelism the heads and the MLP's hidden width are 1/t per rank; sequence
+    parallelism cuts the norms and the residual stream to s/t, while the column-parallel Linears keep their
+    all-gathered input (Megatron keeps the chunk and all-gathers again in backward: that is Korthikanti's
+    34/t, activation_bytes_formula). bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32
+    weights (train.py, DDP, tensor and pipeline parallelism) the bf16 copy of each weight that autocast makes
+    is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
+    no copy."""
     e, fp32 = bytes_per_elem, 4
     residual = 4 if e == 2 else e  # bf16 autocast leaves the residual stream in fp32
     hd = config.n_embd // config.n_head
@@ -111,7 +115,7 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     mlp = tokens * hidden * e * (4 if config.mlp == 'swiglu' else 2)
     n_mlp_in = 2 if config.mlp == 'swiglu' else 1
     weights = h * (heads + 2 * kv) * hd + heads * hd * h + (n_mlp_in + 1) * h * hidden
-    autocast_copies = weights * e if e == 2 and fp32_weights else 0  # autocast's bf16 weights, kept for backward
+    autocast_copies = weights * e if e == 2 and fp32_weights else 0  # autocast's bf16 weights, kept too
     if e == 2 and config.mlp == 'swiglu':  # and c_gate and c_fc each cast their input: two bf16 copies of it
         autocast_copies += tokens * h * e
     return 2 * per_norm + linear_inputs + attention + mlp + autocast_copies
@@ -138,9 +142,9 @@ def tp_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2)
 
 
 def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_elem=2):
-    """The rest of a micro-batch: the vocabulary-parallel embedding (1 all-reduce forward) and head (1 backward)
-    of b*s*h each, and the vocabulary-parallel cross-entropy's 3 all-reduces of b*s fp32 numbers (max, sum of
-    exponentials, target logit)."""
+    """The rest of a micro-batch: the vocabulary-parallel embedding (1 all-reduce forward) and head (1
+    backward) of b*s*h each, and the vocabulary-parallel cross-entropy's 3 all-reduces of b*s fp32 numbers
+    (max, sum of exponentials, target logit)."""
     return 2 * 2 * (t - 1) / t * s * b * h * bytes_per_elem + 3 * 2 * (t - 1) / t * s * b * 4
 
 
@@ -148,9 +152,9 @@ def tp_edge_comm_bytes_formula(s, b, h, t, sequence_parallel=False, bytes_per_el
 # Pipeline parallelism (GPipe; Narayanan et al. 2021): pipeline.py
 
 def bubble_fraction_formula(p, m, v=1, schedule=None):
-    """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage the
-    bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of the
-    ideal). ZB-H1 (Qi et al. 2023) splits each backward into B and W and fills the cool-down with W: idle
+    """Idle fraction of a GPipe/1F1B step, (p-1)/(m+p-1) (GPipe paper); interleaved with v chunks per stage
+    the bubble shrinks v times: (p-1)/(v*m + p-1) of the total time (Narayanan et al. 2021 give (p-1)/(v*m) of
+    the ideal). ZB-H1 (Qi et al. 2023) splits each backward into B and W and fills the cool-down with W: idle
     (p-1)(F+B-W) of m(F+B+W), so with F = B = W, (p-1)/(3m+p-1) of the total."""
     if schedule == 'zb1':
         return (p - 1) / (3 * m + p - 1)
@@ -158,8 +162,9 @@ def bubble_fraction_formula(p, m, v=1, schedule=None):
 
 
 def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
-    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m); ZB-H1 p;
-    interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a chunk's worth."""
+    """Microbatches whose activations stage `stage` holds at peak: GPipe all m; 1F1B p - stage (at most m);
+    ZB-H1 p; interleaved its warm-up forwards plus one, 2(p-stage-1) + (v-1)p + 1 (at most m·v), each a
+    chunk's worth."""
     if schedule_name == 'gpipe':
         return m
     if schedule_name == 'interleaved':
@@ -170,9 +175,9 @@ def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
 
 
 def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
-    """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b, s, h)
-    out of each of its v chunks (but the model's last) and its gradient back into each (but the model's first).
-    stage=None: the busiest stage (a middle one when p > 2)."""
+    """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b,
+    s, h) out of each of its v chunks (but the model's last) and its gradient back into each (but the model's
+    first). stage=None: the busiest stage (a middle one when p > 2)."""
     if p == 1:
         return 0
     if stage is None:
@@ -184,13 +189,13 @@ def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
 # Context parallelism (ring attention; Ulysses): context_parallel.py
 
 def cp_comm_bytes_formula(s, b, n_head, n_kv_head, head_dim, cp, attention, bytes_per_elem=4):
-    """Bytes one rank sends for one layer's attention, forward and backward, per micro-batch of b sequences of s
-    tokens; bytes_per_elem is the size of q, k, v (2 under bf16 autocast: c_attn's output). ring: a kv block (keys
-    and values of its s/cp tokens) goes on cp-1 times forward and cp-1 times backward, in q's dtype, and the
-    block's gradients cp times (the last brings them home), in fp32 whatever the dtype: RingAttention.backward
-    accumulates dK and dV in fp32 buffers and sends those. Ulysses: q, k, v and the output all-to-all'd forward
-    and their gradients backward, (cp-1)/cp of each, all in q's dtype (autograd hands each gradient back in its
-    tensor's dtype)."""
+    """Bytes one rank sends for one layer's attention, forward and backward, per micro-batch of b sequences of
+    s tokens; bytes_per_elem is the size of q, k, v (2 under bf16 autocast: c_attn's output). ring: a kv block
+    (keys and values of its s/cp tokens) goes on cp-1 times forward and cp-1 times backward, in q's dtype, and
+    the block's gradients cp times (the last brings them home), in fp32 whatever the dtype:
+    RingAttention.backward accumulates dK and dV in fp32 buffers and sends those. Ulysses: q, k, v and the
+    output all-to-all'd forward and their gradients backward, (cp-1)/cp of each, all in q's dtype (autograd
+    hands each gradient back in its tensor's dtype)."""
     if cp == 1:
         return 0
     tokens = b * s // cp
@@ -212,9 +217,9 @@ def ep_all_to_all_bytes_formula(tokens, k, h, ep, bytes_per_elem=4, out_bytes_pe
     under autocast too); the experts' outputs and their gradients out_bytes_per_elem (2 under bf16 autocast;
     default bytes_per_elem). Of them (ep-1)/ep leave the rank ('wire_bytes') ASSUMING UNIFORM ROUTING: the
     router spreads the slots evenly over the experts, so 1/ep of them stay on this rank's own experts. A real
-    router is not uniform: what a rank hands to the combine and sends off-rank follows its experts' load, which
-    is why the scripts print the counted bytes beside this. The split sizes exchanged first (ep·E/ep integers
-    each way) are left out."""
+    router is not uniform: what a rank hands to the combine and sends off-rank follows its experts' load,
+    which is why the scripts print the counted bytes beside this. The split sizes exchanged first (ep·E/ep
+    integers each way) are left out."""
     handed = 2 * tokens * k * h * (bytes_per_elem + (out_bytes_per_elem or bytes_per_elem))
     return {'all_to_all_bytes': handed, 'wire_bytes': (ep - 1) / ep * handed}
 

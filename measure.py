@@ -1,7 +1,7 @@
 """
-What the scripts measure, apart from what they compute: the bytes each rank's own sockets sent, the peak memory
-(the allocator on GPU, the resident set on CPU), the bytes autograd keeps for backward, MFU against the device's
-peak, and torch.profiler traces.
+What the scripts measure, apart from what they compute: the bytes each rank's own sockets sent, the peak
+memory (the allocator on GPU, the resident set on CPU), the bytes autograd keeps for backward, MFU against the
+device's peak, and torch.profiler traces.
 """
 
 import os
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 
-# Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core peak
-# where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word, so 'L4'
-# is not found inside 'L40S'.
+# Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core
+# peak where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word,
+# so 'L4' is not found inside 'L40S'.
 PEAK_FLOPS = {
     'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
     'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
@@ -31,8 +31,8 @@ PEAK_FLOPS = {
 
 
 def peak_flops_for(device, dtype, override=None, device_name=None):
-    """The peak FLOP/s of one device that MFU divides by: the peak_flops config key if set, else the table, else
-    None (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
+    """The peak FLOP/s of one device that MFU divides by: the peak_flops config key if set, else the table,
+    else None (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
     if override:
         return override
     if device.startswith('cuda') or device_name:
@@ -44,8 +44,9 @@ def peak_flops_for(device, dtype, override=None, device_name=None):
 
 
 def mfu(flops_per_token, tokens_per_sec, n_devices, peak_flops):
-    """Model FLOPs utilisation per device: the whole model's training FLOPs per token times the tokens per second
-    of the whole run (every rank together), over n_devices devices' peak. None where the peak is unknown."""
+    """Model FLOPs utilisation per device: the whole model's training FLOPs per token times the tokens per
+    second of the whole run (every rank together), over n_devices devices' peak. None where the peak is
+    unknown."""
     if not peak_flops:
         return None
     return flops_per_token * tokens_per_sec / (n_devices * peak_flops)
@@ -68,15 +69,17 @@ def saved_bytes_counter(model):
 
 
 def peak_memory_bytes(device):
-    """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on CPU."""
+    """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on
+    CPU."""
     if device.startswith('cuda'):
         return torch.cuda.max_memory_allocated(device)
     return peak_resident_bytes()
 
 
 def peak_resident_bytes():
-    """This process's peak resident set: Linux's VmHWM, which starts afresh at exec (getrusage's ru_maxrss keeps
-    the parent's resident set from before the exec, so a child of a big process would report the parent's)."""
+    """This process's peak resident set: Linux's VmHWM, which starts afresh at exec (getrusage's ru_maxrss
+    keeps the parent's resident set from before the exec, so a child of a big process would report the
+    parent's)."""
     try:
         with open('/proc/self/status') as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
@@ -87,8 +90,8 @@ def peak_resident_bytes():
 
 class StepProfiler:
     """--profile=N: N training steps (after one warm-up step) under torch.profiler, written per rank as a
-    Chrome/Perfetto trace, out_dir/trace_rank{r}.json: kernels, collectives and waits on one time axis (open it at
-    ui.perfetto.dev or chrome://tracing). step() after every iteration; stop() after the loop."""
+    Chrome/Perfetto trace, out_dir/trace_rank{r}.json: kernels, collectives and waits on one time axis (open
+    it at ui.perfetto.dev or chrome://tracing). step() after every iteration; stop() after the loop."""
 
     def __init__(self, n_steps, out_dir, rank, device):
         self.path, self.prof = os.path.join(out_dir, f'trace_rank{rank}.json'), None
@@ -97,7 +100,8 @@ class StepProfiler:
             if device.startswith('cuda'):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(
-                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=n_steps, repeat=1),
+                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=n_steps,
+                                                                        repeat=1),
                 on_trace_ready=lambda prof: prof.export_chrome_trace(self.path))
             self.prof.start()
 
@@ -114,7 +118,8 @@ class StepProfiler:
 
 
 def comm_report(comms):
-    """{'collective_bytes': {'dp all_reduce': ...}, 'wire_bytes_formula': {...}} over several groups' Comms."""
+    """{'collective_bytes': {'dp all_reduce': ...}, 'wire_bytes_formula': {...}} over several groups'
+    Comms."""
     out = {'collective_bytes': {}, 'wire_bytes_formula': {}}
     for c in comms:
         for key in out:
@@ -125,7 +130,8 @@ def comm_report(comms):
 
 def loopback_bytes_sent():
     """Bytes this whole machine has sent through its loopback interface since boot (Linux's /proc/net/dev), or
-    None. Every process's traffic is in it, so it is only a cross-check (the tests use it to see their flood)."""
+    None. Every process's traffic is in it, so it is only a cross-check (the tests use it to see their flood).
+    """
     try:
         with open('/proc/net/dev') as f:
             for line in f:
@@ -137,13 +143,13 @@ def loopback_bytes_sent():
     return None
 
 
-TCPI_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in Linux's struct tcp_info (linux/tcp.h, Linux >= 4.19)
+TCPI_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in struct tcp_info (linux/tcp.h, Linux >= 4.19)
 
 
 def tcp_bytes_sent_by_socket():
     """{socket inode: payload bytes sent} for every TCP socket this process holds open, from the kernel's own
-    per-socket count (getsockopt TCP_INFO, tcpi_bytes_sent), or None where the kernel does not keep it.
-    gloo talks over TCP sockets of the process itself, so this is this rank's own traffic and nobody else's."""
+    per-socket count (getsockopt TCP_INFO, tcpi_bytes_sent), or None where the kernel does not keep it. gloo
+    talks over TCP sockets of the process itself, so this is this rank's own traffic and nobody else's."""
     if not hasattr(socket, 'TCP_INFO') or not os.path.isdir('/proc/self/fd'):
         return None
     sent = {}
@@ -152,7 +158,7 @@ def tcp_bytes_sent_by_socket():
             target = os.readlink(f'/proc/self/fd/{fd}')
             if not target.startswith('socket:'):
                 continue
-            sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate descriptor: closing it leaves ours open
+            sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate: closing it leaves ours open
         except OSError:
             continue
         with sock:
@@ -166,12 +172,13 @@ def tcp_bytes_sent_by_socket():
 
 
 class WireMeter:
-    """Measured: the bytes this rank itself sent over a window of steps. gloo moves every collective and send over
-    TCP sockets that this process owns, and the kernel counts each socket's payload bytes (TCP_INFO): summed over
-    the process's sockets at the end of the window minus at its start, that is exactly this rank's traffic,
-    whoever else uses the network, on one machine or between machines. Both ends sit behind a barrier, so every
-    collective of the window has finished on every rank (what this rank sent has left it). NCCL moves its
-    bytes over NVLink or InfiniBand, past the process's sockets: then the meter reports None and says why."""
+    """Measured: the bytes this rank itself sent over a window of steps. gloo moves every collective and send
+    over TCP sockets that this process owns, and the kernel counts each socket's payload bytes (TCP_INFO):
+    summed over the process's sockets at the end of the window minus at its start, that is exactly this rank's
+    traffic, whoever else uses the network, on one machine or between machines. Both ends sit behind a
+    barrier, so every collective of the window has finished on every rank (what this rank sent has left it).
+    NCCL moves its bytes over NVLink or InfiniBand, past the process's sockets: then the meter reports None
+    and says why."""
 
     def __init__(self):
         self.why_not = None
@@ -199,8 +206,8 @@ class WireMeter:
 
 # -----------------------------------------------------------------------------
 # Measured steps and their report. Measuring costs time (a barrier to line the ranks up, a device synchronize
-# before reading a clock, an all-gather of the numbers), so a script measures only the steps this names and runs
-# the algorithm alone on every other one.
+# before reading a clock, an all-gather of the numbers), so a script measures only the steps this names and
+# runs the algorithm alone on every other one.
 
 def measured_step(iter_num, first_iter, every=0):
     """Whether iteration iter_num is measured: the run's first, and every `every`-th (--measure_every; 0: none
@@ -217,9 +224,9 @@ def _cell(value):
 
 
 def print_measured(title, lines, notes=()):
-    """A measured step's report: one line per quantity with what was measured (the running system), counted (at
-    our own calls) and modelled (a paper's formula) side by side, '-' where a kind does not apply; then each note
-    that explains a gap between them. lines: [(quantity, measured, counted, modelled)]."""
+    """A measured step's report: one line per quantity with what was measured (the running system), counted
+    (at our own calls) and modelled (a paper's formula) side by side, '-' where a kind does not apply; then
+    each note that explains a gap between them. lines: [(quantity, measured, counted, modelled)]."""
     width = max([len(name) for name, *_ in lines] + [8])
     print(title)
     print(f"  {'':<{width}}  {'measured':>14}  {'counted':>14}  {'modelled':>14}")
@@ -230,8 +237,8 @@ def print_measured(title, lines, notes=()):
 
 
 # -----------------------------------------------------------------------------
-# Executed schedules (pipeline.py): what each rank ran, as ops with a start and an end on its clock, drawn as a
-# text timeline and as a Perfetto trace.
+# Executed schedules (pipeline.py): what each rank ran, as ops with a start and an end on its clock, drawn as
+# a text timeline and as a Perfetto trace.
 
 import contextlib  # noqa: E402 (this section's own imports: it was appended)
 import json  # noqa: E402
@@ -243,8 +250,9 @@ COMPUTE = ('F', 'B', 'W')  # forward, backward (zb1: of the input), the weights'
 
 
 def time_split(records, total):
-    """The stage's share of the step in compute (F, B and W), in send/recv (the transfer, and on a CPU the wait
-    for a neighbour that is still computing) and elsewhere; the bubble is everything that is not compute."""
+    """The stage's share of the step in compute (F, B and W), in send/recv (the transfer, and on a CPU the
+    wait for a neighbour that is still computing) and elsewhere; the bubble is everything that is not
+    compute."""
     compute = sum(t1 - t0 for op, _, t0, t1 in records if op in COMPUTE)
     comm = sum(t1 - t0 for op, _, t0, t1 in records if op == 'send/recv')
     return {'compute_fraction': compute / total, 'send_recv_fraction': comm / total,
@@ -253,8 +261,8 @@ def time_split(records, total):
 
 def schedule_measurements(clock, comms, wire, sent_p2p):
     """A measured step's numbers for its log row: the median time split of its schedules (the first left out
-    as a warm-up when there are more), the peaks the clock kept, the bytes counted at the calls and on the wire.
-    """
+    as a warm-up when there are more), the peaks the clock kept, the bytes counted at the calls and on the
+    wire. """
     splits = [time_split(*schedule) for schedule in clock.schedules[1:] or clock.schedules]
     sent = comm_report(comms)
     return {**{k: statistics.median(split[k] for split in splits) for k in splits[0]},
@@ -269,15 +277,17 @@ def schedule_measurements(clock, comms, wire, sent_p2p):
 
 
 def op_label(op, i):
-    """F3 / B3 / W3: forward / backward / weights' gradients of microbatch 3; F3.1: of microbatch 3 on chunk 1."""
+    """F3 / B3 / W3: forward / backward / weights' gradients of microbatch 3; F3.1: of microbatch 3 on
+    chunk 1."""
     return f"{op}{i[0]}.{i[1]}" if isinstance(i, (tuple, list)) else f"{op}{i}"
 
 
 def timeline(records, total, n_slots, width):
     """One line of the stage's step, n_slots equal slices of the clock: each forward and backward once, in the
-    order executed (F3 = forward of microbatch 3, B3 its backward), in the slot where it started, '-' in the slots
-    it goes on running through, '.' where the stage was not computing. An op shorter than a slot, or one starting
-    in a slot already taken, takes the next free slot (the row grows past n_slots rather than drop it)."""
+    order executed (F3 = forward of microbatch 3, B3 its backward), in the slot where it started, '-' in the
+    slots it goes on running through, '.' where the stage was not computing. An op shorter than a slot, or one
+    starting in a slot already taken, takes the next free slot (the row grows past n_slots rather than drop
+    it)."""
     slot, cells = total / n_slots, []
     for op, i, t0, t1 in records:
         if op not in COMPUTE:
@@ -291,8 +301,8 @@ def timeline(records, total, n_slots, width):
 
 def write_schedule_trace(tracks, total, path):
     """The executed schedule as a Chrome/Perfetto trace (open it at ui.perfetto.dev): one track per rank
-    (tracks: {name: records}), a slice for each forward, backward and send/recv, and 'idle' for the gaps in between,
-    so the bubble is a picture."""
+    (tracks: {name: records}), a slice for each forward, backward and send/recv, and 'idle' for the gaps in
+    between, so the bubble is a picture."""
     events = []
     for tid, (name, records) in enumerate(tracks.items()):
         track = {'pid': 0, 'tid': tid}
@@ -304,7 +314,8 @@ def write_schedule_trace(tracks, total, path):
                 events.append(dict(track, ph='X', name='idle', cat='idle', ts=1e6 * prev_end,
                                    dur=1e6 * (start - prev_end)))
         for t0, t1, op in busy:
-            events.append(dict(track, ph='X', name=op, cat='communication' if op == 'send/recv' else 'compute',
+            events.append(dict(track, ph='X', name=op,
+                               cat='communication' if op == 'send/recv' else 'compute',
                                ts=1e6 * t0, dur=1e6 * (t1 - t0)))
     with open(path, 'w') as f:
         json.dump({'traceEvents': events, 'displayTimeUnit': 'ms'}, f)
@@ -313,8 +324,10 @@ def write_schedule_trace(tracks, total, path):
 def print_timelines(title, tracks, total, n_slots, clock):
     """Each rank's executed schedule as one text line (timeline), then each one's order of forwards and
     backwards. tracks: {name: records}; n_slots: the slots a line has; clock: what timed it."""
-    width = max(len(op_label(op, i)) for records in tracks.values() for op, i, _, _ in records if op in COMPUTE)
-    print(f"{title}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 = "
+    width = max(len(op_label(op, i)) for records in tracks.values() for op, i, _,
+                _ in records if op in COMPUTE)
+    print(f"{title}, step {1000 * total:.1f} ms ({clock}; one slot = {1000 * total / n_slots:.2f} ms; F3/B3 "
+          "= "
           f"forward/backward of microbatch 3, W3 its weights' gradients, F3.1 on chunk 1, - = still running, "
           f". = not computing)")
     for name, records in tracks.items():
@@ -331,7 +344,8 @@ def print_schedule_report(title, stages, formulas, trace, clock):
     print_timelines(title, tracks, total, round(work / (1 - r0['bubble_fraction_formula'])), clock)
     write_schedule_trace(tracks, total, trace)
     print_measured(f"measured at iter {r0['iter']}, the median of {r0['n_schedules']} schedule(s); formulas: "
-                   f"{formulas} x the most one held; bytes: counted at the calls, the ring formula, on the stage's "
+                   f"{formulas} x the most one held; bytes: counted at the calls, the ring formula, on the "
+                   "stage's "
                    f"own sockets",
                    [(f"stage {r['stage']} {name}", *values) for r in stages for name, *values in (
                        ('in compute', r['compute_fraction'], None, None),
@@ -343,18 +357,20 @@ def print_schedule_report(title, stages, formulas, trace, clock):
                        ('activation bytes at peak', r['peak_activation_bytes'], None,
                         r['peak_activation_bytes_formula']),
                        ('p2p bytes sent', None, r['p2p_bytes_per_step'], r['p2p_bytes_per_step_formula']),
-                       ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'], r['wire_bytes_formula']))],
+                       ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'],
+                        r['wire_bytes_formula']))],
                    [f"the schedule as a trace, one track per stage: {trace} (open at ui.perfetto.dev)"] +
                    [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
 
 
 class ScheduleClock:
-    """A measured step's record of the schedules one rank runs. op(name, key) around each op stamps its start and
-    end on the device's clock (CUDA events on a GPU, where kernels run after the host has moved on; the host clock
-    on a CPU); holding(key) around a forward counts the bytes autograd saves for its backward (saved_bytes_counter)
-    until released(key); peak(name, value) keeps a maximum. start() and stop() bracket one schedule: the ranks of
-    comm start it together (a barrier), its length is the slowest rank's (a MAX all-reduce), and it leaves
-    (records in seconds from its start, its length) in self.schedules. One synchronize per schedule, at stop()."""
+    """A measured step's record of the schedules one rank runs. op(name, key) around each op stamps its start
+    and end on the device's clock (CUDA events on a GPU, where kernels run after the host has moved on; the
+    host clock on a CPU); holding(key) around a forward counts the bytes autograd saves for its backward
+    (saved_bytes_counter) until released(key); peak(name, value) keeps a maximum. start() and stop() bracket
+    one schedule: the ranks of comm start it together (a barrier), its length is the slowest rank's (a MAX
+    all-reduce), and it leaves (records in seconds from its start, its length) in self.schedules. One
+    synchronize per schedule, at stop()."""
 
     def __init__(self, device, comm, model):
         self.device, self.cuda, self.comm, self.model = device, device.startswith('cuda'), comm, model
@@ -405,7 +421,8 @@ class ScheduleClock:
             torch.cuda.synchronize()
         total = torch.tensor([self.seconds(self.t0, end)], device=self.device)  # on the GPU for NCCL
         self.comm.all_reduce(total, op=dist.ReduceOp.MAX, kind='scalars')
-        seconds = [(op, key, self.seconds(self.t0, a), self.seconds(self.t0, b)) for op, key, a, b in self.records]
+        seconds = [(op, key, self.seconds(self.t0, a), self.seconds(self.t0, b)) for op, key, a,
+                   b in self.records]
         self.schedules.append((seconds, float(total)))
 
 

@@ -1,11 +1,12 @@
 """
 The memory planner: per-GPU memory and communication of every strategy for a model too large to run here, from
-the same formulas (formulas.py) the scripts print beside what they measure; the cheapest strategy that fits, its
-DeepSpeed config, and --check: three of the strategies run here on a small shape, estimate beside measured.
+the same formulas (formulas.py) the scripts print beside what they measure; the cheapest strategy that fits,
+its DeepSpeed config, and --check: three of the strategies run here on a small shape, estimate beside
+measured.
 
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
-    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # the same as JSON; the cheapest that fits
-    python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's worked example (model states only)
+    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # as JSON; the cheapest that fits
+    python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's example (model states only)
 """
 
 import json
@@ -48,8 +49,9 @@ def config_vocab_size(config_path):
 
 
 def gpt_config_from(config_path, overrides, vocab_size):
-    """The GPTConfig that `python train.py config_path overrides...` would build, with vocab_size given (it comes
-    from the data set in a real run); else the one the config file names (config_vocab_size), else 50304."""
+    """The GPTConfig that `python train.py config_path overrides...` would build, with vocab_size given (it
+    comes from the data set in a real run); else the one the config file names (config_vocab_size), else
+    50304."""
     import train
     vocab_size = vocab_size or config_vocab_size(config_path) or 50304
     cfg = configure(train.config, ([config_path] if config_path else []) + list(overrides))
@@ -58,9 +60,10 @@ def gpt_config_from(config_path, overrides, vocab_size):
 
 def param_counts(gptconf, pp=1):
     """Parameters counted on the meta device (no memory): the whole model, and the largest pipeline stage (its
-    n_layer/pp blocks, plus the embeddings on the first and the final norm and head on the last; a tied embedding
-    is held by both, as Megatron does). A mixture of experts: its routed experts (all of them: what memory holds),
-    and the active parameters (those one token multiplies: k of each MoE layer's experts, what FLOPs count)."""
+    n_layer/pp blocks, plus the embeddings on the first and the final norm and head on the last; a tied
+    embedding is held by both, as Megatron does). A mixture of experts: its routed experts (all of them: what
+    memory holds), and the active parameters (those one token multiplies: k of each MoE layer's experts, what
+    FLOPs count)."""
     with torch.device('meta'):
         model = GPT(gptconf)
     total = sum(p.numel() for p in model.parameters())
@@ -86,9 +89,9 @@ def model_states(numel, dp, stage, mixed_precision):
 
 
 def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
-    """(name, shape) of each strategy the estimate prices, from the least added cost to the most: communication
-    volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives), then the
-    pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
+    """(name, shape) of each strategy the estimate prices, from the least added cost to the most:
+    communication volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives),
+    then the pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
     def shape(**k):
         return dict(dict(dp=1, tp=1, pp=1, cp=1, ep=1, stage=0, sp=False, schedule=None, offload=False), **k)
     rows = [('DDP', shape(dp=gpus))] + [(f'ZeRO-{s}', shape(dp=gpus, stage=s)) for s in (1, 2, 3)]
@@ -101,10 +104,12 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
     if tp > 1:
         rows += [(f'TP={tp}', shape(tp=tp)), (f'TP={tp} + SP', shape(tp=tp, sp=True))]
     if pp > 1 and gpus % pp == 0 and gpus > pp:
-        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}', shape(dp=gpus // pp, pp=pp, schedule='1f1b',
+        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}',
+                  shape(dp=gpus // pp, pp=pp, schedule='1f1b',
                                                                           stage=zero_stage))]
     if pp > 1:
-        rows += [(f'PP={pp} 1F1B', shape(pp=pp, schedule='1f1b')), (f'PP={pp} GPipe', shape(pp=pp, schedule='gpipe'))]
+        rows += [(f'PP={pp} 1F1B', shape(pp=pp, schedule='1f1b')),
+                 (f'PP={pp} GPipe', shape(pp=pp, schedule='gpipe'))]
     if cp > 1:
         rows += [(f'CP={cp} ring', shape(dp=gpus // cp, cp=cp))]
     return rows + [('ZeRO-3 + offload', shape(dp=gpus, stage=3, offload=True))]
@@ -127,26 +132,30 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
             (L % p, f"n_layer {L} not divisible by pp={p}"),
             (s % (2 * c) if c > 1 else 0, f"seq_len {s} not divisible by 2 x cp={c} (the zig-zag split)"),
             (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)"),
-            (gptconf.n_expert % k['ep'], f"n_expert {gptconf.n_expert} not divisible by ep={k['ep']}")] if bad]
+            (gptconf.n_expert % k['ep'],
+             f"n_expert {gptconf.n_expert} not divisible by ep={k['ep']}")] if bad]
         if problems:
             rows.append(dict(row, error=problems[0]))
             continue
         counts = param_counts(gptconf, p)
         numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
                  counts['pp_stage_max'] if p > 1 else counts['total'])
-        if k['ep'] > 1:  # the dense weights whole, 1/ep of the experts (formulas.ep_model_state_bytes_formula)
+        # the dense weights whole, 1/ep of the experts (formulas.ep_model_state_bytes_formula)
+        if k['ep'] > 1:
             numel = counts['total'] - counts['experts'] + counts['experts'] // k['ep']
         row['params_per_rank'] = numel
-        # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0 scripts
-        # keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
+        # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0
+        # scripts keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
         row.update(formulas.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0,
                                                       k['offload']))
         if k['ep'] > 1:
             row.update(formulas.ep_model_state_bytes_formula(counts['total'] - counts['experts'],
                                                              counts['experts'], k['ep']))
         if gptconf.n_expert:
-            row['notes'].append("a mixture of experts' activations are priced as the dense block's (one MLP per "
-                                "token): an MoE layer keeps about k times the MLP's, and the k dispatched rows")
+            row['notes'].append("a mixture of experts' activations are priced as the dense block's (one MLP "
+                                "per "
+                                "token): an MoE layer keeps about k times the MLP's, and the k dispatched "
+                                "rows")
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
         if p > 1:
@@ -202,7 +211,8 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     act_bytes = 2 if mixed_precision else 4
     grad_bytes = act_bytes if stage > 0 else 4
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
-    if k['ep'] > 1:  # expert_parallel.py: fp32 dense gradients over all dp ranks, each expert's over its dp/ep
+    # expert_parallel.py: fp32 dense gradients over all dp ranks, each expert's over its dp/ep
+    if k['ep'] > 1:
         # replicas, and per MoE layer and micro-batch the all-to-alls (formulas.ep_all_to_all_bytes_formula)
         e, experts = k['ep'], param_counts(gptconf)['experts'] // k['ep']
         comm = formulas.comm_bytes_formula(numel - experts, dp, 0, 4) + formulas.comm_bytes_formula(
@@ -213,8 +223,10 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
         per_layer = formulas.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
         edges = formulas.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
         comm += (per_layer * L + edges) * m
-    if p > 1:  # the busiest stage: a middle one, or the first, which with tied embeddings also all-reduces the
-        # tied weight's fp32 gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron does)
+    # the busiest stage: a middle one, or the first, which with tied embeddings also all-reduces the
+    if p > 1:
+        # tied weight's fp32 gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron
+        # does)
         tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, 4) if gptconf.tie_embeddings else 0
         comm += max(formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4),
                     formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=0) + tied)
@@ -265,8 +277,8 @@ def estimate_json(rows):
 
 
 def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixed_precision):
-    """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision), as
-    zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
+    """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision),
+    as zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
     import zero  # (its config keys; the JSON is deepspeed_config.py's)
     from deepspeed_config import deepspeed_config_of
     cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
@@ -289,16 +301,19 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
             lines.append(f"| {r['strategy']} | {grid} | n/a: {r['error']} |" + ' |' * 9)
             continue
         extra = f" (bubble {100 * r['bubble_fraction']:.0f}%)" if 'bubble_fraction' in r else ''
-        optim = fmt_bytes(r['optim_bytes']) + (f" (+ {fmt_bytes(r['host_bytes'])} host)" if r['offload'] else '')
+        host = f" (+ {fmt_bytes(r['host_bytes'])} host)" if r['offload'] else ''
+        optim = fmt_bytes(r['optim_bytes']) + host
         lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | "
                      f"{fmt_bytes(r['grad_bytes'])} | {optim} | "
                      f"{fmt_bytes(r['activation_bytes'])} | {fmt_bytes(r['activation_bytes_ckpt'])} | "
                      f"{fmt_bytes(r['logits_bytes'])} | {fmt_bytes(r['total_bytes'])} | "
-                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])} | {r['fits']} |")
+                     f"{fmt_bytes(r['total_bytes_ckpt'])} | {fmt_bytes(r['comm_bytes_per_step'])} | "
+                     f"{r['fits']} |")
     notes = sorted({n for r in rows for n in r.get('notes', [])}) + [
         "activations: what this repo's blocks save for backward (formulas.saved_bytes_formula, equal to the "
         "bytes measured), for the micro-batches a rank holds at once (a pipeline's first stage: the most)",
-        "act. (ckpt): full activation checkpointing, each block's input kept plus one block recomputed at a time",
+        "act. (ckpt): full activation checkpointing, each block's input kept plus one block recomputed at a "
+        "time",
         "logits: b x s x V per rank (s/cp, V/tp) in the compute dtype, plus the fp32 log-softmax the loss "
         "keeps for backward (formulas.logits_bytes_formula); a pipeline's on its last stage, one fp32 "
         "log-softmax per micro-batch it holds. total = states + activations + logits, but a pipeline's is "
@@ -317,14 +332,16 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
         "parameters (the block computing and the one prefetched) and communication buffers, a pipeline's "
         "in-flight send and receive buffers, the optimizer step's temporaries, the framework's own memory "
         "(CUDA context, NCCL) and the allocator's caching and fragmentation: leave headroom",
-        "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / no)"]
+        "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / "
+        "no)"]
     return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
 
 
 def model_state_markdown(numel, gpus, mixed_precision):
     """The ZeRO paper's table: model states per GPU for DP and ZeRO stages 1-3 (no shape needed)."""
     lines = [f"Model states per GPU, Ψ = {numel / 1e9:.3g}B parameters, N = {gpus} GPUs, "
-             f"{'mixed-precision Adam (2+2+12 bytes)' if mixed_precision else 'fp32 Adam (4+4+8 bytes)'}:", '',
+             f"{'mixed-precision Adam (2+2+12 bytes)' if mixed_precision else 'fp32 Adam (4+4+8 bytes)'}:",
+             '',
              "| stage | params | grads | optimizer | total per GPU "
              "| comm per step (the paper's: 1 micro-batch) |",
              '|---|---|---|---|---|---|']
@@ -342,7 +359,8 @@ def largest_divisor(limit, *numbers):
 
 def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     """The torchrun command that runs a planned strategy with this repo's scripts: the script of its idea, its
-    degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (the same command on every node; they meet at HOST)."""
+    degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (the same command on every node; they meet at HOST).
+    """
     shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp', 'ep') if row.get(d, 1) > 1]
     if row['pp'] > 1:  # a pipeline's micro-step is n_micro microbatches of micro_batch sequences
         script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 else 'parallel_4d.py'), [
@@ -357,13 +375,40 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
         flags = [f"--batch_size={args.micro_batch}", f"--gradient_accumulation_steps={n_micro * row['dp']}"]
     if script == 'zero.py':
         flags += [f"--deepspeed_config={ds_path}"] if ds_path else [f"--stage={row['zero_stage']}"]
-    flags += ['--sequence_parallel=True'] * row['sequence_parallel'] + ['--activation_checkpointing=True'] * ckpt
-    flags += [f"--dtype={args.dtype}"] + ([f"--block_size={seq_len}"] if args.seq_len else []) + list(overrides)
+    flags += ['--sequence_parallel=True'] * row['sequence_parallel']
+    flags += ['--activation_checkpointing=True'] * ckpt + [f"--dtype={args.dtype}"]
+    flags += ([f"--block_size={seq_len}"] if args.seq_len else []) + list(overrides)
     gpus = row['gpus_used']
     launch = (f"torchrun --standalone --nproc_per_node={gpus}" if gpus <= 8 else
               f"torchrun --nnodes={gpus // 8} --nproc_per_node=8 --rdzv_backend=c10d "
               f"--rdzv_endpoint=HOST:29500")
     return ' '.join([launch, script, args.estimate] + shape + flags)
+
+
+def add_estimate_arguments(p):
+    """bench.py's --estimate and the flags of the planner, on the argparse parser p."""
+    p.add_argument('--estimate', nargs='?', const='', default=None, metavar='CONFIG',
+                   help='plan memory for the model of a config file (config keys may follow as --key=value)')
+    p.add_argument('--params', default=None, help='--estimate with a parameter count only (model states)')
+    p.add_argument('--gpus', type=int, default=8)
+    p.add_argument('--gpu_mem_gb', type=float, default=80)
+    p.add_argument('--micro_batch', type=int, default=1, help='sequences per micro-batch per GPU')
+    p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")
+    p.add_argument('--tp', type=int, default=None,
+                   help='tensor-parallel degree (default: the largest <= 8 that fits)')
+    p.add_argument('--pp', type=int, default=None,
+                   help='pipeline stages (default: the largest <= 4 that fits)')
+    p.add_argument('--cp', type=int, default=None,
+                   help='context-parallel degree (default: the largest <= 4 that fits)')
+    p.add_argument('--json', action='store_true', help='--estimate: print the estimate as JSON')
+    p.add_argument('--check', action='store_true',
+                   help='--estimate: run three of the strategies here (--gpus processes) and compare with '
+                        'the estimate')
+    p.add_argument('--n_microbatches', type=int, default=None,
+                   help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
+    p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
+    p.add_argument('--vocab_size', type=int, default=None,
+                   help='default: a "# vocab_size: N" line, else 50304')
 
 
 def run_estimate(args, overrides, check=None):
@@ -377,8 +422,8 @@ def run_estimate(args, overrides, check=None):
     hinted = args.vocab_size or config_vocab_size(args.estimate)
     vocab_note = '' if hinted else ' (the default: pass --vocab_size=N for another vocabulary)'
     seq_len = args.seq_len or gptconf.block_size
-    # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at most 4;
-    # cp: the sequence in 2·cp zig-zag chunks, at most 4)
+    # default degrees: the largest that divide the shape (tp: heads and kv heads, at most 8; pp: layers, at
+    # most 4; cp: the sequence in 2·cp zig-zag chunks, at most 4)
     args.tp = args.tp or largest_divisor(min(args.gpus, 8), gptconf.n_head, gptconf.n_kv_head)
     args.pp = args.pp or largest_divisor(min(args.gpus, 4), gptconf.n_layer)
     args.cp = args.cp or largest_divisor(min(args.gpus, 4), seq_len // 2, args.gpus)
@@ -396,33 +441,42 @@ def run_estimate(args, overrides, check=None):
         os.makedirs(args.out, exist_ok=True)
         ds_path = os.path.join(args.out, 'ds_config.json')
         with open(ds_path, 'w') as f:
-            json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f, indent=2)
+            json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f,
+                      indent=2)
         command = launch_command(best_row, best.endswith(' + ckpt'), args, overrides, seq_len, n_micro,
                                  ds_path if best_row['zero_stage'] else None)
     checked = check(args, overrides, rows, best, ds_path, n_micro) if args.check and check else None
     if args.json:
         print(json.dumps({'config': args.estimate, 'params': numel, 'active_params': counts['active'],
-                          'expert_params': counts['experts'], 'gpus': args.gpus, 'gpu_mem_gb': args.gpu_mem_gb,
-                          'dtype': args.dtype, 'micro_batch': args.micro_batch, 'seq_len': seq_len,
+                          'expert_params': counts['experts'], 'gpus': args.gpus,
+                          'gpu_mem_gb': args.gpu_mem_gb, 'dtype': args.dtype, 'micro_batch': args.micro_batch,
+                          'seq_len': seq_len,
                           'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
                           'ds_config': ds_path, 'command': command, 'checked': checked}, indent=1))
         return
-    header = (f"{args.estimate}: Ψ = {numel / 1e9:.3g}B parameters (L {gptconf.n_layer}, h {gptconf.n_embd}, "
-              f"a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}{vocab_note}"
-              + (f"; {gptconf.n_expert} experts, top-{gptconf.n_expert_active}: {counts['active'] / 1e9:.3g}B "
-                 f"active, {counts['experts'] / 1e9:.3g}B in the experts" if gptconf.n_expert else '')
-              + f"); {args.gpus} GPUs of "
-              f"{args.gpu_mem_gb} GB; micro-batch {args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches "
-              f"per step; {'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
-    print(model_state_markdown(numel, args.gpus, mixed) + '\n')
-    print(estimate_markdown(rows, header, n_micro, mixed))
-    print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; without "
-          f"recomputation if possible): {best or 'none'}" + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
+    print_estimate(args, gptconf, counts, rows, n_micro, seq_len, mixed, vocab_note)
+    print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; "
+          f"without recomputation if possible): {best or 'none'}"
+          + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
     if best:
         print(f"run it with:\n  {command}")
     if checked:
-        print('\nThe estimate against what the scripts measured, run here on ' + f"{args.gpus} processes:\n")
-        print('| strategy | script | what | estimate | measured | measured / estimate |\n|---|---|---|---|---|---|')
+        print(f"\nThe estimate against what the scripts measured, run here on {args.gpus} processes:\n")
+        print('| strategy | script | what | estimate | measured | measured / estimate |\n'
+              '|---|---|---|---|---|---|')
         for c in checked:
-            print(f"| {c['strategy']} | {c['script']} | {c['what']} | {c['estimate']:,} | {c['measured']:,} | "
-                  f"{c['measured'] / c['estimate']:.4f} |")
+            print(f"| {c['strategy']} | {c['script']} | {c['what']} | {c['estimate']:,} | "
+                  f"{c['measured']:,} | {c['measured'] / c['estimate']:.4f} |")
+
+
+def print_estimate(args, gptconf, counts, rows, n_micro, seq_len, mixed, vocab_note):
+    """The model's line, the ZeRO paper's model-state table and every strategy's row."""
+    moe = (f"; {gptconf.n_expert} experts, top-{gptconf.n_expert_active}: {counts['active'] / 1e9:.3g}B "
+           f"active, {counts['experts'] / 1e9:.3g}B in the experts" if gptconf.n_expert else '')
+    header = (f"{args.estimate}: Ψ = {counts['total'] / 1e9:.3g}B parameters (L {gptconf.n_layer}, "
+              f"h {gptconf.n_embd}, a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}"
+              f"{vocab_note}{moe}); {args.gpus} GPUs of {args.gpu_mem_gb} GB; micro-batch "
+              f"{args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches per step; "
+              f"{'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
+    print(model_state_markdown(counts['total'], args.gpus, mixed) + '\n')
+    print(estimate_markdown(rows, header, n_micro, mixed))

@@ -4,9 +4,9 @@ Tiny Shakespeare as GPT-2 BPE tokens (tiktoken's 'gpt2' encoding), for fine-tuni
     python data/shakespeare/prepare.py
     python train.py config/finetune_gpt2.py
 
-Downloads input.txt and tiktoken's GPT-2 vocabulary once (this needs the network; offline it stops with one line
-saying so), then writes train.bin and val.bin (uint16 token ids, 90/10 split). No meta.pkl: a data set without
-one is GPT-2 BPE to train.py and sample.py.
+Downloads input.txt and tiktoken's GPT-2 vocabulary once (this needs the network; offline it stops with one
+line saying so), then writes train.bin and val.bin (uint16 token ids, 90/10 split). No meta.pkl: a data set
+without one is GPT-2 BPE to train.py and sample.py.
 """
 import os
 
@@ -21,7 +21,8 @@ def gpt2_encoding():
     try:
         return tiktoken.get_encoding('gpt2')
     except Exception as e:  # tiktoken raises requests' errors, ValueError, ... when it cannot fetch the files
-        raise SystemExit(f"error: could not load tiktoken's GPT-2 encoding ({type(e).__name__}); it is downloaded "
+        raise SystemExit(f"error: could not load tiktoken's GPT-2 encoding ({type(e).__name__}); it is "
+                         "downloaded "
                          f"on first use, so run this once with network access")
 
 

@@ -56,7 +56,8 @@ def write_char_dataset(text, out_dir):
                      lambda f: pickle.dump({'vocab_size': len(chars), 'itos': itos, 'stoi': stoi}, f))
     write_atomically(os.path.join(out_dir, 'val.bin'), lambda f: ids[n:].tofile(f))
     write_atomically(os.path.join(out_dir, 'train.bin'), lambda f: ids[:n].tofile(f))
-    print(f"{len(text):,} characters, vocabulary {len(chars)}: train {n:,} tokens, val {len(ids) - n:,} tokens "
+    print(f"{len(text):,} characters, vocabulary {len(chars)}: train {n:,} tokens, val {len(ids) - n:,} "
+          "tokens "
           f"-> {out_dir}")
 
 

@@ -5,9 +5,9 @@ Your own text files as a data set, by characters or by GPT-2 BPE.
     python data/text/prepare.py --input 'src/**/*.md' --tokenizer gpt2 --out data/mydocs
     python train.py --dataset=mydocs
 
-The files matching --input (a glob; ** recurses) are read in sorted order and joined, then written as train.bin
-and val.bin (uint16, 90/10 split) into --out, with meta.pkl for the char vocabulary. --out must be data/<name>
-for train.py's --dataset=<name> to find it.
+The files matching --input (a glob; ** recurses) are read in sorted order and joined, then written as
+train.bin and val.bin (uint16, 90/10 split) into --out, with meta.pkl for the char vocabulary. --out must be
+data/<name> for train.py's --dataset=<name> to find it.
 """
 import argparse
 import glob
@@ -38,7 +38,8 @@ def read_files(pattern):
             print(f"reading: {i + 1}/{len(paths)} files", flush=True)
     text = '\n'.join(parts)
     if len(text) < 100:
-        raise SystemExit(f"error: the {len(paths)} file(s) matching {pattern!r} hold only {len(text)} characters")
+        raise SystemExit(f"error: the {len(paths)} file(s) matching {pattern!r} hold only {len(text)} "
+                         "characters")
     print(f"{len(paths)} file(s) matching {pattern!r}")
     return text
 
