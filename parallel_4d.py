@@ -3,8 +3,8 @@ All the dimensions at once: data x pipeline x context x tensor parallelism on on
 torch.arange(world).view(dp, pp, cp, tp), the capstone that follows the four single-idea files. Nothing here
 is new: it imports each piece from its file and composes them.
 
-    torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --tp=2 --gradient_accumulation_steps=2   # dp=2
-    torchrun --standalone --nproc_per_node=8 parallel_4d.py --cp=2 --tp=2 --gradient_accumulation_steps=2   # dp=2
+    torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --tp=2 --gradient_accumulation_steps=2
+    torchrun --standalone --nproc_per_node=8 parallel_4d.py --cp=2 --tp=2 --gradient_accumulation_steps=2
     torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --cp=2 --tp=2
 
 tp  tensor_parallel.py: every block's layers split over the tp ranks (Megatron's f and g; --sequence_parallel)
@@ -111,6 +111,19 @@ def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
     return stage, tp, cp, layout, dense_names
 
 
+def build_zero(model, cfg, dp_cp, coords, checkpoint):
+    """ZeRO-1 over the dp x cp ranks that hold the same weights: this rank's part of the model in its flat
+    buckets, 1/(dp·cp) of the AdamW state; from the checkpoint on resume, with this rank's random stream."""
+    zero = Zero(model, 1, dp_cp.rank, dp_cp.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp_cp)
+    if checkpoint is not None:
+        zero.load_state_dict(checkpoint['zero'])
+        set_rng_state(checkpoint['rng'])
+    else:
+        seed_dropout(cfg.seed, coords['dp'], coords['pp'])  # each replica and stage its own masks
+    return zero
+
+
 def clip_weights(model, layout, tp, embed, stage):
     """How many times the gradient norm must count each parameter this rank holds: a parameter replicated on
     the tp ranks 1/tp times on each; the last stage's copy of a tied embedding not at all (the first stage
@@ -171,14 +184,7 @@ def main(argv):
         print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
                         model.get_num_params()))
     stage, tp, cp, layout, dense_names = build_stage(model, cfg, grid, coords, comms, ctx, checkpoint)
-    zero = Zero(model, 1, dp_cp.rank, dp_cp.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp_cp)
-    if checkpoint is not None:
-        zero.load_state_dict(checkpoint['zero'])
-        set_rng_state(checkpoint['rng'])
-    else:
-        # each replica and stage its own masks, as pipeline.py
-        seed_dropout(cfg.seed, coords['dp'], coords['pp'])
+    zero = build_zero(model, cfg, dp_cp, coords, checkpoint)
     weights, first_iter, writer = clip_weights(model, layout, tp, embed, stage), iter_num, CheckpointWriter()
     all_comms = [dp_cp, comms['pp'], comms['cp'], comms['tp']] + ([embed] if embed else [])
 
@@ -198,8 +204,7 @@ def main(argv):
 
     def save(it, best):
         writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
-                     'coords': coords,
-                     'grid': run_grid(cfg, world_size), 'dense_names': dense_names, 'iter_num': it,
+                     'coords': coords, 'grid': run_grid(cfg, world_size), 'dense_names': dense_names, 'iter_num': it,
                      'model_args': vars(model.config), 'best_val_loss': best, 'config': vars(cfg)},
                      rank_file(cfg.out_dir, rank))
 
