@@ -204,8 +204,9 @@ def main(argv):
 
     def save(it, best):
         writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
-                     'coords': coords, 'grid': run_grid(cfg, world_size), 'dense_names': dense_names, 'iter_num': it,
-                     'model_args': vars(model.config), 'best_val_loss': best, 'config': vars(cfg)},
+                     'coords': coords, 'grid': run_grid(cfg, world_size), 'dense_names': dense_names,
+                     'iter_num': it, 'model_args': vars(model.config), 'best_val_loss': best,
+                     'config': vars(cfg)},
                      rank_file(cfg.out_dir, rank))
 
     run = SimpleNamespace(model=model, optimizer=None, loss_of=loss_of, dp=comms['dp'], data=data, step=step,
