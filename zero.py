@@ -5,7 +5,7 @@ is written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer i
 
     torchrun --standalone --nproc_per_node=2 zero.py --stage=2
     torchrun --standalone --nproc_per_node=2 zero.py --deepspeed_config=config/ds_zero3.json
-    WORLD_SIZE=8 python zero.py --stage=3 --dtype=bfloat16 --print_ds_config=True  # this run's ds_config.json
+    WORLD_SIZE=8 python zero.py --stage=3 --gradient_accumulation_steps=8 --print_ds_config=True  # its JSON
     python consolidate.py out-zero       # the per-rank shards -> out-zero/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
@@ -735,12 +735,12 @@ def check_config(cfg, world_size):
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
     if cfg.stage not in (0, 1, 2, 3):
         raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
+    check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
     if cfg.print_ds_config:
         return cfg
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got "
                          f"{cfg.dtype!r}")
-    check_batch(cfg, world_size, world_size)
     if cfg.compile and cfg.stage == 3:
         raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
     if cfg.bucket_size < 1 or cfg.prefetch_blocks < 0:
