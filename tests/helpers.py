@@ -220,3 +220,31 @@ class LoopbackFlood:
         for t in self.threads:
             t.join(10)
         self.server.close()
+
+
+def counting_patches(calls, targets):
+    """For the tests that an unmeasured step makes no measuring call: mock patches of distributed.Comm.count
+    (each collective a Comm is handed, as 'comm <group> <kind>') and of each (module, attribute, label) in
+    targets (calls[label] += 1, then the real call). Enter them, run a step, read calls."""
+    from unittest import mock
+    import distributed
+
+    def counted(label, f):
+        def wrapper(*args, **kwargs):
+            calls[label] += 1
+            return f(*args, **kwargs)
+        return wrapper
+    count = distributed.Comm.count
+    patches = [mock.patch.object(distributed.Comm, 'count', lambda self, kind, *a, **k: (
+        calls.update([f'comm {self.name} {kind}']), count(self, kind, *a, **k))[1])]
+    return patches + [mock.patch.object(m, n, counted(label, getattr(m, n))) for m, n, label in targets]
+
+
+def measuring_calls():
+    """The calls that exist only to measure, as counting_patches targets: barriers, object gathers, device
+    synchronizes and clocks."""
+    import time
+    import torch
+    import torch.distributed as dist
+    return [(dist, 'barrier', 'barrier'), (dist, 'all_gather_object', 'all_gather_object'),
+            (torch.cuda, 'synchronize', 'synchronize'), (time, 'perf_counter', 'clock'), (time, 'time', 'clock')]

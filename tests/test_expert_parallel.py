@@ -3,7 +3,6 @@
 its consolidated checkpoint = train.py's), the all-to-all's counted bytes against the split sizes, the wire
 bytes under a loopback flood, an unmeasured step that measures nothing, bad input one line per rank."""
 import contextlib
-import time
 
 import pytest
 import torch
@@ -158,23 +157,13 @@ def _measuring_calls(rank, world_size, out_dir, comms):
     cfg, data, vocab_size = _cfg(out_dir, '--measure_every=0')
     model, params, optimizer, *_ = epm.build(cfg, vocab_size, comms[0], rank, world_size)
     batches = micro_batches(data, cfg, 0, comms[2].rank, comms[2].size)
+    from helpers import counting_patches, measuring_calls
     calls = Counter()
-
-    def counted(name, f):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return f(*args, **kwargs)
-        return wrapper
-
-    count, a2a = distributed.Comm.count, distributed.Comm.all_to_all_v
-    patches = [mock.patch.object(distributed.Comm, 'count', lambda self, kind, *a, **k: (
-        calls.update([f'comm {self.name} {kind}']), count(self, kind, *a, **k))[1]),
-        mock.patch.object(distributed.Comm, 'all_to_all_v', lambda self, *a: (
-            calls.update([f'comm {self.name} {a[-1]}']), a2a(self, *a))[1])]
-    patches += [mock.patch.object(m, n, counted(label, getattr(m, n))) for m, n, label in (
-        (dist, 'all_reduce', 'dist collective'), (dist, 'all_to_all_single', 'dist collective'),
-        (dist, 'barrier', 'barrier'), (dist, 'all_gather_object', 'all_gather_object'),
-        (torch.cuda, 'synchronize', 'synchronize'), (time, 'perf_counter', 'clock'), (time, 'time', 'clock'))]
+    a2a = distributed.Comm.all_to_all_v  # (counts its bytes itself: not through Comm.count)
+    patches = [mock.patch.object(distributed.Comm, 'all_to_all_v', lambda self, *a: (
+        calls.update([f'comm {self.name} {a[-1]}']), a2a(self, *a))[1])] + counting_patches(calls, [
+            (dist, 'all_reduce', 'dist collective'), (dist, 'all_to_all_single', 'dist collective')]
+        + measuring_calls())
     seen = {}
     for iter_num in (1, 0):
         calls.clear()

@@ -13,6 +13,10 @@ GPT2_LAYOUT = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=V)
 LLAMA_LAYOUT = dict(GPT2_LAYOUT, n_kv_head=2, norm='rmsnorm', mlp='swiglu', pos='rope', tie_embeddings=False,
                     bias=False)
 LAYOUTS = {'gpt2': GPT2_LAYOUT, 'llama_gqa': LLAMA_LAYOUT}
+MOE_LAYOUTS = {
+    'llama_moe': dict(LLAMA_LAYOUT, n_expert=4, n_expert_active=2),  # Mixtral's layout
+    'gpt2_moe_shared_every_2nd': dict(GPT2_LAYOUT, n_expert=3, n_expert_active=2, n_shared_expert=1, moe_every=2),
+}
 
 
 def build(seed=0, **kw):
@@ -223,14 +227,16 @@ def test_to_hf_rejects_a_layout_hugging_face_has_no_class_for():
         build(**dict(GPT2_LAYOUT, pos='rope')).to_hf()
 
 
-@pytest.mark.parametrize('layout', ['gpt2', 'gpt2_bias', 'llama'])
+@pytest.mark.parametrize('layout', ['gpt2', 'gpt2_bias', 'llama'] + list(MOE_LAYOUTS))
 def test_init_params_replays_train_py_initialization_exactly(layout):
     """init_params draws what GPT(config) draws after torch.manual_seed(seed), one module at a time: every
-    parameter (a tied weight under both names) bitwise equal, and the random stream left where GPT leaves it."""
+    parameter (a tied weight under both names) bitwise equal, and the random stream left where GPT leaves it
+    (the mixtures of experts too)."""
     from model import init_params
     extra = {'gpt2': {}, 'gpt2_bias': dict(bias=True),
-             'llama': dict(pos='rope', norm='rmsnorm', mlp='swiglu', n_kv_head=2, tie_embeddings=False)}[layout]
-    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=40, **extra)
+             'llama': dict(pos='rope', norm='rmsnorm', mlp='swiglu', n_kv_head=2, tie_embeddings=False)}
+    shape = dict(n_layer=2, n_head=4, block_size=16)
+    config = GPTConfig(**{**shape, **MOE_LAYOUTS.get(layout, extra.get(layout)), 'n_embd': 16, 'vocab_size': 40})
     torch.manual_seed(7)
     ref = GPT(config)
     ref_next = torch.rand(3)
@@ -262,12 +268,6 @@ def test_flops_per_token_equals_torch_s_count_of_a_training_step(layout):
 
 # -----------------------------------------------------------------------------
 # Mixture of experts: dropless top-k routing, the load-balancing loss, against a dense block and Mixtral
-
-MOE_LAYOUTS = {
-    'llama_moe': dict(LLAMA_LAYOUT, n_expert=4, n_expert_active=2),  # Mixtral's layout
-    'gpt2_moe_shared_every_2nd': dict(GPT2_LAYOUT, n_expert=3, n_expert_active=2, n_shared_expert=1, moe_every=2),
-}
-
 
 def moe_layers(model):
     from model import MoE
@@ -406,22 +406,6 @@ def test_moe_flops_per_token_counts_the_active_experts(layout):
         c.n_expert_active // c.n_expert
     assert model.flops_per_token(seq_len=12) - 6 * vectors == counter.get_total_flops() / idx.numel()
     assert model.get_num_params(active=True) < model.get_num_params()
-
-
-@pytest.mark.parametrize('layout', MOE_LAYOUTS)
-def test_init_params_replays_train_py_initialization_of_an_moe(layout):
-    from model import init_params
-    config = GPTConfig(**dict(MOE_LAYOUTS[layout], n_embd=16, vocab_size=40))
-    torch.manual_seed(7)
-    ref = GPT(config)
-    ref_next = torch.rand(3)
-    got = {}
-    init_params(config, 7, lambda name, values: got.__setitem__(name, values.clone()))
-    assert torch.equal(torch.rand(3), ref_next)
-    named = dict(ref.named_parameters(remove_duplicate=False))
-    assert sorted(got) == sorted(named)
-    for name, p in named.items():
-        assert torch.equal(got[name], p.detach()), name
 
 
 def mixtral(**kw):

@@ -174,9 +174,7 @@ def _measuring_calls(rank, world_size, out_dir):
     tensor_parallel.measuring), unmeasured (iteration 1 of a run that started at 0), then measured (iteration 0).
     Counted: every collective handed to a Comm, every collective torch.distributed made, and every call that
     exists only to measure (barrier, all_gather_object, device synchronize, clock, saved-tensor hooks)."""
-    import time
     from collections import Counter
-    from unittest import mock
     import torch.distributed as dist
     import distributed
     import tensor_parallel as tpm
@@ -193,22 +191,12 @@ def _measuring_calls(rank, world_size, out_dir):
     gen = torch.Generator().manual_seed(rank // 2)  # the tp ranks of a replica share its batches
     batches = [(torch.randint(0, 96, (2, 16), generator=gen), torch.randint(0, 96, (2, 16), generator=gen))
                for _ in range(2)]
+    from helpers import counting_patches, measuring_calls
     calls = Counter()
-
-    def counted(name, f):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return f(*args, **kwargs)
-        return wrapper
-
-    count = distributed.Comm.count
-    patches = [mock.patch.object(distributed.Comm, 'count', lambda self, kind, *a, **k: (
-        calls.update([f'comm {self.name} {kind}']), count(self, kind, *a, **k))[1])]
-    patches += [mock.patch.object(m, n, counted(label, getattr(m, n))) for m, n, label in (
+    patches = counting_patches(calls, [
         (dist, 'all_reduce', 'dist collective'), (distributed, 'all_gather_single', 'dist collective'),
-        (distributed, 'reduce_scatter_single', 'dist collective'), (dist, 'barrier', 'barrier'),
-        (dist, 'all_gather_object', 'all_gather_object'), (torch.cuda, 'synchronize', 'synchronize'),
-        (time, 'perf_counter', 'clock'), (time, 'time', 'clock'), (tpm, 'saved_bytes_counter', 'saved-tensor hooks'))]
+        (distributed, 'reduce_scatter_single', 'dist collective'),
+        (tpm, 'saved_bytes_counter', 'saved-tensor hooks')] + measuring_calls())
     seen = {}
     for iter_num in (1, 0):
         calls.clear()

@@ -419,29 +419,17 @@ def measuring_calls(rank, world_size, out_dir):
     calls that reach torch.distributed, and every call that only measures (a barrier, all_gather_object, a
     device synchronize, a clock, a sample of the bytes held)."""
     import contextlib
-    import time
     from collections import Counter
-    from unittest import mock
     import torch.distributed as dist
     import distributed
     from model import GPT, GPTConfig
     from training import configure
+    from helpers import counting_patches, measuring_calls
     calls, seen = Counter(), {}
-
-    def counted(name, f):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return f(*args, **kwargs)
-        return wrapper
-    count = distributed.Comm.count
-    patches = [mock.patch.object(distributed.Comm, 'count', lambda self, kind, *a, **k: (
-        calls.update([f'comm {self.name} {kind}']), count(self, kind, *a, **k))[1])]
-    patches += [mock.patch.object(m, n, counted(label, getattr(m, n))) for m, n, label in (
+    patches = counting_patches(calls, [
         (dist, 'all_reduce', 'dist collective'), (distributed, 'all_gather_single', 'dist collective'),
         (distributed, 'reduce_scatter_single', 'dist collective'), (dist, 'isend', 'p2p'), (dist, 'irecv', 'p2p'),
-        (dist, 'barrier', 'barrier'), (dist, 'all_gather_object', 'all_gather_object'),
-        (torch.cuda, 'synchronize', 'synchronize'), (time, 'perf_counter', 'clock'), (time, 'time', 'clock'),
-        (zero, 'held_bytes', 'held-bytes sample'))]
+        (zero, 'held_bytes', 'held-bytes sample')] + measuring_calls())
     for stage in range(4):
         cfg = configure(zero.config, TINY + [f'--out_dir={out_dir}/s{stage}', f'--stage={stage}', '--grad_clip=1.0'])
         os.makedirs(cfg.out_dir, exist_ok=True)
