@@ -32,6 +32,7 @@ from measure import (NOT_MEASURED, ScheduleClock, WireMeter, measured_step, prin
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+out_dir = 'out-pp'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_stage{r}.pt)
 sample_at_end = False           # (no sampling here: consolidate, then python sample.py)
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
