@@ -105,10 +105,10 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
         rows += [(f'TP={tp}', shape(tp=tp)), (f'TP={tp} + SP', shape(tp=tp, sp=True))]
     if pp > 1 and gpus % pp == 0 and gpus > pp:
         rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}',
-                  shape(dp=gpus // pp, pp=pp, schedule='1f1b',
-                                                                          stage=zero_stage))]
+                  shape(dp=gpus // pp, pp=pp, schedule='1f1b', stage=zero_stage))]
     if pp > 1:
         rows += [(f'PP={pp} 1F1B', shape(pp=pp, schedule='1f1b')),
+                 (f'PP={pp} ZB-H1', shape(pp=pp, schedule='zb1')),  # 1F1B's first-stage memory, less bubble
                  (f'PP={pp} GPipe', shape(pp=pp, schedule='gpipe'))]
     if cp > 1:
         rows += [(f'CP={cp} ring', shape(dp=gpus // cp, cp=cp))]
@@ -159,7 +159,8 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
         if p > 1:
-            row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches)
+            row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches,
+                                                                      schedule=k['schedule'])
         row['comm_bytes_per_step'] = comm_per_step(gptconf, k, s, micro_batch, n_microbatches, numel,
                                                    mixed_precision)
         row['total_bytes'] = row['model_state_bytes'] + row['activations_and_logits_bytes']
