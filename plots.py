@@ -33,8 +33,12 @@ def plot_losses(plt, ok, path):
     curve.plot(iters, [first['losses'].get(k, first['losses'].get(str(k))) for k in iters], marker='o')
     curve.set(xlabel='iteration', ylabel='training loss (global batch)',
               title=f"the loss curve ({next(iter(ok))}); every row's overlaps it by design")
-    names = [n for n, r in ok.items() if r.get('loss_max_rel_diff')]  # (the reference row itself: 0)
-    diff.barh(names, [ok[n]['loss_max_rel_diff'] for n in names], color='C1')
+    names = [n for n, r in list(ok.items())[1:] if r.get('loss_max_rel_diff') is not None]
+    floor = 1e-9  # a row equal to the last bit (DDP is train.py's arithmetic) drawn at the floor, and said
+    diff.barh(names, [max(ok[n]['loss_max_rel_diff'], floor) for n in names], color='C1')
+    for i, n in enumerate(names):
+        if ok[n]['loss_max_rel_diff'] == 0:
+            diff.text(floor, i, ' identical', va='center', fontsize=8)
     diff.set_xscale('log')
     diff.invert_yaxis()
     diff.set(xlabel='largest relative difference from the reference row (log)', title='how far each row is')
@@ -58,6 +62,7 @@ def plot_memory(plt, ok, path):
                    hatch=hatch, label=label if not suffix else None, edgecolor='white')
             bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
+    ax.margins(y=0.08)  # (no bar touches the frame)
     ax.set(ylabel='MB per rank (the largest rank)',
            title='What one rank holds: measured (left) beside modelled (right, hatched)')
     ax.legend(fontsize=8)
