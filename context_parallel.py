@@ -40,7 +40,6 @@ from measure import WireMeter, comm_report, measured_step, print_measured, saved
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-cp'              # each script its own folder: runs never overwrite one another
-# context parallelism
 dist_timeout = 60               # seconds a rank waits for the others before failing
 cp = 2                          # context-parallel degree: ranks that split each sequence; world = dp * cp
 cp_attention = 'ring'           # 'ring' or 'ulysses'

@@ -63,8 +63,7 @@ def shard_model(model, device_type, dp_size, dtype):
 
 
 def keep_shards(model):
-    """For init_params: each parameter's values cut as FSDP2 cut it (a DTensor's placements on its mesh), this
-    rank's piece copied into its local shard; no communication."""
+    """For init_params: each value cut as FSDP2 cut its parameter, this rank's piece into its local shard."""
     params = dict(model.named_parameters(remove_duplicate=False))
 
     def keep(name, full):
