@@ -180,10 +180,11 @@ class RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             kv = tuple(received) if works else kv
-            dkv_received, works = ring_exchange(cp, dkv, 'dkv')  # the block's gradients follow it; the last
-            for w in works:                                        # exchange brings this rank's own home
-                w.wait()
-            dkv = tuple(dkv_received)
+            if cp.group.size > 1:  # the block's gradients follow it; the last exchange brings this rank's own
+                dkv_received, works = ring_exchange(cp, dkv, 'dkv')
+                for w in works:
+                    w.wait()
+                dkv = tuple(dkv_received)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
@@ -420,8 +421,7 @@ class WaitClock:
 REPORT = [  # what a measured step prints: (quantity, its row keys: measured, counted, modelled)
     ("activation bytes, one layer (1/cp)", 'activation_bytes', None, 'activation_bytes_formula'),
     ('bytes sent by the attention', None, 'cp_attention_bytes', 'cp_attention_bytes_formula'),
-    ('bytes handed to collectives', None, 'collective_bytes', None),
-    ('bytes sent (counted: ring formula)', 'wire_bytes', 'wire_bytes_formula', None),
+    ('bytes sent, all groups', 'wire_bytes', 'collective_bytes', 'wire_bytes_formula'),
     ('attention layers: computing, s', 'attention_compute_s', None, None),
     ('attention layers: waiting on communication, s', 'attention_wait_s', None, None)]
 

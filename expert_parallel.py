@@ -345,7 +345,9 @@ def report(iter_num, cfg, model, optimizer, comms, measured, why_not):
         all_to_all_bytes_formula=len(moe) * micro * uniform['all_to_all_bytes'],
         all_to_all_wire_bytes_formula=len(moe) * micro * uniform['wire_bytes'],
         wire_bytes=measured['wire_bytes'],
-        wire_bytes_counted=sum(sum(m.wire_bytes_formula.values()) for m in comms),
+        collective_bytes=sum(sum(m.collective_bytes.values()) for m in comms),  # counted at calls
+        # what those calls put on the wire: the all-to-alls' off-rank rows exactly, all-reduces by the ring
+        wire_bytes_formula=sum(sum(m.wire_bytes_formula.values()) for m in comms),
         param_bytes=nbytes(model.parameters()), grad_bytes=measured.get('grad_bytes'),
         optim_bytes=nbytes(moments),
         **{k + '_formula': v for k, v in held.items()}))
@@ -366,7 +368,8 @@ def report(iter_num, cfg, model, optimizer, comms, measured, why_not):
                    r['all_to_all_bytes_formula']),
                   (f"rank {r['rank']}   of them off-rank", None, r['all_to_all_wire_bytes'],
                    r['all_to_all_wire_bytes_formula']),
-                  (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['wire_bytes_counted'], None),
+                  (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
+                   r['wire_bytes_formula']),
                   (f"rank {r['rank']} model states", held_now, None, sum(held.values()))]
     print_measured(f"iter {iter_num}: dp {dp.size} = ep {ep.size} x {edp.size} replicas, {c.n_expert} "
                    f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "

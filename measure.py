@@ -4,10 +4,14 @@ memory (the allocator on GPU, the resident set on CPU), the bytes autograd keeps
 device's peak, and torch.profiler traces.
 """
 
+import contextlib
+import json
 import os
 import re
 import socket
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -128,21 +132,6 @@ def comm_report(comms):
     return out
 
 
-def loopback_bytes_sent():
-    """Bytes this whole machine has sent through its loopback interface since boot (Linux's /proc/net/dev), or
-    None. Every process's traffic is in it, so it is only a cross-check (the tests use it to see their flood).
-    """
-    try:
-        with open('/proc/net/dev') as f:
-            for line in f:
-                name, _, counters = line.partition(':')
-                if name.strip() == 'lo':
-                    return int(counters.split()[8])  # transmit bytes
-    except OSError:
-        return None
-    return None
-
-
 TCPI_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in struct tcp_info (linux/tcp.h, Linux >= 4.19)
 
 
@@ -240,10 +229,6 @@ def print_measured(title, lines, notes=()):
 # Executed schedules (pipeline.py): what each rank ran, as ops with a start and an end on its clock, drawn as
 # a text timeline and as a Perfetto trace.
 
-import contextlib  # noqa: E402 (this section's own imports: it was appended)
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 
 COMPUTE = ('F', 'B', 'W')  # forward, backward (zb1: of the input), the weights' gradients (zb1)

@@ -9,7 +9,7 @@ dropouts work on 1/tp of the sequence each.
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=4 --sequence_parallel=True
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=2 --gradient_accumulation_steps=2   # dp=2 x tp=2
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --init_from=resume        # same tp and world size
-    python consolidate.py out      # the rank checkpoints in out/ -> out/ckpt.pt, a train.py checkpoint
+    python consolidate.py out-tp   # the rank checkpoints in out-tp/ -> out-tp/ckpt.pt, train.py's format
 
 Every rank builds train.py's GPT from the seed and keeps its slice, so the loss curve is train.py's.
 """
@@ -29,7 +29,8 @@ from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes
                       tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
 from model import GPTConfig, init_values, materialize
 from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
-                      micro_batches, outputs_line, profiled, progress, run_main, run_shape, training_loop)
+                      check_no_compile, micro_batches, outputs_line, profiled, progress, run_main, run_shape,
+                      training_loop)
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
 from distributed import (Comm, average_gradients, finish_distributed, init_distributed, is_master,
@@ -488,9 +489,7 @@ def check_config(cfg, world_size):
         raise SystemExit(f"error: dtype must be float32 or bfloat16 for tensor_parallel.py, got "
                          f"{cfg.dtype!r} (float16's GradScaler would need its inf check shared by the tp "
                          f"ranks)")
-    if cfg.compile:  # not wired in here: said rather than ignored
-        raise SystemExit("error: --compile=True is not supported by tensor_parallel.py: pass --compile=False "
-                         "(a config file that sets compile = True needs it after the file)")
+    check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
     path = rank_ckpt_path(cfg.out_dir, 0)
     if cfg.init_from == 'resume' and not os.path.exists(path):  # (every rank's file: init_model checks)
         raise SystemExit(f"error: init_from=resume but there is no checkpoint at {path}")
@@ -562,12 +561,14 @@ def report(iter_num, cfg, config, layout, tp, dp, activation_bytes, wire_bytes, 
     lines = [('parameter bytes', None, params, r['param_bytes_formula']),
              ('activation bytes, one layer', activation_bytes, None, r['activation_bytes_formula']),
              ("  Megatron's count (Korthikanti)", None, None, r['activation_bytes_korthikanti']),
-             ('tp activations, wire bytes', None, r['tp_activation_wire_bytes_formula'],
+             # (the ring formula at the calls we made, beside the paper's count of those calls)
+             ('tp activations, wire bytes (ring at our calls)', None, r['tp_activation_wire_bytes_formula'],
               r['tp_comm_bytes_formula']),
-             ('dp gradients, wire bytes', None, r['dp_grad_wire_bytes_formula'], r['dp_grad_bytes_formula'])]
+             ('dp gradients, wire bytes (ring at our calls)', None, r['dp_grad_wire_bytes_formula'],
+              r['dp_grad_bytes_formula'])]
     lines += [(f'handed to {kind}', None, n, None) for kind, n in r['collective_bytes_by_kind'].items()]
     lines += [(f"wire bytes, rank {q['rank']} (tp {q['tp_rank']}, dp {q['dp_rank']})", q['wire_bytes'],
-               q['wire_bytes_formula'], None) for q in rows]
+               None, q['wire_bytes_formula']) for q in rows]
     notes = [f"wire bytes {why_not}"] if wire_bytes is None else []
     if wire_bytes is not None and 'tp reduce_scatter' in r['collective_bytes_by_kind']:
         notes.append("more on the wire than the ring formula: gloo's reduce-scatter (sequence parallelism's) "

@@ -579,7 +579,9 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
     rank's shard, else from a train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank
     reads only its chunk). Returns (model, zero, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
-    from_shard = os.path.exists(shard_file) or not os.path.exists(full_file)
+    # every rank decides alike, from rank 0's shard: a rank whose own shard is missing is then told so (with
+    # the others) by init_model, instead of quietly taking ckpt.pt while the others take their shards
+    from_shard = os.path.exists(shard_path(cfg.out_dir, 0)) or not os.path.exists(full_file)
     ckpt_path = shard_file if from_shard else full_file
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     if rank == 0:
@@ -736,6 +738,12 @@ def check_config(cfg, world_size):
     if cfg.stage not in (0, 1, 2, 3):
         raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
     check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
+    if cfg.init_from == 'resume' and os.path.exists(shard_path(cfg.out_dir, 0)):  # the saved cut, every rank
+        saved = load_mmap(shard_path(cfg.out_dir, 0))['zero']
+        if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
+            raise SystemExit(f"error: {shard_path(cfg.out_dir, 0)} is from stage {saved['stage']} on "
+                             f"{saved['world_size']} ranks; resume with those, or run python consolidate.py "
+                             f"{cfg.out_dir}, delete the zero_rank*.pt files, then resume")
     if cfg.print_ds_config:
         return cfg
     if cfg.dtype not in ('float32', 'bfloat16'):
