@@ -129,13 +129,15 @@ class Comm:
         return works[:len(sends)], works[len(sends):]
 
 
-def average_gradients(params, comm):
-    """Data parallelism by hand: every gradient averaged over comm's ranks, in one flat all-reduce."""
+def average_gradients(params, comm, divisor=None, kind='all_reduce'):
+    """Data parallelism by hand: every gradient summed over comm's ranks in one flat all-reduce, then divided
+    by divisor (default comm's size: the mean; expert parallelism divides by the whole world's)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if comm.size > 1 and grads:
+    divisor = comm.size if divisor is None else divisor
+    if grads and (comm.size > 1 or divisor != 1):
         flat = torch.cat([g.flatten() for g in grads])
-        comm.all_reduce(flat)
-        flat /= comm.size
+        comm.all_reduce(flat, kind=kind)
+        flat /= divisor
         for g, new in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(new.view_as(g))
 

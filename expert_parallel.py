@@ -158,13 +158,7 @@ def sync_gradients(dense, experts, dp, edp):
     the edp replicas it covers every rank's batch once: divided by the world size (not edp's) it is the mean
     over the global batch, as in one process."""
     average_gradients(dense, dp)
-    grads = [p.grad for p in experts if p.grad is not None]
-    if grads:
-        flat = torch.cat([g.flatten() for g in grads])
-        edp.all_reduce(flat, kind='expert all_reduce')
-        flat /= dp.size
-        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(new.view_as(g))
+    average_gradients(experts, edp, divisor=dp.size, kind='expert all_reduce')
 
 
 def clip_grad_norm(dense, experts, ep, max_norm):
