@@ -386,7 +386,8 @@ class Zero:
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
                  device=None, offload=False, prefetch_blocks=0):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
-        return_freed_buffers_to_the_os()
+        if stage == 3:  # (stages 0-2 free no block-sized buffers; there it would only slow the activations)
+            return_freed_buffers_to_the_os()
         self.prefetch_blocks, self.dtype = prefetch_blocks, dtype
         self.device = device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
