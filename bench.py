@@ -32,7 +32,7 @@ import torch
 
 from plots import plot
 from planner import add_estimate_arguments, ds_config_for, fmt_bytes, run_estimate
-from training import load_dataset
+from dataset import load_dataset
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 

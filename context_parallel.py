@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from formulas import activation_bytes_formula, cp_comm_bytes_formula
 from model import GPT, apply_rope, rope_cos_sin
-from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
-                      micro_batches, outputs_line, print_sample, profiled, run_main, run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, outputs_line,
+                      print_sample, profiled, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from distributed import (Comm, average_gradients, finish_distributed, init_distributed, process_grid,
                          world_size_from_env)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from formulas import ep_all_to_all_bytes_formula, ep_model_state_bytes_formula
 from model import MoE, combine, init_params, keep_own, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
-                      micro_batches, model_config, outputs_line, print_sample, profiled, progress, run_main,
-                      run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, model_config,
+                      outputs_line, print_sample, profiled, progress, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
 from distributed import (Comm, average_gradients, data_parallel_size, finish_distributed, init_distributed,

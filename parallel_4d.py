@@ -27,9 +27,9 @@ import torch.distributed as dist
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from formulas import model_state_bytes_formula
 from model import GPTConfig, init_params, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, get_lr, load_dataset,
-                      log_rank_rows, micro_batches, outputs_line, profiled, progress, run_main, run_shape,
-                      training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, get_lr, log_rank_rows,
+                      outputs_line, profiled, progress, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
 from distributed import (Comm, GRID_DIMS, data_parallel_size, finish_distributed, init_distributed,

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from model import init_params, keep_own, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      load_dataset, log_rank_rows, micro_batches, outputs_line, profiled, run_main, run_shape,
-                      training_loop)
+                      log_rank_rows, outputs_line, profiled, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
                          train_checkpoint)

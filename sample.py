@@ -18,7 +18,8 @@ import os
 import torch
 
 from model import GPT, GPTConfig
-from training import autocast_context, config_defaults, configure, get_codec, run_main
+from training import autocast_context, config_defaults, configure, run_main
+from dataset import get_codec
 
 # -----------------------------------------------------------------------------
 # config

@@ -28,9 +28,9 @@ from torch.nn import functional as F
 from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula,
                       tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
 from model import GPTConfig, init_values, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
-                      check_no_compile, micro_batches, outputs_line, profiled, progress, run_main, run_shape,
-                      training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows,
+                      check_no_compile, outputs_line, profiled, progress, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
 from distributed import (Comm, average_gradients, finish_distributed, init_distributed, is_master,

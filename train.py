@@ -13,9 +13,10 @@ import os
 
 import torch
 
-from training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr,
-                      load_dataset, log_row, micro_batches, outputs_line, print_sample, profiled, run_main,
-                      run_shape, set_lr, should_evaluate, should_save)
+from training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr, log_row,
+                      outputs_line, print_sample, profiled, run_main, run_shape, set_lr, should_evaluate,
+                      should_save)
+from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
 from measure import StepProfiler
 

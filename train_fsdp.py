@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from formulas import fsdp_held_bytes_formula
 from model import init_values, load_params, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, load_dataset, log_rank_rows,
-                      micro_batches, outputs_line, print_sample, profiled, progress, run_main, run_shape,
-                      training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, outputs_line,
+                      print_sample, profiled, progress, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import (gather_rng_states, init_model, joined_checkpoint, restore_rng,
                          seed_dropout, train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, world_size_from_env

@@ -36,9 +36,9 @@ import torch.nn as nn
 from deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from formulas import model_state_bytes_formula
 from model import init_values, load_params, param_groups
-from training import (autocast_context, check_batch, config_defaults, configure, get_lr, load_dataset,
-                      log_rank_rows, micro_batches, outputs_line, print_sample, profiled, progress, run_main,
-                      run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, get_lr, log_rank_rows,
+                      outputs_line, print_sample, profiled, progress, run_main, run_shape, training_loop)
+from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
 from distributed import Comm, finish_distributed, init_distributed, world_size_from_env

@@ -8,7 +8,7 @@ from helpers import REPO, TINY, check, read_log, run_script
 
 import bench
 import planner
-from training import load_dataset
+from dataset import load_dataset
 import formulas
 
 # The ZeRO paper (Rajbhandari et al. 2020), its worked example: Ψ = 7.5B, N = 64, mixed-precision Adam.
