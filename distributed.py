@@ -142,6 +142,28 @@ def average_gradients(params, comm, divisor=None, kind='all_reduce'):
             g.copy_(new.view_as(g))
 
 
+def sum_of_squares(grads, device=None):
+    """The sum of every squared entry of grads, in fp32 (a norm's square: the part these gradients add)."""
+    total = torch.zeros((), device=device or (grads[0].device if grads else None))
+    for g in grads:
+        total += g.float().pow(2).sum()
+    return total
+
+
+def clip_grad_norm(grads, local_sq, max_norm, comms=()):
+    """torch.nn.utils.clip_grad_norm_ for a model spread over ranks: local_sq is this rank's share of the
+    norm's square (each entry of the model counted once over all ranks: a copy that k ranks hold adds 1/k
+    of its squares on each, or 0 on all but one), summed over comms, the ranks holding the other parts; then
+    every gradient this rank holds is scaled by the same coefficient. Returns the global norm."""
+    for comm in comms:
+        comm.all_reduce(local_sq, kind='scalars')
+    norm = local_sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return norm
+
+
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down
 
 

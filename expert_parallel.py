@@ -31,8 +31,8 @@ from training import (autocast_context, check_batch, config_defaults, configure,
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
-from distributed import (Comm, average_gradients, data_parallel_size, finish_distributed, init_distributed,
-                         world_size_from_env)
+from distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
+                         init_distributed, sum_of_squares, world_size_from_env)
 from measure import WireMeter, measured_step, print_measured
 
 # -----------------------------------------------------------------------------
@@ -161,22 +161,6 @@ def sync_gradients(dense, experts, dp, edp):
     average_gradients(experts, edp, divisor=dp.size, kind='expert all_reduce')
 
 
-def clip_grad_norm(dense, experts, ep, max_norm):
-    """clip_grad_norm_ over the whole model: the dense squares counted once, the experts' summed over the ep
-    group (which holds every expert once)."""
-    device = dense[0].device
-    sum_sq = lambda ps: sum((p.grad.float().pow(2).sum() for p in ps if p.grad is not None),
-                            torch.zeros((), device=device))
-    expert_sq = sum_sq(experts)
-    ep.all_reduce(expert_sq, kind='scalars')
-    total = (sum_sq(dense) + expert_sq).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in dense + experts:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return total
-
-
 def train_step(model, optimizer, batches, ctx, grad_clip, params, comms):
     """train.py's iteration on this rank's micro-batches (the MoE layers dispatch and combine inside the
     forward and backward), then the two gradient syncs, the clip over the whole model, AdamW on what this
@@ -190,8 +174,10 @@ def train_step(model, optimizer, batches, ctx, grad_clip, params, comms):
         loss_sum += loss.detach()
         loss.backward()
     sync_gradients(dense, experts, dp, edp)
-    if grad_clip != 0.0:
-        clip_grad_norm(dense, experts, ep, grad_clip)
+    if grad_clip != 0.0:  # the whole model's norm: the ep group holds each expert once, the dense ep times
+        dense_grads, expert_grads = ([p.grad for p in ps if p.grad is not None] for ps in (dense, experts))
+        local_sq = sum_of_squares(expert_grads, loss_sum.device) + sum_of_squares(dense_grads) / ep.size
+        clip_grad_norm(dense_grads + expert_grads, local_sq, grad_clip, [ep])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dp.all_reduce(loss_sum, kind='scalars')
