@@ -25,22 +25,19 @@ import torch
 import torch.distributed as dist
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
-from formulas import model_state_bytes_formula
-from model import GPTConfig, init_params, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, get_lr, log_rank_rows,
-                      outputs_line, profiled, progress, run_main, run_shape, training_loop)
+import reports
+from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
+                         load_world, rng_state, seed_dropout, set_rng_state)
 from dataset import load_dataset, micro_batches
-from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
-                         seed_dropout, set_rng_state)
-from distributed import (Comm, GRID_DIMS, data_parallel_size, finish_distributed, init_distributed,
-                         process_grid,
+from distributed import (Comm, data_parallel_size, finish_distributed, init_distributed, process_grid,
                          world_size_from_env)
-from measure import NOT_MEASURED, ScheduleClock, WireMeter, comm_report, measured_step, print_measured
+from measure import measured_step
+from model import GPTConfig, init_params, materialize
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
-from training import check_no_compile
-from checkpoints import check_resume_grid
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
+from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure, get_lr,
+                      outputs_line, profiled, progress, run_main, run_shape, training_loop)
 from zero import Zero, held_bytes, unflatten_shards
 
 # -----------------------------------------------------------------------------
@@ -171,7 +168,7 @@ def main(argv):
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     dp_cp, embed = dp_cp_comm(grid, rank), embed_comm(grid, rank, cfg.tie_embeddings)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    print_grid(grid, coords, comms, dp_cp, embed, rank, cfg)
+    reports.print_grid(grid, coords, comms, dp_cp, embed, rank, cfg)
     torch.manual_seed(cfg.seed)
     ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
@@ -192,9 +189,9 @@ def main(argv):
         batches = micro_batches(data, cfg, it, coords['dp'], dp_size)
         if not measured_step(it, first_iter, cfg.measure_every):
             return train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
-        wire = start_measuring(stage, all_comms)
+        wire = reports.start_measuring_grid(stage, all_comms)
         loss = train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
-        report(stage, zero, all_comms, wire, cfg, coords, it)
+        reports.report_grid(stage, zero, held_bytes(zero), all_comms, wire, cfg, coords, it)
         return loss
 
     def loss_of(x, y):  # the mean over the whole batch: through the stages, then the mean of the cp ranks'
@@ -295,61 +292,6 @@ def consolidate(out_dir):
             model_sd[dense] = join('master')
             states[dense] = {'step': step, 'exp_avg': join('exp_avg'), 'exp_avg_sq': join('exp_avg_sq')}
     return joined_checkpoint(model_sd, states, first, [first['rng']], cfg)
-
-
-# -----------------------------------------------------------------------------
-# What the grid is, and a measured step: what each rank holds and sends along each dimension
-
-
-def print_grid(grid, coords, comms, dp_cp, embed, rank, cfg):
-    """Rank 0 prints the grid and the run; every rank prints (and logs) its coordinates and the global ranks
-    of each of its groups: the ones it talks to."""
-    if rank == 0:
-        print(f"process grid: torch.arange({grid.numel()}).view(dp={grid.size(0)}, pp={grid.size(1)}, "
-              f"cp={grid.size(2)}, tp={grid.size(3)})\n{grid}")
-    members = lambda comm: [comm.global_rank(r) for r in range(comm.size)]
-    groups = {dim: members(comms[dim]) for dim in GRID_DIMS}
-    groups.update({'dp_cp': members(dp_cp)}, **({'embed': members(embed)} if embed is not None else {}))
-    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in GRID_DIMS) + '; groups: ' +
-          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
-    log_rank_rows(cfg.out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
-
-
-def start_measuring(stage, comms):
-    """A measured step: the counts from zero, the schedule's clock on, the wire meter started."""
-    for comm in comms:
-        comm.clear()
-    stage.clock, wire = ScheduleClock(stage.device, stage.comm, stage.model), WireMeter()
-    wire.start()
-    return wire
-
-
-def report(stage, zero, comms, wire, cfg, coords, iter_num):
-    """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its
-    stage held at a schedule's peak, and the bytes it sent (counted, the ring formula by dimension, its own
-    sockets): one log row per rank, one table."""
-    wire_bytes, clock, stage.clock = wire.stop(), stage.clock, NOT_MEASURED
-    held = held_bytes(zero)
-    formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
-    sent = comm_report(comms)
-    row = {'rank': dist.get_rank(), 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
-           'numel': zero.numel, **held, **{k + '_formula': v for k, v in formula.items()},
-           'peak_activation_bytes': clock.peak_held_bytes,
-           'collective_bytes_by_kind': sent['collective_bytes'],
-           'collective_bytes': sum(sent['collective_bytes'].values()), 'wire_bytes': wire_bytes,
-           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not}
-    rows = log_rank_rows(cfg.out_dir, row)
-    if dist.get_rank() == 0:
-        print_measured(f"iter {iter_num}: what each rank holds (ZeRO-1's formula for its slice) and sends "
-                       "per "
-                       f"step (counted at the calls, the ring formula, its own sockets)",
-                       [line for r in rows for line in (
-                           *((f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
-                             for k in ('param_bytes', 'grad_bytes', 'optim_bytes')),
-                           (f"rank {r['rank']} activations at peak", r['peak_activation_bytes'], None, None),
-                           (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
-                            r['wire_bytes_formula']))],
-                       [f"wire bytes {wire.why_not}"] if wire_bytes is None else [])
 
 
 if __name__ == '__main__':

@@ -9,10 +9,169 @@ measure; this file only lays their numbers out, one function per script.
 # === end zero.py ===
 
 # === tensor_parallel.py ===
+import torch.distributed as dist
+
+from distributed import is_master
+from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula, tp_comm_bytes_formula,
+                      tp_edge_comm_bytes_formula)
+from measure import comm_report, print_measured
+from training import log_rank_rows
+
+
+def tensor_parallel_step(iter_num, cfg, config, layout, tp, dp, activation_bytes, wire_bytes, why_not):
+    """A log.jsonl row per rank; rank 0 prints its numbers and each rank's own wire bytes (print_measured)."""
+    s, b, h, t, sp = cfg.block_size, cfg.batch_size, config.n_embd, tp.group.size, cfg.sequence_parallel
+    elem, micro_steps = (4 if cfg.dtype == 'float32' else 2), cfg.gradient_accumulation_steps // dp.size
+    params, sent = sum(p.numel() * p.element_size() for p, _ in layout.values()), comm_report([tp.group, dp])
+    rows = log_rank_rows(cfg.out_dir, dict(
+        rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, tp_rank=tp.group.rank,
+        dp_rank=dp.rank, tp=t, dp=dp.size, sequence_parallel=sp, param_bytes=params,
+        param_bytes_formula=param_bytes_formula(config, t), activation_bytes=activation_bytes,
+        activation_bytes_formula=saved_bytes_formula(config, s, b, t, sp, elem),
+        activation_bytes_korthikanti=activation_bytes_formula(s, b, h, config.n_head, t, sp,
+                                                              bytes_per_elem=elem),
+        collective_bytes=sum(sent['collective_bytes'].values()),
+        collective_bytes_by_kind=sent['collective_bytes'],
+        wire_bytes=wire_bytes, wire_bytes_formula=sum(sent['wire_bytes_formula'].values()),
+        tp_activation_wire_bytes_formula=sum(v for k, v in tp.group.wire_bytes_formula.items()  # no grads
+                                             if k in ('all_reduce', 'all_gather', 'reduce_scatter')),
+        tp_comm_bytes_formula=micro_steps * (config.n_layer * tp_comm_bytes_formula(s, b, h, t, sp, elem)
+                                             + tp_edge_comm_bytes_formula(s, b, h, t, sp, elem)),
+        dp_grad_wire_bytes_formula=dp.wire_bytes_formula['all_reduce'],
+        dp_grad_bytes_formula=2 * (dp.size - 1) / dp.size * params))
+    if not is_master():
+        return
+    r = rows[0]
+    lines = [('parameter bytes', None, params, r['param_bytes_formula']),
+             ('activation bytes, one layer', activation_bytes, None, r['activation_bytes_formula']),
+             ("  Megatron's count (Korthikanti)", None, None, r['activation_bytes_korthikanti']),
+             # (the ring formula at the calls we made, beside the paper's count of those calls)
+             ('tp activations, wire bytes (ring at our calls)', None, r['tp_activation_wire_bytes_formula'],
+              r['tp_comm_bytes_formula']),
+             ('dp gradients, wire bytes (ring at our calls)', None, r['dp_grad_wire_bytes_formula'],
+              r['dp_grad_bytes_formula'])]
+    lines += [(f'handed to {kind}', None, n, None) for kind, n in r['collective_bytes_by_kind'].items()]
+    lines += [(f"wire bytes, rank {q['rank']} (tp {q['tp_rank']}, dp {q['dp_rank']})", q['wire_bytes'],
+               None, q['wire_bytes_formula']) for q in rows]
+    notes = [f"wire bytes {why_not}"] if wire_bytes is None else []
+    if wire_bytes is not None and 'tp reduce_scatter' in r['collective_bytes_by_kind']:
+        notes.append("more on the wire than the ring formula: gloo's reduce-scatter (sequence parallelism's) "
+                     "is an all-reduce underneath")
+    if elem == 2:
+        notes.append("activations modelled at 2 bytes: under bfloat16 autocast the residual stream and the "
+                     "norms stay fp32")
+    print_measured(f"iter {iter_num}: dp {dp.size} x tp {t}{' with sequence parallelism' if sp else ''}; "
+                   "rank 0's numbers per step (counted: at the calls; wire bytes: the ring formula for them)",
+                   lines, notes)
+
+
+def tensor_parallel_grid(grid, coords, rank):
+    """The process grid, and this rank's place in it: its tp group (a row) and dp group (a column)."""
+    grid = grid.view(grid.size(0), -1)  # (dp, tp): pp and cp are 1 here
+    if rank == 0:
+        print(f"process grid (dp x tp) = torch.arange({grid.numel()}).view({grid.size(0)}, {grid.size(1)}):"
+              f"\n{grid}")
+    print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
+          f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
 # === end tensor_parallel.py ===
 
 # === pipeline.py ===
+import os
+
+from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
+from measure import NOT_MEASURED, ScheduleClock, print_schedule_report, schedule_measurements
+from training import log_rank_rows
+
+
+def start_measuring_pipeline(stage, comms, wire):
+    """A measured step: the counts from zero, the clock on, the bytes on the wire."""
+    for comm in comms:
+        comm.clear()
+    wire.start()
+    stage.clock = ScheduleClock(stage.device, stage.comm, stage.model)
+
+
+def report_pipeline(stage, cfg, comms, wire, iter_num, rank, dp_rank):
+    """Each rank's numbers beside the formulas (formulas.py: the bubble, the microbatches held, the bytes
+    sent), a log row each; rank 0 prints dp replica 0's stages."""
+    clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
+    zb1 = cfg.schedule == 'zb1'
+    stage.clock = NOT_MEASURED
+    held = peak_microbatches_formula(cfg.schedule, p, m, s, v)
+    b, h = cfg.batch_size // m, stage.model.config.n_embd
+    p2p = p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, s, v)
+    row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
+           **schedule_measurements(clock, comms, wire, stage.comm.collective_bytes['send']),
+           'bubble_fraction_formula': bubble_fraction_formula(p, m, v, cfg.schedule),
+           'peak_microbatches_held_formula': held,
+           'peak_activation_bytes_formula': held * clock.microbatch_bytes,
+           'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p}
+    stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
+    if rank == 0:
+        bubble = (f"(p-1)/(3m+p-1) (= (p-1)/(3m) = {(p - 1) / (3 * m):.3f} of the ideal compute, F = B = W)"
+                  if zb1 else
+                  f"(p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute)")
+        held = {'gpipe': 'm', '1f1b': 'p-r', 'zb1': 'p'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
+        print_schedule_report(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per "
+                              f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held} microbatches",
+                              os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
 # === end pipeline.py ===
 
 # === parallel_4d.py ===
+import torch.distributed as dist
+
+from distributed import GRID_DIMS
+from formulas import model_state_bytes_formula
+from measure import NOT_MEASURED, ScheduleClock, WireMeter, comm_report, print_measured
+from training import log_rank_rows
+
+
+def print_grid(grid, coords, comms, dp_cp, embed, rank, cfg):
+    """Rank 0 prints the grid and the run; every rank prints (and logs) its coordinates and the global ranks
+    of each of its groups: the ones it talks to."""
+    if rank == 0:
+        print(f"process grid: torch.arange({grid.numel()}).view(dp={grid.size(0)}, pp={grid.size(1)}, "
+              f"cp={grid.size(2)}, tp={grid.size(3)})\n{grid}")
+    members = lambda comm: [comm.global_rank(r) for r in range(comm.size)]
+    groups = {dim: members(comms[dim]) for dim in GRID_DIMS}
+    groups.update({'dp_cp': members(dp_cp)}, **({'embed': members(embed)} if embed is not None else {}))
+    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in GRID_DIMS) + '; groups: ' +
+          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
+    log_rank_rows(cfg.out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
+
+
+def start_measuring_grid(stage, comms):
+    """A measured step: the counts from zero, the schedule's clock on, the wire meter started."""
+    for comm in comms:
+        comm.clear()
+    stage.clock, wire = ScheduleClock(stage.device, stage.comm, stage.model), WireMeter()
+    wire.start()
+    return wire
+
+
+def report_grid(stage, zero, held, comms, wire, cfg, coords, iter_num):
+    """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its
+    stage held at a schedule's peak, and the bytes it sent (counted, the ring formula by dimension, its own
+    sockets): one log row per rank, one table."""
+    wire_bytes, clock, stage.clock = wire.stop(), stage.clock, NOT_MEASURED
+    formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
+    sent = comm_report(comms)
+    row = {'rank': dist.get_rank(), 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
+           'numel': zero.numel, **held, **{k + '_formula': v for k, v in formula.items()},
+           'peak_activation_bytes': clock.peak_held_bytes,
+           'collective_bytes_by_kind': sent['collective_bytes'],
+           'collective_bytes': sum(sent['collective_bytes'].values()), 'wire_bytes': wire_bytes,
+           'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not}
+    rows = log_rank_rows(cfg.out_dir, row)
+    if dist.get_rank() == 0:
+        print_measured(f"iter {iter_num}: what each rank holds (ZeRO-1's formula for its slice) and sends "
+                       "per "
+                       f"step (counted at the calls, the ring formula, its own sockets)",
+                       [line for r in rows for line in (
+                           *((f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
+                             for k in ('param_bytes', 'grad_bytes', 'optim_bytes')),
+                           (f"rank {r['rank']} activations at peak", r['peak_activation_bytes'], None, None),
+                           (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
+                            r['wire_bytes_formula']))],
+                       [f"wire bytes {wire.why_not}"] if wire_bytes is None else [])
 # === end parallel_4d.py ===
