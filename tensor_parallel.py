@@ -25,17 +25,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula,
-                      tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
 from model import GPTConfig, init_values, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows,
+from training import (autocast_context, check_batch, config_defaults, configure,
                       check_no_compile, outputs_line, profiled, progress, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
-from distributed import (Comm, average_gradients, finish_distributed, init_distributed, is_master,
+from distributed import (Comm, average_gradients, finish_distributed, init_distributed,
                          process_grid, world_size_from_env)
-from measure import WireMeter, comm_report, measured_step, print_measured, saved_bytes_counter
+from measure import WireMeter, measured_step, saved_bytes_counter
+import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -531,66 +530,8 @@ def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
     wire = WireMeter()
     wire.start()
     yield
-    report(iter_num, cfg, model.config, layout, tp, dp, activation_bytes, wire.stop(), wire.why_not)
-
-
-def report(iter_num, cfg, config, layout, tp, dp, activation_bytes, wire_bytes, why_not):
-    """A log.jsonl row per rank; rank 0 prints its numbers and each rank's own wire bytes (print_measured)."""
-    s, b, h, t, sp = cfg.block_size, cfg.batch_size, config.n_embd, tp.group.size, cfg.sequence_parallel
-    elem, micro_steps = (4 if cfg.dtype == 'float32' else 2), cfg.gradient_accumulation_steps // dp.size
-    params, sent = sum(p.numel() * p.element_size() for p, _ in layout.values()), comm_report([tp.group, dp])
-    rows = log_rank_rows(cfg.out_dir, dict(
-        rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, tp_rank=tp.group.rank,
-        dp_rank=dp.rank, tp=t, dp=dp.size, sequence_parallel=sp, param_bytes=params,
-        param_bytes_formula=param_bytes_formula(config, t), activation_bytes=activation_bytes,
-        activation_bytes_formula=saved_bytes_formula(config, s, b, t, sp, elem),
-        activation_bytes_korthikanti=activation_bytes_formula(s, b, h, config.n_head, t, sp,
-                                                              bytes_per_elem=elem),
-        collective_bytes=sum(sent['collective_bytes'].values()),
-        collective_bytes_by_kind=sent['collective_bytes'],
-        wire_bytes=wire_bytes, wire_bytes_formula=sum(sent['wire_bytes_formula'].values()),
-        tp_activation_wire_bytes_formula=sum(v for k, v in tp.group.wire_bytes_formula.items()  # no grads
-                                             if k in ('all_reduce', 'all_gather', 'reduce_scatter')),
-        tp_comm_bytes_formula=micro_steps * (config.n_layer * tp_comm_bytes_formula(s, b, h, t, sp, elem)
-                                             + tp_edge_comm_bytes_formula(s, b, h, t, sp, elem)),
-        dp_grad_wire_bytes_formula=dp.wire_bytes_formula['all_reduce'],
-        dp_grad_bytes_formula=2 * (dp.size - 1) / dp.size * params))
-    if not is_master():
-        return
-    r = rows[0]
-    lines = [('parameter bytes', None, params, r['param_bytes_formula']),
-             ('activation bytes, one layer', activation_bytes, None, r['activation_bytes_formula']),
-             ("  Megatron's count (Korthikanti)", None, None, r['activation_bytes_korthikanti']),
-             # (the ring formula at the calls we made, beside the paper's count of those calls)
-             ('tp activations, wire bytes (ring at our calls)', None, r['tp_activation_wire_bytes_formula'],
-              r['tp_comm_bytes_formula']),
-             ('dp gradients, wire bytes (ring at our calls)', None, r['dp_grad_wire_bytes_formula'],
-              r['dp_grad_bytes_formula'])]
-    lines += [(f'handed to {kind}', None, n, None) for kind, n in r['collective_bytes_by_kind'].items()]
-    lines += [(f"wire bytes, rank {q['rank']} (tp {q['tp_rank']}, dp {q['dp_rank']})", q['wire_bytes'],
-               None, q['wire_bytes_formula']) for q in rows]
-    notes = [f"wire bytes {why_not}"] if wire_bytes is None else []
-    if wire_bytes is not None and 'tp reduce_scatter' in r['collective_bytes_by_kind']:
-        notes.append("more on the wire than the ring formula: gloo's reduce-scatter (sequence parallelism's) "
-                     "is an all-reduce underneath")
-    if elem == 2:
-        notes.append("activations modelled at 2 bytes: under bfloat16 autocast the residual stream and the "
-                     "norms stay fp32")
-    print_measured(f"iter {iter_num}: dp {dp.size} x tp {t}{' with sequence parallelism' if sp else ''}; "
-                   "rank 0's numbers per step (counted: at the calls; wire bytes: the ring formula for them)",
-                   lines, notes)
-
-
-# -----------------------------------------------------------------------------
-
-def print_grid(grid, coords, rank):
-    """The process grid, and this rank's place in it: its tp group (a row) and dp group (a column)."""
-    grid = grid.view(grid.size(0), -1)  # (dp, tp): pp and cp are 1 here
-    if rank == 0:
-        print(f"process grid (dp x tp) = torch.arange({grid.numel()}).view({grid.size(0)}, {grid.size(1)}):"
-              f"\n{grid}")
-    print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
-          f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
+    reports.tensor_parallel_step(iter_num, cfg, model.config, layout, tp, dp, activation_bytes, wire.stop(),
+                                 wire.why_not)
 
 
 def main(argv):
@@ -600,7 +541,7 @@ def main(argv):
     cfg.device = device if world_size > 1 else cfg.device
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.tp, tp=cfg.tp)
     tp, dp = TensorParallel(comms['tp'], cfg.sequence_parallel), comms['dp']
-    print_grid(grid, coords, rank)
+    reports.tensor_parallel_grid(grid, coords, rank)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
