@@ -18,17 +18,16 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from model import init_params, keep_own, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      log_rank_rows, outputs_line, profiled, run_main, run_shape, training_loop)
+                      outputs_line, profiled, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
                          train_checkpoint)
 from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
-from measure import (NOT_MEASURED, ScheduleClock, WireMeter, measured_step, print_schedule_report,
-                     schedule_measurements)
+from measure import NOT_MEASURED, WireMeter, measured_step
+import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -512,43 +511,6 @@ def consolidate(out_dir):
 
 
 # -----------------------------------------------------------------------------
-# a measured step: the counts from zero, the clock on, the bytes on the wire; then each stage's numbers
-
-
-def start_measuring(stage, comms, wire):
-    for comm in comms:
-        comm.clear()
-    wire.start()
-    stage.clock = ScheduleClock(stage.device, stage.comm, stage.model)
-
-
-def report(stage, cfg, comms, wire, iter_num, rank, dp_rank):
-    """Each rank's numbers beside the formulas (formulas.py: the bubble, the microbatches held, the bytes
-    sent), a log row each; rank 0 prints dp replica 0's stages."""
-    clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
-    zb1 = cfg.schedule == 'zb1'
-    stage.clock = NOT_MEASURED
-    held = peak_microbatches_formula(cfg.schedule, p, m, s, v)
-    b, h = cfg.batch_size // m, stage.model.config.n_embd
-    p2p = p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, s, v)
-    row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
-           **schedule_measurements(clock, comms, wire, stage.comm.collective_bytes['send']),
-           'bubble_fraction_formula': bubble_fraction_formula(p, m, v, cfg.schedule),
-           'peak_microbatches_held_formula': held,
-           'peak_activation_bytes_formula': held * clock.microbatch_bytes,
-           'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p}
-    stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
-    if rank == 0:
-        bubble = (f"(p-1)/(3m+p-1) (= (p-1)/(3m) = {(p - 1) / (3 * m):.3f} of the ideal compute, F = B = W)"
-                  if zb1 else
-                  f"(p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute)")
-        held = {'gpipe': 'm', '1f1b': 'p-r', 'zb1': 'p'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
-        print_schedule_report(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per "
-                              f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held} microbatches",
-                              os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
-
-
-# -----------------------------------------------------------------------------
 
 
 def main(argv):
@@ -567,9 +529,9 @@ def main(argv):
         batches = micro_batches(data, cfg, it, dp.rank, dp.size)
         if not measured_step(it, first_iter, cfg.measure_every):
             return train_step(stage, optimizer, batches, cfg, dp, embed)
-        start_measuring(stage, comms, wire)
+        reports.start_measuring_pipeline(stage, comms, wire)
         loss = train_step(stage, optimizer, batches, cfg, dp, embed)
-        report(stage, cfg, comms, wire, it, rank, dp.rank)
+        reports.report_pipeline(stage, cfg, comms, wire, it, rank, dp.rank)
         return loss
 
     training_loop(cfg, SimpleNamespace(

@@ -6,6 +6,93 @@ measure; this file only lays their numbers out, one function per script.
 """
 
 # === zero.py ===
+from collections import Counter
+
+from formulas import model_state_bytes_formula
+from measure import WireMeter, print_measured
+from training import log_rank_rows
+
+
+def storage_bytes(tensors, skip=()):
+    """Bytes of the distinct storages behind tensors (views of one buffer count once), and their ids."""
+    seen, total = set(skip), 0
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total, seen
+
+
+def held_bytes(zero):
+    """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
+    bs, opt = zero.buckets, zero.optimizer
+    params, param_ids = storage_bytes([p for b in bs for p in b.params] +
+                                      [t for b in bs for t in (b.flat, b.shard)])
+    grads, _ = storage_bytes([p.grad for b in bs for p in b.params] +
+                             [t for b in bs for t in (b.grad_flat, b.grad_shard, b.filling)] +
+                             [t for _, full, out, _ in zero.in_flight for t in (full, out)])
+    state = opt.masters + opt.exp_avg + opt.exp_avg_sq
+    if bs[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
+        host, _ = storage_bytes(state + [b.grad_host for b in bs])
+        return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': 0, 'host_bytes': host}
+    optim, _ = storage_bytes(state, skip=param_ids)  # fp32 stages 0-2: the master is the flat buffer
+    return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim, 'host_bytes': 0}
+
+
+def measured_zero_step(zero, comm, cfg, iter_num, run_step):
+    """run_step() measured: the bytes held, sampled at every collective and gradient bucket (the peak) and
+    after the step (at rest); the bytes sent, counted by the Comm and by this rank's own sockets. Its loss."""
+    peak, wire = Counter(), WireMeter()
+
+    def sample():
+        for k, v in held_bytes(zero).items():
+            peak[k] = max(peak[k], v)
+    comm.clear()
+    zero.sample = comm.observe = sample
+    wire.start()
+    loss = run_step()
+    wire_bytes = wire.stop()
+    zero.sample, comm.observe = (lambda: None), None
+    at_rest = held_bytes(zero)
+    sample()
+    zero_step(zero, comm, cfg, iter_num, at_rest, peak, wire_bytes, wire.why_not)
+    return loss
+
+
+def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
+    """One log.jsonl row per rank; rank 0 prints them all: held at rest beside the formula, the step's peak,
+    bytes sent (this rank's own sockets, counted at the calls, the ring formula)."""
+    formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16',
+                                        cfg.offload_optimizer)
+    kinds = ('param_bytes', 'grad_bytes', 'optim_bytes') + ('host_bytes',) * cfg.offload_optimizer
+    row = {'iter': iter_num, 'rank': z.rank, 'stage': z.stage, 'world_size': z.world_size, 'numel': z.numel,
+           'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size,
+           'offload_optimizer': cfg.offload_optimizer, 'wire_bytes': wire_bytes, 'wire_bytes_note': why_not,
+           'collective_bytes': sum(comm.collective_bytes.values()),
+           'collective_bytes_by_kind': dict(comm.collective_bytes),
+           'wire_bytes_formula': sum(comm.wire_bytes_formula.values()),
+           'wire_bytes_formula_by_kind': dict(comm.wire_bytes_formula)}
+    for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
+        row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': peak[k]})
+    rows = log_rank_rows(cfg.out_dir, row)
+    if z.rank != 0:
+        return
+    lines = [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula']) for r in rows for k in kinds]
+    lines += [(f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
+               r['wire_bytes_formula']) for r in rows]
+    notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
+                                                                  for k in kinds) for r in rows]
+    by_kind = row['collective_bytes_by_kind']
+    notes.append("counted by kind: " + ', '.join(f"{k} {v:,.0f}" for k, v in by_kind.items()))
+    if wire_bytes is None:
+        notes.append(f"wire bytes {why_not}")
+    elif 'reduce_scatter' in by_kind and wire_bytes > 1.2 * row['wire_bytes_formula']:
+        notes.append("more on the wire than the ring formula: on gloo a reduce-scatter is an all-reduce "
+                     "(gloo's own is one underneath; stages 2-3 run one in place, reduce_scatter_of), "
+                     "2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter")
+    print_measured(f"iter {iter_num}: ZeRO stage {z.stage}, N = {z.world_size}, Ψ = {z.numel:,}: bytes "
+                   f"each rank holds after the step (the paper's formula) and sends in it (its own sockets, "
+                   f"counted at the calls, the ring formula)", lines, notes)
 # === end zero.py ===
 
 # === tensor_parallel.py ===
