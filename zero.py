@@ -26,7 +26,6 @@ paper's formulas.
 
 import math
 import os
-from collections import Counter
 from types import SimpleNamespace
 
 import torch
@@ -34,15 +33,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepspeed_config import apply_deepspeed_config, print_deepspeed_config
-from formulas import model_state_bytes_formula
 from model import init_values, load_params, param_groups
-from training import (autocast_context, check_batch, config_defaults, configure, get_lr, log_rank_rows,
-                      outputs_line, print_sample, profiled, progress, run_main, run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, get_lr, outputs_line,
+                      print_sample, profiled, progress, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
 from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from measure import WireMeter, measured_step, print_measured
+from measure import measured_step
+import reports
+from reports import held_bytes  # noqa: F401 (parallel_4d.py imports it from here)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -642,94 +642,12 @@ def consolidate(out_dir):
     return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
 
 
-def storage_bytes(tensors, skip=()):
-    """Bytes of the distinct storages behind tensors (views of one buffer count once), and their ids."""
-    seen, total = set(skip), 0
-    for t in tensors:
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return total, seen
-
-
-def held_bytes(zero):
-    """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
-    bs, opt = zero.buckets, zero.optimizer
-    params, param_ids = storage_bytes([p for b in bs for p in b.params] +
-                                      [t for b in bs for t in (b.flat, b.shard)])
-    grads, _ = storage_bytes([p.grad for b in bs for p in b.params] +
-                             [t for b in bs for t in (b.grad_flat, b.grad_shard, b.filling)] +
-                             [t for _, full, out, _ in zero.in_flight for t in (full, out)])
-    state = opt.masters + opt.exp_avg + opt.exp_avg_sq
-    if bs[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
-        host, _ = storage_bytes(state + [b.grad_host for b in bs])
-        return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': 0, 'host_bytes': host}
-    optim, _ = storage_bytes(state, skip=param_ids)  # fp32 stages 0-2: the master is the flat buffer
-    return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim, 'host_bytes': 0}
-
-
 def iteration(zero, model, batches, ctx, cfg, iter_num, first_iter, dp):
     """One iteration: train_step alone, or, on a step measure.measured_step names, measured and reported."""
     run_step = lambda: train_step(zero, model, batches, ctx, cfg.grad_clip, get_lr(iter_num, cfg), dp)
     if not measured_step(iter_num, first_iter, cfg.measure_every):
         return run_step()
-    return measured(zero, dp, cfg, iter_num, run_step)
-
-
-def measured(zero, comm, cfg, iter_num, run_step):
-    """run_step() measured: the bytes held, sampled at every collective and gradient bucket (the peak) and
-    after the step (at rest); the bytes sent, counted by the Comm and by this rank's own sockets. Its loss."""
-    peak, wire = Counter(), WireMeter()
-
-    def sample():
-        for k, v in held_bytes(zero).items():
-            peak[k] = max(peak[k], v)
-    comm.clear()
-    zero.sample = comm.observe = sample
-    wire.start()
-    loss = run_step()
-    wire_bytes = wire.stop()
-    zero.sample, comm.observe = (lambda: None), None
-    at_rest = held_bytes(zero)
-    sample()
-    report(zero, comm, cfg, iter_num, at_rest, peak, wire_bytes, wire.why_not)
-    return loss
-
-
-def report(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
-    """One log.jsonl row per rank; rank 0 prints them all: held at rest beside the formula, the step's peak,
-    bytes sent (this rank's own sockets, counted at the calls, the ring formula)."""
-    formula = model_state_bytes_formula(z.numel, z.world_size, z.stage, cfg.dtype == 'bfloat16',
-                                        cfg.offload_optimizer)
-    kinds = ('param_bytes', 'grad_bytes', 'optim_bytes') + ('host_bytes',) * cfg.offload_optimizer
-    row = {'iter': iter_num, 'rank': z.rank, 'stage': z.stage, 'world_size': z.world_size, 'numel': z.numel,
-           'buckets': len(z.buckets), 'micro_steps': cfg.gradient_accumulation_steps // z.world_size,
-           'offload_optimizer': cfg.offload_optimizer, 'wire_bytes': wire_bytes, 'wire_bytes_note': why_not,
-           'collective_bytes': sum(comm.collective_bytes.values()),
-           'collective_bytes_by_kind': dict(comm.collective_bytes),
-           'wire_bytes_formula': sum(comm.wire_bytes_formula.values()),
-           'wire_bytes_formula_by_kind': dict(comm.wire_bytes_formula)}
-    for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
-        row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': peak[k]})
-    rows = log_rank_rows(cfg.out_dir, row)
-    if z.rank != 0:
-        return
-    lines = [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula']) for r in rows for k in kinds]
-    lines += [(f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
-               r['wire_bytes_formula']) for r in rows]
-    notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
-                                                                  for k in kinds) for r in rows]
-    by_kind = row['collective_bytes_by_kind']
-    notes.append("counted by kind: " + ', '.join(f"{k} {v:,.0f}" for k, v in by_kind.items()))
-    if wire_bytes is None:
-        notes.append(f"wire bytes {why_not}")
-    elif 'reduce_scatter' in by_kind and wire_bytes > 1.2 * row['wire_bytes_formula']:
-        notes.append("more on the wire than the ring formula: on gloo a reduce-scatter is an all-reduce "
-                     "(gloo's own is one underneath; stages 2-3 run one in place, reduce_scatter_of), "
-                     "2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter")
-    print_measured(f"iter {iter_num}: ZeRO stage {z.stage}, N = {z.world_size}, Ψ = {z.numel:,}: bytes "
-                   f"each rank holds after the step (the paper's formula) and sends in it (its own sockets, "
-                   f"counted at the calls, the ring formula)", lines, notes)
+    return reports.measured_zero_step(zero, dp, cfg, iter_num, run_step)
 
 
 def check_config(cfg, world_size):

@@ -41,7 +41,8 @@ else:
     if way.startswith('zero3'):  # rank 3 of 8, ZeRO stage 3: its chunk of the weights, gradients and AdamW state
         from model import load_params
         from distributed import Comm
-        from zero import Zero, held_bytes
+        from reports import held_bytes
+        from zero import Zero
         zero = Zero(model, 3, 3, 8, 0.1, (0.9, 0.99), 1e-8, 1, torch.float32, Comm(None, 'dp', alone=True), 'cpu')
         if way == 'zero3':
             init_params(config, 0, zero.set_param_values)
@@ -132,7 +133,8 @@ def zero3_peak_rise(rank, world_size):
     from distributed import Comm
     from measure import peak_resident_bytes
     from model import GPT, GPTConfig, init_params
-    from zero import Zero, held_bytes, train_step
+    from reports import held_bytes
+    from zero import Zero, train_step
 
     def build(config):
         with torch.device('meta'):
@@ -155,7 +157,7 @@ def zero3_peak_rise(rank, world_size):
     def sample():
         for k, v in held_bytes(zero).items():
             peak[k] = max(peak.get(k, 0), v)
-    zero.sample = comm.observe = sample  # as zero.measured samples: at each collective and gradient bucket
+    zero.sample = comm.observe = sample  # as reports.measured_zero_step samples: at each collective, gradient bucket
     for _ in range(2):
         train_step(zero, model, batches, nullcontext(), 1.0, 1e-3, comm)
     sample()

@@ -422,6 +422,7 @@ def measuring_calls(rank, world_size, out_dir):
     from collections import Counter
     import torch.distributed as dist
     import distributed
+    import reports
     from model import GPT, GPTConfig
     from training import configure
     from helpers import counting_patches, measuring_calls
@@ -429,7 +430,7 @@ def measuring_calls(rank, world_size, out_dir):
     patches = counting_patches(calls, [
         (dist, 'all_reduce', 'dist collective'), (distributed, 'all_gather_single', 'dist collective'),
         (distributed, 'reduce_scatter_single', 'dist collective'), (dist, 'isend', 'p2p'), (dist, 'irecv', 'p2p'),
-        (zero, 'held_bytes', 'held-bytes sample')] + measuring_calls())
+        (reports, 'held_bytes', 'held-bytes sample')] + measuring_calls())
     for stage in range(4):
         cfg = configure(zero.config, TINY + [f'--out_dir={out_dir}/s{stage}', f'--stage={stage}', '--grad_clip=1.0'])
         os.makedirs(cfg.out_dir, exist_ok=True)
