@@ -29,7 +29,6 @@ import os
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from deepspeed_config import apply_deepspeed_config, print_deepspeed_config
@@ -39,7 +38,8 @@ from training import (autocast_context, check_batch, config_defaults, configure,
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
-from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from distributed import (Comm, all_gather_direct, finish_distributed, init_distributed, reduce_scatter_of,
+                         return_freed_buffers_to_the_os, world_size_from_env)
 from measure import measured_step
 import reports
 from reports import held_bytes  # noqa: F401 (parallel_4d.py imports it from here)
@@ -173,42 +173,6 @@ class ShardedAdamW:
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
             p.addcdiv_(m, denom, value=-lr / bias_correction1)
-
-
-# -----------------------------------------------------------------------------
-# The two collectives, as gloo's memory needs them. gloo's all-gather receives into a full-size temporary of
-# its own and copies it out: with a 50 MB block, 50 MB more at the peak per gather in flight. Its send/recv
-# use the tensor's own memory, so each rank sends its chunk straight to every other rank and receives theirs
-# straight into their slots of `full`: a ring's bytes ((N-1)/N of full per rank), all posted at once, and no
-# temporary.
-
-def all_gather_direct(comm, full, shard, tag):
-    """full (contiguous, N equal chunks) = every rank's shard in rank order, posted asynchronously: returns
-    the works of the sends and receives. tag keeps apart the gathers in flight at once (one per bucket)."""
-    full.chunk(comm.size)[comm.rank].copy_(shard)
-    if comm.size == 1:
-        return []
-    comm.count('all_gather', full)  # counted as the all-gather it is
-    works = []
-    for peer in range(comm.size):
-        if peer != comm.rank:
-            to = comm.global_rank(peer)
-            works += [dist.isend(shard, to, group=comm.group, tag=tag),
-                      dist.irecv(full.chunk(comm.size)[peer], to, group=comm.group, tag=tag)]
-    return works
-
-
-def reduce_scatter_of(comm, full):
-    """This rank's chunk of the sum over ranks of full (N equal chunks), asynchronously: returns (work,
-    chunk). gloo's reduce-scatter is an all-reduce of a full-size clone of its input, then a copy of the chunk
-    out. full is thrown away after this, so on gloo it is all-reduced in place and the chunk is a view of it:
-    the bytes gloo sends anyway, and no temporary. Other backends (NCCL) have a true reduce-scatter, which
-    sends half as much."""
-    if comm.size > 1 and dist.get_backend(comm.group) == 'gloo':
-        comm.count('reduce_scatter', full)  # counted as the reduce-scatter the algorithm asks for
-        return dist.all_reduce(full, group=comm.group, async_op=True), full.chunk(comm.size)[comm.rank]
-    out = torch.empty(full.numel() // comm.size, dtype=full.dtype, device=full.device)
-    return comm.reduce_scatter(out, full, async_op=True), out
 
 
 # -----------------------------------------------------------------------------
@@ -361,20 +325,6 @@ def install_stage_3_hooks(z, model):
         block.register_forward_hook(lambda m, a, out, b=b: after_forward(z, b, out))
     model.register_forward_pre_hook(lambda m, args: gather(z, root))
     model.register_forward_hook(lambda m, args, out: (out[0], after_forward(z, root, out[1])))
-
-
-def return_freed_buffers_to_the_os(threshold=1 << 20):
-    """glibc's malloc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap, and free gives it
-    back to the OS. But the threshold is dynamic: each such block freed raises it to the block's size (up to
-    32 MB), and from then on blocks under it come from the heap, whose freed pages stay resident. ZeRO frees
-    and reallocates block-sized buffers all through a step, so the heap grew step after step (4 ranks, a 100
-    MB model: a resident peak 2.0-2.4x the rank's tensors). A fixed threshold turns the dynamic one off:
-    buffers of 1 MB or more are mapped and unmapped with their tensors, smaller ones stay on the fast heap."""
-    import ctypes  # (here, not at the top: only glibc has mallopt)
-    try:
-        ctypes.CDLL('libc.so.6').mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD, glibc's malloc.h
-    except OSError:
-        pass  # not glibc (macOS, musl): their allocators do not keep a dynamic threshold
 
 
 # -----------------------------------------------------------------------------
