@@ -25,7 +25,8 @@ from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
                          train_checkpoint)
-from distributed import Comm, finish_distributed, init_distributed, process_grid, world_size_from_env
+from distributed import (Comm, average_gradients, clip_grad_norm, finish_distributed, init_distributed,
+                         process_grid, sum_of_squares, world_size_from_env)
 from measure import NOT_MEASURED, WireMeter, measured_step
 import reports
 
@@ -412,31 +413,19 @@ def train_step(stage, optimizer, batches, cfg, dp, embed):
     for x, y in batches:
         run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    for grad in grads:  # data parallel: average each stage's gradients over its column of the grid
-        dp.all_reduce(grad)
-        grad.div_(dp.size)
+    average_gradients(model.parameters(), dp)  # data parallel: a stage over its column of the grid
     if embed is not None:  # the tied weight's two copies: sum the embedding's and the head's gradient
         embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
-    if cfg.grad_clip != 0.0:
-        clip_grad_norm(stage, grads, cfg.grad_clip, embed)
+    if cfg.grad_clip != 0.0:  # the norm over every stage, a tied weight once (the last stage's copy left out)
+        tied = model.lm_head.weight.grad if embed is not None and stage.is_last else None
+        sq = sum_of_squares([g for g in grads if g is not tied])
+        clip_grad_norm(grads, sq, cfg.grad_clip, [stage.comm])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = stage.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp
     stage.comm.all_reduce(loss_sum, kind='scalars')
     dp.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / dp.size
-
-
-def clip_grad_norm(stage, grads, max_norm, embed):
-    """clip_grad_norm_ over the whole model: the stages' squared norms summed (a tied weight's copy once)."""
-    tied_copy = stage.model.lm_head.weight if embed is not None and stage.is_last else None
-    sq = sum(p.grad.pow(2).sum() for p in stage.model.parameters()
-             if p.grad is not None and p is not tied_copy)
-    sq = torch.as_tensor(sq, dtype=torch.float32, device=stage.device)
-    stage.comm.all_reduce(sq, kind='scalars')
-    clip_coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(clip_coef)
 
 
 def build(cfg, rank, world_size, vocab_size):
