@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from model import init_params, keep_own, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      outputs_line, profiled, run_main, run_shape, training_loop)
+                      outputs_line, profiled, run_main, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
                          train_checkpoint)
-from distributed import (Comm, average_gradients, clip_grad_norm, finish_distributed, init_distributed,
-                         process_grid, sum_of_squares, world_size_from_env)
+from distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
+                         init_distributed, process_grid, sum_of_squares, world_size_from_env)
 from measure import NOT_MEASURED, WireMeter, measured_step
 import reports
 
@@ -49,9 +49,7 @@ def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
     check_schedule(cfg)
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
-    if p < 1 or world_size % p:
-        raise SystemExit(f"error: world size {world_size} is not divisible by pp={p} (world = dp x pp)")
-    check_batch(cfg, world_size // p, world_size)
+    check_batch(cfg, data_parallel_size(world_size, pp=p), world_size)
     for bad, message in (
             (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
                                     f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
@@ -135,9 +133,8 @@ class Stage:
 
 
 def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-    """Post this stage's sends and receives together (one batch_isend_irecv), wait for the receives; the sends
-    are waited for at the next exchange (overlapping the compute in between). Returns (from_prev, from_next).
-    """
+    """Post this stage's sends and receives together (one batch_isend_irecv), wait for the receives; a send
+    is waited for at the next exchange, overlapping the compute between. Returns (from_prev, from_next)."""
     with stage.clock.op('send/recv'):
         finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
         # tag 0: activations, tag 1: gradients (on a ring of two stages both go to one peer)
@@ -445,11 +442,7 @@ def build(cfg, rank, world_size, vocab_size):
         init_params(model.config, cfg.seed, keep_own(model))
         seed_dropout(cfg.seed, dp.rank, pp_comm.rank)
     if rank == 0:
-        print(f"process grid (dp={dp.size} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
-              f"{grid.view(dp.size, cfg.pp)}\n" + run_shape(
-                  f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} blocks "
-                  f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
-                  f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
+        reports.print_pipeline_grid(grid, world_size, cfg, model.config.n_layer, n_params)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                            device_type)
@@ -495,8 +488,8 @@ def consolidate(out_dir):
                 states[name] = ck['optimizer']['state'][i]
     if 'lm_head.weight' in states:  # (tied: AdamW knows the weight by its first name, train.py by both)
         states.setdefault('transformer.wte.weight', states['lm_head.weight'])
-    cfg = {k: v for k, v in first['config'].items() if k != 'consolidate'}
-    return joined_checkpoint(model_sd, states, first, first['rng_states'], cfg)
+    return joined_checkpoint(model_sd, states, first, first['rng_states'],
+                             {k: v for k, v in first['config'].items() if k != 'consolidate'})
 
 
 # -----------------------------------------------------------------------------
@@ -511,12 +504,11 @@ def main(argv):
     torch.manual_seed(cfg.seed)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
-    comms, first_iter, wire, writer = [c for c in (dp, stage.comm, embed) if c], iter_num, WireMeter(), \
-        CheckpointWriter()
+    comms, wire, writer = [c for c in (dp, stage.comm, embed) if c], WireMeter(), CheckpointWriter()
 
-    def step(it):  # one iteration; a measured one (the first, every measure_every-th) with the clock on
+    def step(it):  # one iteration; a measured one (the run's first, iter_num, every measure_every-th) timed
         batches = micro_batches(data, cfg, it, dp.rank, dp.size)
-        if not measured_step(it, first_iter, cfg.measure_every):
+        if not measured_step(it, iter_num, cfg.measure_every):
             return train_step(stage, optimizer, batches, cfg, dp, embed)
         reports.start_measuring_pipeline(stage, comms, wire)
         loss = train_step(stage, optimizer, batches, cfg, dp, embed)

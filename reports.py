@@ -99,17 +99,19 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
 import torch.distributed as dist
 
 from distributed import is_master
-from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula, tp_comm_bytes_formula,
-                      tp_edge_comm_bytes_formula)
+from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula,
+                      tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
 from measure import comm_report, print_measured
 from training import log_rank_rows
 
 
-def tensor_parallel_step(iter_num, cfg, config, layout, tp, dp, activation_bytes, wire_bytes, why_not):
-    """A log.jsonl row per rank; rank 0 prints its numbers and each rank's own wire bytes (print_measured)."""
+def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes, wire_bytes, why_not):
+    """tensor_parallel.py's measured step: a log.jsonl row per rank; rank 0 prints its numbers and each
+    rank's own wire bytes (print_measured). params: this rank's parameter bytes; activation_bytes: one
+    layer's, measured."""
     s, b, h, t, sp = cfg.block_size, cfg.batch_size, config.n_embd, tp.group.size, cfg.sequence_parallel
     elem, micro_steps = (4 if cfg.dtype == 'float32' else 2), cfg.gradient_accumulation_steps // dp.size
-    params, sent = sum(p.numel() * p.element_size() for p, _ in layout.values()), comm_report([tp.group, dp])
+    sent = comm_report([tp.group, dp])
     rows = log_rank_rows(cfg.out_dir, dict(
         rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, tp_rank=tp.group.rank,
         dp_rank=dp.rank, tp=t, dp=dp.size, sequence_parallel=sp, param_bytes=params,
@@ -131,6 +133,8 @@ def tensor_parallel_step(iter_num, cfg, config, layout, tp, dp, activation_bytes
     r = rows[0]
     lines = [('parameter bytes', None, params, r['param_bytes_formula']),
              ('activation bytes, one layer', activation_bytes, None, r['activation_bytes_formula']),
+             # saved_bytes_formula reads this code's saved tensors; Korthikanti's count is Megatron's (dropout
+             # masks, an s x s attention matrix, the sequence chunk)
              ("  Megatron's count (Korthikanti)", None, None, r['activation_bytes_korthikanti']),
              # (the ring formula at the calls we made, beside the paper's count of those calls)
              ('tp activations, wire bytes (ring at our calls)', None, r['tp_activation_wire_bytes_formula'],
@@ -167,7 +171,7 @@ import os
 
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from measure import NOT_MEASURED, ScheduleClock, print_schedule_report, schedule_measurements
-from training import log_rank_rows
+from training import log_rank_rows, run_shape
 
 
 def start_measuring_pipeline(stage, comms, wire):
@@ -202,32 +206,40 @@ def report_pipeline(stage, cfg, comms, wire, iter_num, rank, dp_rank):
         print_schedule_report(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per "
                               f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held} microbatches",
                               os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
+
+
+def print_pipeline_grid(grid, world_size, cfg, n_layer, n_params):
+    """The dp x pp grid and the run's shape (rank 0, at the start)."""
+    dp = world_size // cfg.pp
+    print(f"process grid (dp={dp} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
+          f"{grid.view(dp, cfg.pp)}\n" + run_shape(
+              f"world {world_size} = dp {dp} x pp {cfg.pp}, {n_layer // cfg.pp} blocks "
+              f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
+              f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
 # === end pipeline.py ===
 
 # === parallel_4d.py ===
-import torch.distributed as dist
-
 from distributed import GRID_DIMS
 from formulas import model_state_bytes_formula
 from measure import NOT_MEASURED, ScheduleClock, WireMeter, comm_report, print_measured
-from training import log_rank_rows
+from training import log_rank_rows, run_shape
 
 
-def print_grid(grid, coords, comms, dp_cp, embed, rank, cfg):
+def print_grid_4d(grid, coords, comms, rank, cfg, n_params):
     """Rank 0 prints the grid and the run; every rank prints (and logs) its coordinates and the global ranks
-    of each of its groups: the ones it talks to."""
+    of each of its groups (comms: {dp, pp, cp, tp, dp_cp, embed (None: untied or pp=1)}): the ones it talks
+    to."""
     if rank == 0:
-        print(f"process grid: torch.arange({grid.numel()}).view(dp={grid.size(0)}, pp={grid.size(1)}, "
-              f"cp={grid.size(2)}, tp={grid.size(3)})\n{grid}")
-    members = lambda comm: [comm.global_rank(r) for r in range(comm.size)]
-    groups = {dim: members(comms[dim]) for dim in GRID_DIMS}
-    groups.update({'dp_cp': members(dp_cp)}, **({'embed': members(embed)} if embed is not None else {}))
+        dp, pp, cp, tp = grid.shape
+        print(f"process grid: torch.arange({grid.numel()}).view(dp={dp}, pp={pp}, cp={cp}, tp={tp})\n{grid}")
+        print(run_shape(f"world {grid.numel()} = dp {dp} x pp {pp} x cp {cp} x tp {tp}", cfg, n_params))
+    groups = {k: [c.global_rank(r) for r in range(c.size)] for k, c in comms.items() if c is not None}
     print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in GRID_DIMS) + '; groups: ' +
           ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
     log_rank_rows(cfg.out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
 
 
-def start_measuring_grid(stage, comms):
+def start_measuring_4d(stage, comms):
     """A measured step: the counts from zero, the schedule's clock on, the wire meter started."""
     for comm in comms:
         comm.clear()
@@ -236,24 +248,23 @@ def start_measuring_grid(stage, comms):
     return wire
 
 
-def report_grid(stage, zero, held, comms, wire, cfg, coords, iter_num):
+def report_4d(stage, zero, comms, wire, cfg, coords, iter_num, rank):
     """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its
     stage held at a schedule's peak, and the bytes it sent (counted, the ring formula by dimension, its own
     sockets): one log row per rank, one table."""
     wire_bytes, clock, stage.clock = wire.stop(), stage.clock, NOT_MEASURED
     formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
     sent = comm_report(comms)
-    row = {'rank': dist.get_rank(), 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
-           'numel': zero.numel, **held, **{k + '_formula': v for k, v in formula.items()},
+    row = {'rank': rank, 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
+           'numel': zero.numel, **held_bytes(zero), **{k + '_formula': v for k, v in formula.items()},
            'peak_activation_bytes': clock.peak_held_bytes,
            'collective_bytes_by_kind': sent['collective_bytes'],
            'collective_bytes': sum(sent['collective_bytes'].values()), 'wire_bytes': wire_bytes,
            'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()), 'wire_bytes_note': wire.why_not}
     rows = log_rank_rows(cfg.out_dir, row)
-    if dist.get_rank() == 0:
+    if rank == 0:
         print_measured(f"iter {iter_num}: what each rank holds (ZeRO-1's formula for its slice) and sends "
-                       "per "
-                       f"step (counted at the calls, the ring formula, its own sockets)",
+                       "per step (counted at the calls, the ring formula, its own sockets)",
                        [line for r in rows for line in (
                            *((f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
                              for k in ('param_bytes', 'grad_bytes', 'optim_bytes')),
