@@ -25,16 +25,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import GPTConfig, init_values, materialize
-from training import (autocast_context, check_batch, config_defaults, configure,
-                      check_no_compile, outputs_line, profiled, progress, run_main, run_shape, training_loop)
-from dataset import load_dataset, micro_batches
-from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
-                         seed_dropout, set_rng_state)
-from distributed import (Comm, average_gradients, finish_distributed, init_distributed,
-                         process_grid, world_size_from_env)
-from measure import WireMeter, measured_step, saved_bytes_counter
 import reports
+from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
+                         load_world, rng_state, seed_dropout, set_rng_state)
+from dataset import load_dataset, micro_batches
+from distributed import (Comm, average_gradients, clip_grad_norm, finish_distributed, init_distributed,
+                         process_grid, sum_of_squares, world_size_from_env)
+from measure import WireMeter, measured_step, saved_bytes_counter
+from model import GPTConfig, init_values, materialize
+from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
+                      outputs_line, profiled, progress, run_main, run_shape, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -78,8 +78,7 @@ def reduce_scatter_seq(x, comm):
 
 class CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. It enters the tensor-parallel region: each rank
-    feeds x to its slice of a column-parallel layer, so its dL/dx covers its outputs only; the full one is
-    the sum."""
+    feeds x to its slice of a column-parallel layer: its dL/dx covers its outputs only; the sum is whole."""
     @staticmethod
     def forward(ctx, x, tp_group):
         ctx.tp_group = tp_group
@@ -136,14 +135,12 @@ class TensorParallel:
     sequence_parallel: bool = False
 
     def enter(self, x):
-        if self.group.size == 1:
-            return x
-        return (GatherFromSequence if self.sequence_parallel else CopyToTP).apply(x, self.group)
+        op = GatherFromSequence if self.sequence_parallel else CopyToTP
+        return x if self.group.size == 1 else op.apply(x, self.group)
 
     def leave(self, x):
-        if self.group.size == 1:
-            return x
-        return (ScatterToSequence if self.sequence_parallel else ReduceFromTP).apply(x, self.group)
+        op = ScatterToSequence if self.sequence_parallel else ReduceFromTP
+        return x if self.group.size == 1 else op.apply(x, self.group)
 
 
 # -----------------------------------------------------------------------------
@@ -154,9 +151,8 @@ class TensorParallel:
 
 @contextlib.contextmanager
 def tp_rank_rng(tp_rank):
-    """Draw inside under this tp rank's own stream (Megatron's model-parallel RNG tracker): seeded by a draw
-    from the shared stream, so activation checkpointing's recompute replays it, plus the rank, so ranks
-    differ."""
+    """Draw inside under this tp rank's own stream (Megatron's model-parallel RNG tracker), seeded by a draw
+    from the shared stream (so activation checkpointing's recompute replays it) plus the rank."""
     seed = int(torch.randint(0, 2 ** 62, ()).item())
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = [torch.cuda.current_device()] if cuda else []
@@ -370,32 +366,15 @@ def tp_forward(model, idx, targets, tp):
 
 def sync_tp_grads(layout, tp):
     """Sequence parallelism only: the replicated parameters (norms, row-parallel biases, positions) saw only
-    this rank's chunk of the sequence, so their gradient is the sum over the tp ranks (without SP, each saw
-    it all)."""
-    grads = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
-    if tp.sequence_parallel and tp.group.size > 1 and grads:
-        flat = all_reduce(torch.cat([gr.flatten() for gr in grads]), tp.group, 'grad_all_reduce')
-        for gr, new in zip(grads, flat.split([gr.numel() for gr in grads])):
-            gr.copy_(new.view_as(gr))
-
-
-def clip_grad_norm(layout, tp, max_norm):
-    """clip_grad_norm_ over the whole model: the split parameters' squares summed over the tp ranks, the
-    replicated ones counted once."""
-    split = [p.grad for p, kind in layout.values() if kind != 'replicated' and p.grad is not None]
-    replicated = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
-    sum_sq = lambda gs: torch.stack([g.float().pow(2).sum() for g in gs]).sum() if gs else torch.zeros(())
-    total_sq = all_reduce(sum_sq(split), tp.group, 'scalars') + sum_sq(replicated)
-    coef = torch.clamp(max_norm / (total_sq.sqrt() + 1e-6), max=1.0)
-    for gr in split + replicated:
-        gr.mul_(coef.to(gr.dtype))
-    return total_sq.sqrt()
+    this rank's chunk of the sequence, so their gradient is the tp ranks' sum (without SP: all of it)."""
+    if tp.sequence_parallel:
+        average_gradients([p for p, kind in layout.values() if kind == 'replicated'], tp.group, divisor=1,
+                          kind='grad_all_reduce')
 
 
 def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
     """train.py's iteration with the tensor-parallel forward, then the syncs it adds: the replicated
-    parameters' gradients over the tp ranks (SP), all over the dp replicas, the clip over the whole model.
-    Returns the mean loss over the global batch."""
+    parameters' gradients over tp (SP), all over dp, the clip over the whole model. Returns the mean loss."""
     loss_sum = 0.0
     for x, y in batches:
         with ctx:
@@ -404,8 +383,11 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
         loss.backward()
     sync_tp_grads(layout, tp)
     average_gradients([p for p, _ in layout.values()], dp)  # data parallelism over the replicas
-    if grad_clip != 0.0:
-        clip_grad_norm(layout, tp, grad_clip)
+    if grad_clip != 0.0:  # the whole model's norm: the slices' squares, 1/tp of the replicated ones', over tp
+        split = [p.grad for p, kind in layout.values() if kind != 'replicated' and p.grad is not None]
+        replicated = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
+        share = sum_of_squares(split) + sum_of_squares(replicated) / tp.group.size
+        clip_grad_norm(split + replicated, share, grad_clip, [tp.group])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return all_reduce(loss_sum, dp, 'scalars').item() / dp.size
@@ -417,8 +399,8 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
     ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     if rank == 0:
-        print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}"
-                        f"{' with sequence parallelism' if cfg.sequence_parallel else ''}", cfg,
+        sp = ' with sequence parallelism' if cfg.sequence_parallel else ''
+        print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}{sp}", cfg,
                         model.get_num_params()))
     flops_per_token = model.flops_per_token(cfg.block_size)  # the whole model's, at the run's sequence length
     layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
@@ -453,13 +435,13 @@ def rank_checkpoint(model, layout, optimizer, cfg, world_size, iter_num, best_va
     return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'rng': rng_state(),
             'layout': {dense: (local[id(p)], kind) for dense, (p, kind) in layout.items()},
             'param_order': [local[id(p)] for group in optimizer.param_groups for p in group['params']],
-            'model_args': vars(model.config), 'tp': cfg.tp, 'world_size': world_size, 'iter_num': iter_num,
-            'best_val_loss': best_val_loss, 'config': vars(cfg)}
+            'model_args': vars(model.config), 'grid': {'tp': cfg.tp, 'ranks': world_size},
+            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}
 
 
 def consolidate(out_dir):
     """The slices of data-parallel replica 0's tp ranks, joined (join_slices) into train.py's checkpoint."""
-    ranks = load_world(out_dir, RANK_FILE, load_mmap(rank_ckpt_path(out_dir, 0))['tp'])
+    ranks = load_world(out_dir, RANK_FILE, load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp'])
     first, model_sd, states = ranks[0], {}, {}
     qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
@@ -477,6 +459,7 @@ def check_config(cfg, world_size):
     if cfg.tp < 1 or world_size % cfg.tp:
         raise SystemExit(f"error: world size {world_size} is not divisible by tp={cfg.tp}")
     check_batch(cfg, world_size // cfg.tp, world_size)
+    check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     if cfg.n_head % cfg.tp or n_kv_head % cfg.tp:
         raise SystemExit(f"error: n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) must both be divisible "
@@ -487,18 +470,11 @@ def check_config(cfg, world_size):
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: dtype must be float32 or bfloat16 for tensor_parallel.py, got "
                          f"{cfg.dtype!r} (float16's GradScaler would need its inf check shared by the tp "
-                         f"ranks)")
-    check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
+                         "ranks)")
     path = rank_ckpt_path(cfg.out_dir, 0)
     if cfg.init_from == 'resume' and not os.path.exists(path):  # (every rank's file: init_model checks)
         raise SystemExit(f"error: init_from=resume but there is no checkpoint at {path}")
-    saved = load_mmap(path) if cfg.init_from == 'resume' else None  # its grid (memory-mapped: little is read)
-    if saved is not None and (saved['tp'], saved['world_size']) != (cfg.tp, world_size):
-        raise SystemExit(f"error: init_from=resume: the checkpoint was written with --tp={saved['tp']} on "
-                         f"{saved['world_size']} ranks, this run has --tp={cfg.tp} on {world_size}: resume "
-                         f"with the saved ones, or python consolidate.py {cfg.out_dir} makes one ckpt.pt, "
-                         f"which train.py, train_ddp.py, zero.py, train_fsdp.py and context_parallel.py "
-                         f"continue from")
+    check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py
 
 
 # -----------------------------------------------------------------------------
@@ -506,8 +482,7 @@ def check_config(cfg, world_size):
 
 def measure_activation_bytes(model, idx, tp):
     """Bytes one layer saves for backward, measured: the storages autograd keeps (saved_tensors_hooks) while
-    the first block runs on idx's embedding. saved_bytes_formula reads the same off the code; Korthikanti's
-    activation_bytes_formula is Megatron's (dropout masks, an s x s attention matrix, the sequence chunk)."""
+    the first block runs on idx's embedding (formulas.saved_bytes_formula reads the same off the code)."""
     hooks, seen = saved_bytes_counter(model)
     with torch.enable_grad():  # the block's input as it sees it in a run: with SP, this rank's chunk
         x = model.transformer.wte(idx).detach().requires_grad_()
@@ -518,8 +493,8 @@ def measure_activation_bytes(model, idx, tp):
 
 @contextlib.contextmanager
 def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
-    """The seam between a step and its measuring, a context around train_step: a step that measured_step names
-    is measured and reported; every other step runs the algorithm alone (no barrier, no extra forward)."""
+    """Around train_step: a step that measured_step names is measured and reported (reports.py); every other
+    step runs the algorithm alone (no barrier, no extra forward)."""
     if not measured_step(iter_num, first_iter, cfg.measure_every):
         yield
         return
@@ -530,7 +505,8 @@ def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
     wire = WireMeter()
     wire.start()
     yield
-    reports.tensor_parallel_step(iter_num, cfg, model.config, layout, tp, dp, activation_bytes, wire.stop(),
+    params = sum(p.numel() * p.element_size() for p, _ in layout.values())
+    reports.tensor_parallel_step(iter_num, cfg, model.config, params, tp, dp, activation_bytes, wire.stop(),
                                  wire.why_not)
 
 

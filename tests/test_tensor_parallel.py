@@ -402,11 +402,13 @@ def test_resume_with_another_tp_or_world_says_what_to_do(tmp_path, saved_tp, sav
     before any work (check_config reads rank 0's file), instead of a load_state_dict traceback."""
     import tensor_parallel as tpm
     for r in range(saved_world):  # the keys tensor_parallel.py saves that say how the model was cut
-        torch.save({'tp': saved_tp, 'world_size': saved_world, 'iter_num': 2}, tpm.rank_ckpt_path(tmp_path, r))
+        torch.save({'grid': {'tp': saved_tp, 'ranks': saved_world}, 'config': {}, 'iter_num': 2},
+                   tpm.rank_ckpt_path(tmp_path, r))
     with pytest.raises(SystemExit) as e:
         tpm.check_config(_cfg(tp=2, init_from='resume', out_dir=str(tmp_path)), 2)
-    assert e.value.code.startswith(f"error: init_from=resume: the checkpoint was written with --tp={saved_tp} on "
-                                   f"{saved_world} ranks, this run has --tp=2 on 2"), e.value.code
+    assert e.value.code.startswith(f"error: init_from=resume: {tpm.rank_ckpt_path(tmp_path, 0)} was saved with "
+                                   f"--tp={saved_tp} on {saved_world} ranks, this run has --tp=2 on 2 ranks"), \
+        e.value.code
     assert f'python consolidate.py {tmp_path}' in e.value.code
 
 
