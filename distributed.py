@@ -314,3 +314,21 @@ def return_freed_buffers_to_the_os(threshold=1 << 20):
         ctypes.CDLL('libc.so.6').mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD, glibc's malloc.h
     except OSError:
         pass  # not glibc (macOS, musl): their allocators do not keep a dynamic threshold
+
+
+# Collectives along the sequence (dim 1), as sequence parallelism (tensor_parallel.py) needs them
+
+def all_gather_seq(x, comm):
+    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
+    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
+    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
+    comm.all_gather(out, chunk)
+    return out.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_seq(x, comm):
+    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
+    comm.reduce_scatter(out, full)
+    return out.transpose(0, 1).contiguous()

@@ -29,8 +29,9 @@ import reports
 from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, rng_state, seed_dropout, set_rng_state)
 from dataset import load_dataset, micro_batches
-from distributed import (Comm, average_gradients, clip_grad_norm, finish_distributed, init_distributed,
-                         process_grid, sum_of_squares, world_size_from_env)
+from distributed import (Comm, all_gather_seq, average_gradients, clip_grad_norm, finish_distributed,
+                         init_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
+                         world_size_from_env)
 from measure import WireMeter, measured_step, saved_bytes_counter
 from model import GPTConfig, init_values, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
@@ -49,28 +50,13 @@ config = config_defaults(globals())
 
 
 # -----------------------------------------------------------------------------
-# Collectives, each through a Comm, which counts the bytes it is handed.
+# Collectives, each through a Comm, which counts the bytes it is handed (the sequence's all-gather and
+# reduce-scatter, all_gather_seq and reduce_scatter_seq, are distributed.py's).
 
 def all_reduce(x, comm, kind='all_reduce', op=dist.ReduceOp.SUM):
     """x summed (or op) over comm's group, in place; returns x."""
     comm.all_reduce(x, op=op, kind=kind)
     return x
-
-
-def all_gather_seq(x, comm):
-    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
-    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
-    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
-    comm.all_gather(out, chunk)
-    return out.transpose(0, 1).contiguous()
-
-
-def reduce_scatter_seq(x, comm):
-    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
-    full = x.transpose(0, 1).contiguous()
-    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
-    comm.reduce_scatter(out, full)
-    return out.transpose(0, 1).contiguous()
 
 
 # -----------------------------------------------------------------------------
