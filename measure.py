@@ -434,3 +434,15 @@ class NotMeasured:
 
 
 NOT_MEASURED = NotMeasured()
+
+
+def first_block_saved_bytes(model, idx):
+    """Bytes one layer saves for backward, measured: the storages autograd keeps (saved_tensors_hooks) while
+    the first block runs on idx's embedding, as the block sees it in a run (the model's own embedding: with
+    sequence parallelism, this rank's chunk of the sequence)."""
+    hooks, seen = saved_bytes_counter(model)
+    with torch.enable_grad():
+        x = model.transformer.wte(idx).detach().requires_grad_()
+        with hooks:
+            model.run_block(model.transformer.h[0], x)
+    return sum(seen.values())

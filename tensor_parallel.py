@@ -32,7 +32,7 @@ from dataset import load_dataset, micro_batches
 from distributed import (Comm, all_gather_seq, average_gradients, clip_grad_norm, finish_distributed,
                          init_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
                          world_size_from_env)
-from measure import WireMeter, measured_step, saved_bytes_counter
+from measure import WireMeter, first_block_saved_bytes, measured_step
 from model import GPTConfig, init_values, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
                       outputs_line, profiled, progress, run_main, run_shape, training_loop)
@@ -466,17 +466,6 @@ def check_config(cfg, world_size):
 # -----------------------------------------------------------------------------
 # Measured beside the formulas, on the steps measure.measured_step names (the first, every --measure_every-th)
 
-def measure_activation_bytes(model, idx, tp):
-    """Bytes one layer saves for backward, measured: the storages autograd keeps (saved_tensors_hooks) while
-    the first block runs on idx's embedding (formulas.saved_bytes_formula reads the same off the code)."""
-    hooks, seen = saved_bytes_counter(model)
-    with torch.enable_grad():  # the block's input as it sees it in a run: with SP, this rank's chunk
-        x = model.transformer.wte(idx).detach().requires_grad_()
-        with hooks:
-            model.run_block(model.transformer.h[0], x)
-    return sum(seen.values())
-
-
 @contextlib.contextmanager
 def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
     """Around train_step: a step that measured_step names is measured and reported (reports.py); every other
@@ -486,7 +475,7 @@ def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
         return
     devices = [torch.device(cfg.device).index or 0] if cfg.device.startswith('cuda') else []
     with ctx, torch.random.fork_rng(devices=devices):  # its dropout draws must not move the run's streams
-        activation_bytes = measure_activation_bytes(model, x, tp)
+        activation_bytes = first_block_saved_bytes(model, x)
     tp.group.clear(), dp.clear()  # the step's bytes only
     wire = WireMeter()
     wire.start()

@@ -43,6 +43,7 @@ def _against_dense(rank, world_size):
     """For each layout, tp and sequence_parallel: the tp model vs the dense model on one batch; also what it
     sends and saves for backward, measured."""
     import torch.distributed as dist
+    import measure
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
     from distributed import Comm
@@ -90,7 +91,7 @@ def _against_dense(rank, world_size):
                     param_bytes=sum(p.numel() * 4 for p in model.parameters()),
                     param_bytes_formula=formulas.param_bytes_formula(config, t),
                     dense_param_bytes=sum(p.numel() * 4 for p in dense.parameters()),
-                    activation_bytes=tpm.measure_activation_bytes(model, idx, tp),
+                    activation_bytes=measure.first_block_saved_bytes(model, idx),
                     activation_bytes_formula=formulas.saved_bytes_formula(config, 16, 2, t, sp))
     return results
 
@@ -177,6 +178,7 @@ def _measuring_calls(rank, world_size, out_dir):
     from collections import Counter
     import torch.distributed as dist
     import distributed
+    import measure
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
     _, _, comms = distributed.process_grid(world_size, rank, dp=2, tp=2)
@@ -196,7 +198,7 @@ def _measuring_calls(rank, world_size, out_dir):
     patches = counting_patches(calls, [
         (dist, 'all_reduce', 'dist collective'), (distributed, 'all_gather_single', 'dist collective'),
         (distributed, 'reduce_scatter_single', 'dist collective'),
-        (tpm, 'saved_bytes_counter', 'saved-tensor hooks')] + measuring_calls())
+        (measure, 'saved_bytes_counter', 'saved-tensor hooks')] + measuring_calls())
     seen = {}
     for iter_num in (1, 0):
         calls.clear()
