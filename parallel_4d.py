@@ -13,19 +13,18 @@ pp  pipeline.py: the blocks split into stages, microbatches scheduled through th
 dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW state
     (Megatron's distributed optimizer shards over the same group)
 
-For the same config and seed the loss curve is train.py's. At the start rank 0 prints the grid and every rank
-the groups it belongs to; after the first iteration every rank prints what it holds and what it sent along
-each dimension, measured beside the formulas.
+For the same config and seed the loss curve is train.py's. Rank 0 prints the grid, every rank its groups;
+after the first iteration, what each rank holds and sent along each dimension, beside the formulas.
 """
 
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
-import reports
 from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, rng_state, seed_dropout, set_rng_state)
 from dataset import load_dataset, micro_batches
@@ -34,11 +33,12 @@ from distributed import (Comm, data_parallel_size, finish_distributed, init_dist
 from measure import measured_step
 from model import GPTConfig, init_params, materialize
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
+import reports
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure, get_lr,
-                      outputs_line, profiled, progress, run_main, run_shape, training_loop)
-from zero import Zero, held_bytes, unflatten_shards
+                      outputs_line, profiled, progress, run_main, training_loop)
+from zero import Zero, unflatten_shards
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -63,7 +63,7 @@ config = config_defaults(globals())
 
 
 def dp_cp_comm(grid, rank):
-    """The ranks that hold the same weights (same pp and tp coordinates): every dp and cp rank of them. Their
+    """The ranks that hold the same weights (same pp and tp coordinates), every dp and cp rank of them: their
     gradients are averaged together, and ZeRO-1 shards the optimizer state over them."""
     comm = None
     for pp_rank in range(grid.size(1)):
@@ -75,13 +75,11 @@ def dp_cp_comm(grid, rank):
     return comm
 
 
-def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
-    """This rank's part of train.py's GPT (built on the meta device): its tp slice of every layer
-    (tensor_parallel.shard_gpt), then its pipeline stage's blocks (pipeline.keep_stage), with context-parallel
-    attention (context_parallel), as a pipeline Stage whose embedding and loss are the vocabulary-parallel
-    ones, on this rank's tokens. Only that part gets storage, then train.py's values (init_params, one dense
-    tensor at a time) or this rank's checkpoint. Returns (stage, tp, cp, layout, {dense name: (local name,
-    kind)})."""
+def build_stage(model, cfg, grid, coords, comms, checkpoint):
+    """This rank's part of train.py's GPT (built on the meta device): its tp slice of every layer, then its
+    pipeline stage's blocks, with context-parallel attention, as a pipeline Stage whose embedding and loss are
+    the vocabulary-parallel ones on this rank's tokens. Only that part gets storage, then train.py's values
+    (init_params, one dense tensor at a time) or this rank's checkpoint. Returns (stage, tp, cp, layout)."""
     tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
     cp = ContextParallel(comms['cp'], cfg.cp_attention)
     layout = shard_gpt(model, tp)
@@ -92,8 +90,8 @@ def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
         cp.positions = zigzag_positions(cfg.block_size, cp.group.size, cp.group.rank, cfg.device)
     tokens = cfg.block_size // cp.group.size // (tp.group.size if cfg.sequence_parallel else 1)
     stage = Stage(model, chunks, coords['pp'], cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
-                  (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device, ctx,
-                  comms['pp'])
+                  (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device,
+                  autocast_context(cfg.device.split(':')[0], cfg.dtype), comms['pp'])
     mine = (lambda t: t) if cp.positions is None else (lambda t: t[:, cp.positions])  # this rank's tokens
     stage.embed = lambda idx: tp_embed(model, mine(idx), tp, cp.positions)
     stage.head = lambda h, targets: tp_head(model, h, mine(targets), tp)
@@ -102,10 +100,7 @@ def build_stage(model, cfg, grid, coords, comms, ctx, checkpoint):
         model.load_state_dict(checkpoint['model'])
     else:
         init_params(model.config, cfg.seed, keep_slices(layout, tp, model.config))
-    local_name = {id(p): n for n, p in model.named_parameters()}  # where each dense parameter's slice is here
-    dense_names = {dense: (local_name[id(p)], kind) for dense,
-                   (p, kind) in layout.items() if id(p) in local_name}
-    return stage, tp, cp, layout, dense_names
+    return stage, tp, cp, layout
 
 
 def build_zero(model, cfg, dp_cp, coords, checkpoint):
@@ -126,8 +121,8 @@ def clip_weights(model, layout, tp, embed, stage):
     the tp ranks 1/tp times on each; the last stage's copy of a tied embedding not at all (the first stage
     counts it)."""
     here = {id(p) for p in model.parameters()}
-    weights = {id(p): 1 / tp.group.size for p,
-               kind in layout.values() if kind == 'replicated' and id(p) in here}
+    weights = {id(p): 1 / tp.group.size for p, kind in layout.values()
+               if kind == 'replicated' and id(p) in here}
     if embed is not None and stage.is_last:
         weights[id(model.lm_head.weight)] = 0.0
     return weights
@@ -135,29 +130,33 @@ def clip_weights(model, layout, tp, embed, stage):
 
 def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
     """train.py's iteration on the grid: the pipeline schedule over each micro-step's microbatches (tensor-
-    and context-parallel inside every block), then the gradient syncs each dimension adds: tp (the replicated
-    parameters under sequence parallelism), pp (the tied embedding's two copies), dp x cp (ZeRO-1:
-    reduce-scatter, the clip over the whole model, AdamW on this rank's chunk, all-gather). Returns the mean
-    loss."""
+    and context-parallel inside every block), then the gradient syncs each dimension adds. The mean loss."""
     stage.loss_sum = torch.zeros((), device=cfg.device)
-    stage.act_shape = (cfg.batch_size // cfg.n_microbatches,) + tuple(stage.act_shape[1:])
+    stage.act_shape = (cfg.batch_size // cfg.n_microbatches,) + tuple(stage.act_shape[1:])  # (eval: batches)
     # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
     zero.last_micro_step = False
     for x, y in batches:
         run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
-    sync_tp_grads(layout, tp)
-    if embed is not None:
+    sync_tp_grads(layout, tp)  # tp, sequence parallel: the replicated parameters saw only this rank's tokens
+    if embed is not None:  # pp: the tied embedding's two copies, on the first and the last stage
         model = stage.model
         embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
     zero.last_micro_step = True
-    zero.finish_backward()
-    if cfg.grad_clip != 0.0:
+    zero.finish_backward()  # dp x cp (ZeRO-1): every bucket reduce-scattered, each rank its chunk's average
+    if cfg.grad_clip != 0.0:  # the norm of the whole model: the squares summed over dp x cp, then tp and pp
         zero.clip_grad_norm(cfg.grad_clip, weights, [tp.group, stage.comm])
-    zero.step(lr)
+    zero.step(lr)  # AdamW on this rank's chunk, then all-gather the updated weights
     loss_sum = stage.loss_sum.clone()  # nonzero on the last stage: summed over the stages, then dp x cp
     stage.comm.all_reduce(loss_sum, kind='scalars')
     zero.comm.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / zero.comm.size
+
+
+def grid_loss(stage, cp, x, y):
+    """The mean loss over the whole batch: through the stages, then the mean of the cp ranks'."""
+    loss = forward_loss(stage, x, y)
+    cp.group.all_reduce(loss, kind='scalars')
+    return loss / cp.group.size
 
 
 def main(argv):
@@ -166,48 +165,33 @@ def main(argv):
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    dp_cp, embed = dp_cp_comm(grid, rank), embed_comm(grid, rank, cfg.tie_embeddings)
+    comms.update(dp_cp=dp_cp_comm(grid, rank), embed=embed_comm(grid, rank, cfg.tie_embeddings))
     os.makedirs(cfg.out_dir, exist_ok=True)
-    reports.print_grid(grid, coords, comms, dp_cp, embed, rank, cfg)
     torch.manual_seed(cfg.seed)
-    ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
-    # train.py's GPT on the meta device, cut along every dimension of the grid, then only this rank's part
-    # materialized with train.py's values; ZeRO-1 holds its weights and AdamW state
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
                                                             gpt2=False, meta=True)
-    flops_per_token = model.flops_per_token(cfg.block_size)  # of the whole model
-    if rank == 0:
-        print(run_shape(f"world {world_size} = dp {dp_size} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp}", cfg,
-                        model.get_num_params()))
-    stage, tp, cp, layout, dense_names = build_stage(model, cfg, grid, coords, comms, ctx, checkpoint)
-    zero = build_zero(model, cfg, dp_cp, coords, checkpoint)
+    flops = model.flops_per_token(cfg.block_size)  # of the whole model, before it is cut
+    reports.print_grid_4d(grid, coords, comms, rank, cfg, model.get_num_params())
+    stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
+    zero, embed = build_zero(model, cfg, comms['dp_cp'], coords, checkpoint), comms['embed']
     weights, first_iter, writer = clip_weights(model, layout, tp, embed, stage), iter_num, CheckpointWriter()
-    all_comms = [dp_cp, comms['pp'], comms['cp'], comms['tp']] + ([embed] if embed else [])
+    sending = [comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d] is not None]
 
     def step(it):  # one iteration; a measured one also reports what each rank holds and sends
         batches = micro_batches(data, cfg, it, coords['dp'], dp_size)
         if not measured_step(it, first_iter, cfg.measure_every):
             return train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
-        wire = reports.start_measuring_grid(stage, all_comms)
+        wire = reports.start_measuring_4d(stage, sending)
         loss = train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
-        reports.report_grid(stage, zero, held_bytes(zero), all_comms, wire, cfg, coords, it)
+        reports.report_4d(stage, zero, sending, wire, cfg, coords, it, rank)
         return loss
 
-    def loss_of(x, y):  # the mean over the whole batch: through the stages, then the mean of the cp ranks'
-        loss = forward_loss(stage, x, y)
-        cp.group.all_reduce(loss, kind='scalars')
-        return loss / cp.group.size
-
-    def save(it, best):
-        writer.save({'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(),
-                     'coords': coords, 'grid': run_grid(cfg, world_size), 'dense_names': dense_names,
-                     'iter_num': it, 'model_args': vars(model.config), 'best_val_loss': best,
-                     'config': vars(cfg)},
-                     rank_file(cfg.out_dir, rank))
-
-    run = SimpleNamespace(model=model, optimizer=None, loss_of=loss_of, dp=comms['dp'], data=data, step=step,
-                          save=save, flops_per_token=flops_per_token, n_devices=world_size, rank=rank)
+    save = lambda it, best: writer.save(rank_checkpoint(model, zero, layout, coords, cfg, world_size, it,
+                                                        best), rank_file(cfg.out_dir, rank))
+    run = SimpleNamespace(model=model, optimizer=None, loss_of=partial(grid_loss, stage, cp), step=step,
+                          save=save, dp=comms['dp'], data=data, flops_per_token=flops, n_devices=world_size,
+                          rank=rank)
     training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
@@ -231,18 +215,18 @@ def check_config(cfg, world_size):
     if cfg.n_layer % (cfg.pp * cfg.virtual_stages):
         raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp x virtual_stages = "
                          f"{cfg.pp * cfg.virtual_stages}")
-    if cfg.batch_size % cfg.n_microbatches or (cfg.schedule != 'gpipe' and cfg.n_microbatches < cfg.pp) or \
-            (cfg.schedule == 'interleaved' and cfg.n_microbatches % cfg.pp):
-        raise SystemExit(f"error: batch_size ({cfg.batch_size}) must split into n_microbatches "
-                         f"({cfg.n_microbatches}), at least pp ({cfg.pp}) of them for 1f1b (a multiple: "
-                         f"interleaved)")
+    m = cfg.n_microbatches
+    if cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp) or \
+            (cfg.schedule == 'interleaved' and m % cfg.pp):
+        raise SystemExit(f"error: batch_size ({cfg.batch_size}) must split into n_microbatches ({m}), at "
+                         f"least pp ({cfg.pp}) of them for 1f1b (a multiple: interleaved)")
     if cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)):
         raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with "
                          f"sequence_parallel)")
     if cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel):
         raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (the ring "
-                         "cannot "
-                         "replay dropout; sequence parallelism inside a cp chunk is not composed here)")
+                         "cannot replay dropout; sequence parallelism inside a cp chunk is not "
+                         "composed here)")
     if cfg.dtype not in ('float32', 'bfloat16'):
         raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}")
     check_no_compile(cfg, 'parallel_4d.py')
@@ -263,8 +247,18 @@ def rank_file(out_dir, rank):
 
 def run_grid(cfg, world_size):
     """How this run cuts the model and its AdamW state: a checkpoint resumes only on the same."""
-    return {'pp': cfg.pp, 'cp': cfg.cp, 'tp': cfg.tp, 'virtual_stages': cfg.virtual_stages,
-            'ranks': world_size}
+    return dict(pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, ranks=world_size)
+
+
+def rank_checkpoint(model, zero, layout, coords, cfg, world_size, iter_num, best_val_loss):
+    """This rank's file: its part of the model, its ZeRO-1 chunk and random stream, where it sits on the grid,
+    and where each dense parameter's slice is here ({dense name: (local name, kind)}, for consolidate)."""
+    local_name = {id(p): n for n, p in model.named_parameters()}
+    dense_names = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items()
+                   if id(p) in local_name}
+    return {'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(), 'coords': coords,
+            'grid': run_grid(cfg, world_size), 'dense_names': dense_names, 'iter_num': iter_num,
+            'model_args': vars(model.config), 'best_val_loss': best_val_loss, 'config': vars(cfg)}
 
 
 def consolidate(out_dir):

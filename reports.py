@@ -208,9 +208,11 @@ def report_pipeline(stage, cfg, comms, wire, iter_num, rank, dp_rank):
                               os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
 
 
-def print_pipeline_grid(grid, world_size, cfg, n_layer, n_params):
+def print_pipeline_grid(grid, cfg, n_layer, n_params, rank):
     """The dp x pp grid and the run's shape (rank 0, at the start)."""
-    dp = world_size // cfg.pp
+    if rank != 0:
+        return
+    world_size, dp = grid.numel(), grid.size(0)
     print(f"process grid (dp={dp} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
           f"{grid.view(dp, cfg.pp)}\n" + run_shape(
               f"world {world_size} = dp {dp} x pp {cfg.pp}, {n_layer // cfg.pp} blocks "
