@@ -12,7 +12,6 @@ dp x pp). A measured step (the first, every --measure_every-th) prints the execu
 
 import contextlib
 import os
-from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -20,13 +19,13 @@ import torch.distributed as dist
 
 from model import init_params, keep_own, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      outputs_line, profiled, run_main, training_loop)
+                      configure_adamw, outputs_line, profiled, refuse, run_main, start_run, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
                          train_checkpoint)
 from distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
-                         init_distributed, process_grid, sum_of_squares, world_size_from_env)
+                         process_grid, sum_of_squares, world_size_from_env)
 from measure import NOT_MEASURED, WireMeter, measured_step
 import reports
 
@@ -50,54 +49,45 @@ def validate(cfg, world_size):
     check_schedule(cfg)
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
     check_batch(cfg, data_parallel_size(world_size, pp=p), world_size)
-    for bad, message in (
-            (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
-                                    f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
-            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches "
-                                 f"({m})"),
-            (cfg.schedule in ('1f1b', 'zb1') and m < p,
-             f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
-            (cfg.schedule == 'interleaved' and m % p,
-             f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
-            (cfg.dtype not in ('float32', 'bfloat16'),
-             f"pipeline.py trains in float32 or bfloat16, not {cfg.dtype} (float16: one loss scale)")):
-        if bad:
-            raise SystemExit(f"error: {message}")
+    refuse((cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
+                                   f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
+           (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
+           (cfg.schedule in ('1f1b', 'zb1') and m < p,
+            f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
+           (cfg.schedule == 'interleaved' and m % p,
+            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
+           (cfg.dtype not in ('float32', 'bfloat16'),
+            f"pipeline.py trains in float32 or bfloat16, not {cfg.dtype} (float16: one loss scale)"))
     check_no_compile(cfg, 'pipeline.py')
     check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, stage_ckpt_path(cfg.out_dir, 0))
 
 
 def check_schedule(cfg):
     """The schedule's keys, checked first (the others divide by them); parallel_4d.py checks them too."""
-    if cfg.schedule not in SCHEDULES:
-        raise SystemExit(f"error: --schedule={cfg.schedule} is not one of {', '.join(SCHEDULES)}")
-    if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and cfg.schedule != 'interleaved'):
-        raise SystemExit(f"error: --virtual_stages={cfg.virtual_stages} must be 1, or more with "
-                         f"--schedule=interleaved (got --schedule={cfg.schedule})")
-    if cfg.pp == 1 and (cfg.virtual_stages > 1 or cfg.schedule == 'zb1'):  # (pp < 1: the world size's check)
-        raise SystemExit(f"error: --schedule={cfg.schedule} --virtual_stages={cfg.virtual_stages} needs pp "
-                         f">= 2 (with chunks a stage is its own neighbour; zb1 has no bubble to fill)")
-    if cfg.n_microbatches < 1:
-        raise SystemExit(f"error: --n_microbatches={cfg.n_microbatches} must be at least 1")
+    s, v, m = cfg.schedule, cfg.virtual_stages, cfg.n_microbatches
+    refuse((s not in SCHEDULES, f"--schedule={s} is not one of {', '.join(SCHEDULES)}"),
+           (v < 1 or (v > 1 and s != 'interleaved'),
+            f"--virtual_stages={v} must be 1, or more with --schedule=interleaved (got --schedule={s})"),
+           (cfg.pp == 1 and (v > 1 or s == 'zb1'),  # (pp < 1: the world size's check)
+            f"--schedule={s} --virtual_stages={v} needs pp >= 2 (with chunks a stage is its own neighbour; "
+            "zb1 has no bubble to fill)"),
+           (m < 1, f"--n_microbatches={m} must be at least 1"))
 
 
 def embed_comm(grid, rank, tied):
     """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline (else None)."""
     if not tied or grid.size(1) == 1:
         return None
-    comm = None
+    groups = {}  # every rank makes every group (new_group is collective), and keeps its own
     for row in grid.movedim(1, -1).reshape(-1, grid.size(1)).tolist():  # a row: one pipeline's ranks
-        group = dist.new_group([row[0], row[-1]])
-        if rank in (row[0], row[-1]):
-            comm = Comm(group, 'embed')
-    return comm
+        groups[row[0]] = groups[row[-1]] = dist.new_group([row[0], row[-1]])
+    return Comm(groups[rank], 'embed') if rank in groups else None
 
 
 def keep_stage(model, stage, pp_size, virtual_stages=1):
-    """Cut the GPT to this stage's part, in place: its blocks (the others Identity: names stay the whole
-    model's), the embedding on the first stage, ln_f and lm_head on the last (tied: two copies of one weight,
-    kept equal by summing their gradients, as Megatron does). Returns its chunks of layers: one, or v apart
-    (chunk c of stage r is virtual stage c·pp + r)."""
+    """Cut the GPT to this stage's part, in place: its blocks (the rest Identity: names stay the whole
+    model's), the embedding on stage 0, ln_f and lm_head on the last (tied: two copies, their gradients
+    summed, as Megatron does). Returns its chunks of layers (chunk c is virtual stage c·pp + stage)."""
     n = model.config.n_layer // (pp_size * virtual_stages)
     chunks = [range((c * pp_size + stage) * n, (c * pp_size + stage + 1) * n) for c in range(virtual_stages)]
     for i in range(model.config.n_layer):
@@ -122,15 +112,13 @@ class Stage:
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
         self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
-        self.clock = NOT_MEASURED
+        self.clock, self.loss_sum = NOT_MEASURED, torch.zeros((), device=device)  # (the last stage's losses)
         self.held = {}           # microbatch (and chunk) -> what its backward needs; its graph is alive
         self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
-        self.loss_sum = torch.zeros((), device=device)
 
 
 # -----------------------------------------------------------------------------
 # point-to-point communication: activations go to the next stage, their gradients back to the previous one
-
 
 def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
     """Post this stage's sends and receives together (one batch_isend_irecv), wait for the receives; a send
@@ -181,7 +169,6 @@ def send_forward_recv_backward(stage, y):  # 1F1B's steady state: an output goes
 # -----------------------------------------------------------------------------
 # one microbatch's forward (F) and backward: whole (B), or (zb1) split into the input's (B) and weights' (W)
 
-
 def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0, split=False):
     """F of microbatch i (with chunks: i is (microbatch, chunk)): embed or take the received activation, run
     the chunk's blocks, the head and loss after the model's last. Keeps what backward needs (split: with each
@@ -218,8 +205,7 @@ def backward_step(stage, i, grad_output, chunk=0):
     with stage.clock.op('B', i):
         x, out, _ = stage.held.pop(i)
         stage.clock.released(i)
-        loss = stage.is_last and chunk == len(stage.chunks) - 1
-        torch.autograd.backward(out, None if loss else grad_output)
+        torch.autograd.backward(out, grad_output)  # (out the loss: the schedules receive no gradient for it)
     return None if stage.is_first and chunk == 0 else x.grad
 
 
@@ -255,7 +241,6 @@ def backward_weight_step(stage, i):
 
 # -----------------------------------------------------------------------------
 # the schedules; idx and targets are lists of the m microbatches (only the first and last stage read them)
-
 
 def gpipe(stage, m, idx, targets, loss_scale):
     """GPipe: every microbatch forward, then every microbatch backward. A stage holds all m microbatches'
@@ -370,8 +355,7 @@ SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1
 
 
 def run_schedule(stage, name, m, x, y, loss_scale):
-    """Split the micro-step's batch into m microbatches and run the schedule; the clock is a measured step's
-    (all stages start together, and it keeps what each executed) or a no-op."""
+    """Split the micro-step's batch into m microbatches and run the schedule (timed on a measured step)."""
     stage.clock.start()
     SCHEDULES[name](stage, m, list(x.chunk(m)), list(y.chunk(m)), loss_scale)
     finish_sends(stage)
@@ -396,9 +380,6 @@ def forward_loss(stage, x, y):
     finish_sends(stage)
     stage.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
     return loss
-
-
-# -----------------------------------------------------------------------------
 
 
 def train_step(stage, optimizer, batches, cfg, dp, embed):
@@ -441,17 +422,11 @@ def build(cfg, rank, world_size, vocab_size):
     else:
         init_params(model.config, cfg.seed, keep_own(model))
         seed_dropout(cfg.seed, dp.rank, pp_comm.rank)
-    if rank == 0:
-        reports.print_pipeline_grid(grid, world_size, cfg, model.config.n_layer, n_params)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           device_type)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
+    reports.print_pipeline_grid(grid, cfg, model.config.n_layer, n_params, rank)
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device,
-                  autocast_context(device_type, cfg.dtype), pp_comm)
-    return stage, optimizer, dp, embed, iter_num, best_val_loss, flops_per_token
+                  autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype), pp_comm)
+    return stage, configure_adamw(model, cfg, checkpoint), dp, embed, iter_num, best_val_loss, flops_per_token
 
 
 # -----------------------------------------------------------------------------
@@ -492,16 +467,10 @@ def consolidate(out_dir):
                              {k: v for k, v in first['config'].items() if k != 'consolidate'})
 
 
-# -----------------------------------------------------------------------------
-
-
 def main(argv):
     cfg = configure(config, argv)
     validate(cfg, world_size_from_env())
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    rank, world_size = start_run(cfg)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
     comms, wire, writer = [c for c in (dp, stage.comm, embed) if c], WireMeter(), CheckpointWriter()
@@ -516,8 +485,8 @@ def main(argv):
         return loss
 
     training_loop(cfg, SimpleNamespace(
-        model=stage.model, optimizer=optimizer, loss_of=partial(forward_loss, stage), dp=dp, data=data,
-        step=step, save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg),
+        model=stage.model, optimizer=optimizer, loss_of=lambda x, y: forward_loss(stage, x, y), dp=dp,
+        data=data, step=step, save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg),
         flops_per_token=flops, n_devices=world_size, rank=rank), iter_num, best_val_loss)
     writer.wait()
     if rank == 0:

@@ -102,7 +102,7 @@ from distributed import is_master
 from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula,
                       tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
 from measure import comm_report, print_measured
-from training import log_rank_rows
+from training import log_rank_rows, run_shape
 
 
 def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes, wire_bytes, why_not):
@@ -164,6 +164,13 @@ def tensor_parallel_grid(grid, coords, rank):
               f"\n{grid}")
     print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
           f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
+
+
+def tensor_parallel_shape(cfg, world_size, n_params, rank):
+    """The run's shape (rank 0, once the model's size is known)."""
+    if rank == 0:
+        sp = ' with sequence parallelism' if cfg.sequence_parallel else ''
+        print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}{sp}", cfg, n_params))
 # === end tensor_parallel.py ===
 
 # === pipeline.py ===

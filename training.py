@@ -427,3 +427,33 @@ def run_main(main):
         import traceback
         record_for_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
+
+
+def refuse(*checks):
+    """A config's checks, in order: each (bad, message); the first bad one stops the run with 'error:
+    message' (run_main prints it as one line on every rank). Each condition is evaluated before any is
+    tested: one that would divide by a key goes after the check of that key."""
+    for bad, message in checks:
+        if bad:
+            raise SystemExit(f"error: {message}")
+
+
+def start_run(cfg):
+    """A parallel script's start, its config checked: join torchrun's process group (cfg.device becomes this
+    rank's GPU under torchrun), make out_dir, seed torch (every rank builds the same weights). Returns (rank,
+    world_size)."""
+    rank, _, world_size, device = distributed.init_distributed(cfg.dist_timeout)
+    cfg.device = device if world_size > 1 else cfg.device
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    return rank, world_size
+
+
+def configure_adamw(model, cfg, checkpoint=None):
+    """The model's AdamW from the config's keys (model.configure_optimizers: its two groups, fused on CUDA),
+    its state loaded from checkpoint['optimizer'] when resuming."""
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           'cuda' if cfg.device.startswith('cuda') else 'cpu')
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+    return optimizer
