@@ -176,17 +176,21 @@ def tensor_parallel_shape(cfg, world_size, n_params, rank):
 # === pipeline.py ===
 import os
 
+from distributed import Comm
 from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
 from measure import NOT_MEASURED, ScheduleClock, print_schedule_report, schedule_measurements
 from training import log_rank_rows, run_shape
 
 
 def start_measuring_pipeline(stage, comms, wire):
-    """A measured step: the counts from zero, the clock on, the bytes on the wire."""
+    """A measured step: the counts from zero, the clock on, the bytes on the wire. The clock's barrier and MAX
+    all-reduce go through a Comm of their own over the pp group: they measure, so the algorithm's counts
+    (comms) leave them out."""
     for comm in comms:
         comm.clear()
     wire.start()
-    stage.clock = ScheduleClock(stage.device, stage.comm, stage.model)
+    clock_comm = Comm(stage.comm.group, 'pp clock', alone=stage.comm.size == 1)
+    stage.clock = ScheduleClock(stage.device, clock_comm, stage.model)
 
 
 def report_pipeline(stage, cfg, comms, wire, iter_num, rank, dp_rank):

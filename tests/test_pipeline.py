@@ -386,6 +386,9 @@ def test_each_stage_measures_its_own_wire_bytes(tmp_path):
         assert r['wire_bytes'] is not None, r['wire_bytes_note']
         assert r['wire_bytes_formula'] == counted and r['p2p_bytes_per_step'] > 0.9 * counted, r
         assert 0.99 * counted <= r['wire_bytes'] <= 1.05 * counted + 4096, (r['stage'], r['wire_bytes'], counted)
+        # counted: the algorithm's calls alone (the clip's norm and the loss: 4 bytes each), not the clock's MAX
+        # all-reduce of each schedule's length, which only measures
+        assert r['collective_bytes_by_kind']['pp scalars'] == 2 * 4, r['collective_bytes_by_kind']
 
 
 def test_resume_with_dropout_is_exact(tmp_path):
