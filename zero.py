@@ -1,7 +1,7 @@
 """
 ZeRO by hand, stages 0 to 3 (Rajbhandari et al. 2020): data parallelism in which the N ranks split the model
-states (parameters, gradients, AdamW state) between them instead of each holding all of them. Every collective
-is written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
+states (parameters, gradients, AdamW state) instead of each holding all of them. Every collective is written
+out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
 
     torchrun --standalone --nproc_per_node=2 zero.py --stage=2
     torchrun --standalone --nproc_per_node=2 zero.py --deepspeed_config=config/ds_zero3.json
@@ -9,19 +9,17 @@ is written out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer i
     python consolidate.py out-zero       # the per-rank shards -> out-zero/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
-stage 1  + optimizer state sharded: rank r keeps AdamW's state (and, in bf16, the fp32 master weights) only
-           for its chunk of each flat bucket; gradients are reduce-scattered, each rank updates its chunk, and
-           the parameters are all-gathered back
-stage 2  + gradients sharded: each bucket is reduce-scattered as soon as backward has filled it and the
-           full-size gradients are freed, so a rank only ever keeps its gradient chunk
-stage 3  + parameters sharded: a block's parameters are all-gathered just before its forward and again just
+stage 1  + optimizer state sharded: rank r keeps AdamW's state (in bf16 also the fp32 master weights) for its
+           chunk of each flat bucket; gradients reduce-scattered, each rank updates its chunk, the parameters
+           all-gathered back
+stage 2  + gradients sharded: each bucket reduce-scattered as soon as backward has filled it, then freed
+stage 3  + parameters sharded: a block's parameters all-gathered just before its forward and again just
            before its backward, and freed after each
 
-What each stage does is two functions below: reduce_stage_S (a bucket's gradients, once backward has
-produced them) and publish_stage_S (the updated chunk, back into the model's parameters). The update is
-AdamW's, element by element, so every stage trains train.py's numbers. A measured step (the first, every
---measure_every-th) reports the bytes each rank holds (at rest, at the step's peak) and sends, beside the
-paper's formulas.
+Each stage is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced them)
+and publish_stage_S (the updated chunk, back into the model's parameters). The update is AdamW's, element by
+element, so every stage trains train.py's numbers. A measured step (the first, every --measure_every-th)
+reports the bytes each rank holds and sends beside the paper's formulas (reports.py).
 """
 
 import math
@@ -38,8 +36,9 @@ from training import (autocast_context, check_batch, config_defaults, configure,
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
-from distributed import (Comm, all_gather_direct, finish_distributed, init_distributed, reduce_scatter_of,
-                         return_freed_buffers_to_the_os, world_size_from_env)
+from distributed import (Comm, all_gather_direct, clip_grad_norm, finish_distributed, init_distributed,
+                         reduce_scatter_of, return_freed_buffers_to_the_os, sum_of_squares,
+                         world_size_from_env)
 from measure import measured_step
 import reports
 from reports import held_bytes  # noqa: F401 (parallel_4d.py imports it from here)
@@ -84,14 +83,14 @@ class Bucket:
         self.numel = sum(p.numel() for p in params)
         n, r = (world_size, rank) if stage >= 1 else (1, 0)  # stage 0: every rank's chunk is the whole bucket
         self.padded = math.ceil(self.numel / n) * n
-        self.shard_numel = self.padded // n
-        self.lo = r * self.shard_numel
+        self.shard_numel, self.lo = self.padded // n, r * (self.padded // n)
         on_meta = params[0].is_meta  # built on the meta device: the values come later (Zero.set_param_values)
         flat32 = torch.zeros(self.padded, device=device)
         for p, view in zip(params, self.views(flat32) if not on_meta else ()):
             view.copy_(p.detach())
         # a chunk spans both AdamW groups (and padding): the decayed parameters are ranges of this chunk
-        self.decay_ranges = self.owned_ranges([id(p) in decay for p in params])
+        parts = [self.owned_part(i)[:2] for i, p in enumerate(params) if id(p) in decay]
+        self.decay_ranges = [(start, end) for start, end in parts if start < end]
         self.flat = flat32.to(dtype)  # (flat32 itself in fp32)
         for p, view in zip(params, self.views(self.flat)):
             if on_meta:  # (a meta tensor's .data cannot be set: the Parameter is swapped for the view)
@@ -99,13 +98,12 @@ class Bucket:
             else:
                 p.data = view
         self.shard = self.owned(self.flat).clone() if stage == 3 else self.owned(self.flat)
-        self.master = self.owned(flat32) if dtype == torch.float32 else self.owned(flat32).clone()
-        if stage == 3 and dtype == torch.float32:
-            self.master = self.shard
+        self.master = self.shard if dtype == torch.float32 else self.owned(flat32).clone()
         self.grad_host = self.grad_flat = self.filling = self.grad_shard = None
-        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) in host memory,
-            self.master = host_copy(self.master)  # and a host buffer that receives the reduced gradient chunk
-            self.grad_host = host_copy(torch.zeros(self.shard_numel, dtype=dtype))
+        if offload:  # ZeRO-Offload: the fp32 master chunk (and AdamW's state, made like it) on the host, and
+            pin = torch.cuda.is_available()  # a host buffer for the reduced gradient chunk; pinned on a GPU
+            self.master = torch.empty(self.shard_numel, pin_memory=pin).copy_(self.master)  # (async copies)
+            self.grad_host = torch.zeros(self.shard_numel, dtype=dtype, pin_memory=pin)
         if stage <= 1:
             self.grad_flat = torch.zeros(self.padded, dtype=dtype, device=device)
             for p, view in zip(params, self.views(self.grad_flat)):
@@ -137,16 +135,6 @@ class Bucket:
         if start < end:
             chunk[start:end].copy_(values.reshape(-1)[at:at + end - start])
 
-    def owned_ranges(self, flags):
-        """(start, end) within this rank's chunk of the part of each flagged parameter that falls in it."""
-        parts = [self.owned_part(i)[:2] for i, flag in enumerate(flags) if flag]
-        return [(start, end) for start, end in parts if start < end]
-
-
-def host_copy(t):
-    """A copy of t in host memory, pinned when there is a GPU (copies to and from it run asynchronously)."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available()).copy_(t)
-
 
 class ShardedAdamW:
     """torch.optim.AdamW's update (decoupled weight decay, bias correction, eps added after the square root),
@@ -159,8 +147,7 @@ class ShardedAdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
         self.step_count = 0
 
-    @torch.no_grad()
-    def step(self, grads, lr):
+    def step(self, grads, lr):  # (under Zero.step's no_grad)
         beta1, beta2 = self.betas
         self.step_count += 1
         bias_correction1 = 1 - beta1 ** self.step_count
@@ -195,10 +182,9 @@ def reduce_stage_1(z, b):
 
 
 def reduce_stage_2(z, b):
-    """The full-size gradients exist only in the bucket's `filling` buffer, from the moment backward produces
-    the first of them until this reduce-scatter has sent it: then only this rank's chunk of the sum is kept,
-    added to grad_shard (micro-steps sum there). One bucket in flight at a time bounds the full-size
-    gradients."""
+    """Full-size gradients exist only in the bucket's `filling` buffer, from the first backward produces until
+    this reduce-scatter has sent it; then only this rank's chunk of the sum is kept, added to grad_shard (the
+    micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
     finish_in_flight(z)
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
     b.filling = None  # (zeros: a bucket whose parameters got no gradient)
@@ -234,8 +220,8 @@ def publish_stage_0(z, b):
 
 
 def publish_stage_1(z, b):
-    """Every rank updated only its chunk: an all-gather gives everyone everyone's (a copy: the chunk is inside
-    the output). Returns the work, waited for after every bucket's gather is posted."""
+    """Every rank updated only its chunk: an all-gather gives everyone everyone's (of a copy: the chunk is
+    inside the output). Returns the work, waited for once every bucket's gather is posted."""
     return z.comm.all_gather(b.flat, b.master.to(z.device, z.dtype, copy=True), async_op=True)
 
 
@@ -287,30 +273,20 @@ def free(b):
     b.gathered = False
 
 
-class GatherBeforeBackward(torch.autograd.Function):
-    """Identity in forward, put on a block's output. Every node of the block's backward hangs below that
-    output, so this backward runs first: the place to all-gather the block's parameters again, just in
-    time."""
-
-    @staticmethod
-    def forward(ctx, x, z, bucket):
-        ctx.z, ctx.bucket = z, bucket
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.bucket.in_backward = True
-        gather(ctx.z, ctx.bucket, ctx.z.block_buckets)  # the blocks run backward in the buckets' order
-        return grad, None, None
-
-
 def after_forward(z, b, out):
-    if b.in_backward:  # a recomputation (activation checkpointing) inside backward: keep them
-        return out
-    free(b)
-    if out is not None and torch.is_grad_enabled() and out.requires_grad:
-        return GatherBeforeBackward.apply(out, z, b)
+    """A block's forward is over: free its parameters, and hook its output's gradient. Every node of the
+    block's backward hangs below that output, so the hook runs first: the place to all-gather them again, just
+    in time. A recomputation (activation checkpointing) inside backward keeps them."""
+    if not b.in_backward:
+        free(b)
+        if out is not None and torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad: before_backward(z, b))
     return out
+
+
+def before_backward(z, b):
+    b.in_backward = True
+    gather(z, b, z.block_buckets)  # the blocks run backward in the buckets' order
 
 
 def install_stage_3_hooks(z, model):
@@ -394,32 +370,24 @@ class Zero:
         self.next_bucket = 0
 
     def grads(self):
-        """The gradients this rank updates with: the full ones in stage 0, its chunks otherwise (offload: on
-        the host)."""
+        """The gradients this rank updates with: stage 0 the full ones, else its chunks (offload: on host)."""
         return [b.grad_host if b.grad_host is not None else b.grad_flat if self.stage == 0 else b.grad_shard
                 for b in self.buckets]
 
     def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
-        """torch.nn.utils.clip_grad_norm_ over the whole model: each rank sums the squares of its chunks, one
-        all-reduce of that scalar gives the global norm (padding is zero and adds nothing). Inside a larger
-        grid (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the model),
-        and weights {id(parameter): w} count a parameter that several of them hold w times each (1/tp, or
-        0)."""
-        sq = torch.zeros((), device=self.device)
-        for b, g in zip(self.buckets, self.grads()):
-            g2 = g.float().pow(2)
+        """torch.nn.utils.clip_grad_norm_ over the whole model (distributed.clip_grad_norm): each rank sums
+        the squares of its chunks (padding is zero), one all-reduce of that scalar gives the global norm. In a
+        larger grid (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the
+        model), and weights {id(parameter): w} count a parameter that several of them hold w times each."""
+        grads = self.grads()
+        sq = sum_of_squares(grads, self.device)
+        for b, g in zip(self.buckets, grads):
             for j, p in enumerate(b.params):
                 if weights is not None and weights.get(id(p), 1.0) != 1.0:
                     start, end, _ = b.owned_part(j)
-                    g2[start:max(start, end)] *= weights[id(p)]
-            sq += g2.sum()
-        for comm in ([self.comm] if self.stage >= 1 else []) + list(other_comms):
-            comm.all_reduce(sq, kind='scalars')
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in self.grads():
-            g.mul_(coef.to(g.device, g.dtype))
-        return norm
+                    sq += (weights[id(p)] - 1.0) * sum_of_squares([g[start:max(start, end)]])
+        comms = ([self.comm] if self.stage >= 1 else []) + list(other_comms)  # (stage 0: every rank has all)
+        return clip_grad_norm(grads, sq, max_norm, comms)
 
     @torch.no_grad()
     def step(self, lr):
@@ -440,9 +408,9 @@ class Zero:
 
     @torch.no_grad()
     def set_param_values(self, name, values):
-        """The values of one whole parameter (init_params calls it with each in turn, for a model built on the
-        meta device): the part in this rank's chunk goes to the fp32 master (and in stage 3 the shard), and in
-        stages 0-2, where every rank holds all the parameters, the whole of it to the model's flat buffer."""
+        """One whole parameter's values (init_params hands each in turn to a model built on the meta device):
+        its part in this rank's chunk to the fp32 master (stage 3: and the shard); in stages 0-2, where every
+        rank holds all the parameters, the whole of it to the model's flat buffer."""
         if name not in self.where:
             return  # (a second name of a tied weight)
         b, i = self.where[name]
@@ -463,8 +431,8 @@ class Zero:
     @torch.no_grad()
     def load_state_dict(self, sd):
         opt = self.optimizer
-        for mine, saved in zip(opt.masters + opt.exp_avg + opt.exp_avg_sq, sd['master'] + sd['exp_avg'] +
-                               sd['exp_avg_sq']):
+        for mine, saved in zip(opt.masters + opt.exp_avg + opt.exp_avg_sq,
+                               sd['master'] + sd['exp_avg'] + sd['exp_avg_sq']):
             mine.copy_(saved)
         opt.step_count = sd['step']
         self.publish_all()
@@ -472,13 +440,13 @@ class Zero:
     @torch.no_grad()
     def load_torch_optimizer(self, osd):
         """Start from a torch AdamW state_dict (train.py's checkpoint; its params in param_groups order)."""
-        order = [p for g in param_groups(self.model, self.optimizer.weight_decay) for p in g['params']]
-        index = {id(p): i for i, p in enumerate(order)}
         opt = self.optimizer
+        order = [p for g in param_groups(self.model, opt.weight_decay) for p in g['params']]
+        state = {id(p): osd['state'][i] for i, p in enumerate(order)}
         for b, m, v in zip(self.buckets, opt.exp_avg, opt.exp_avg_sq):
             for j, p in enumerate(b.params):  # only the part in this rank's chunk is read
-                b.copy_owned(j, osd['state'][index[id(p)]]['exp_avg'], m)
-                b.copy_owned(j, osd['state'][index[id(p)]]['exp_avg_sq'], v)
+                b.copy_owned(j, state[id(p)]['exp_avg'], m)
+                b.copy_owned(j, state[id(p)]['exp_avg_sq'], v)
         opt.step_count = int(osd['state'][0]['step'])
 
 
@@ -525,10 +493,10 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 # The build, the checkpoint layout, the measured step, main
 
 def build_zero(cfg, vocab_size, rank, world_size, dp):
-    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps (stage 3: its
-    chunk, one block's full buffer at a time), then train.py's values (or GPT-2's) fill it. Resume from this
-    rank's shard, else from a train.py-format ckpt.pt (any script's, any world size: memory-mapped, each rank
-    reads only its chunk). Returns (model, zero, iter_num, best_val_loss)."""
+    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps, then train.py's
+    values (or GPT-2's) fill it. Resume from this rank's shard, else from a train.py-format ckpt.pt (any
+    script's, any world size: memory-mapped, each rank reads only its chunk). Returns (model, zero, iter_num,
+    best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     # every rank decides alike, from rank 0's shard: a rank whose own shard is missing is then told so (with
     # the others) by init_model, instead of quietly taking ckpt.pt while the others take their shards
@@ -544,13 +512,8 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
     if checkpoint is None:  # train.py's initialization, or GPT-2's weights: a tensor at a time, each its part
         init_values(cfg, model.config, zero.set_param_values)
         seed_dropout(cfg.seed, rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py
-    elif from_shard:
-        saved = checkpoint['zero']
-        if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
-            raise SystemExit(f"error: {ckpt_path} is from stage {saved['stage']} on {saved['world_size']} "
-                             f"ranks; run python consolidate.py {cfg.out_dir}, delete the zero_rank*.pt "
-                             f"files, then resume")
-        zero.load_state_dict(saved)
+    elif from_shard:  # (its stage and world size: check_config's)
+        zero.load_state_dict(checkpoint['zero'])
         set_rng_state(checkpoint['rng'])  # this rank's own dropout stream, from its own shard
     else:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
         load_params(checkpoint['model'].items(), zero.set_param_values)
@@ -565,8 +528,7 @@ def shard_path(out_dir, rank):
 
 def unflatten_shards(shards):
     """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}:
-    the chunks laid end to end are each bucket (stage 0: every rank holds all of it), cut back into its
-    parameters."""
+    each bucket's chunks laid end to end (stage 0: every rank holds it all), cut back into its parameters."""
     full, n_buckets = {}, len(shards[0]['layout'])
     for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
         full[key] = {}
@@ -581,9 +543,8 @@ def unflatten_shards(shards):
 
 
 def consolidate(out_dir):
-    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py): every bucket's chunks laid
-    end to end and cut back into the parameters, AdamW's moments likewise; every rank's random streams
-    kept."""
+    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py): the weights and AdamW's
+    moments unflattened, every rank's random streams kept."""
     first = load_mmap(shard_path(out_dir, 0))
     shards = load_world(out_dir, os.path.basename(shard_path('', '{}')), first['zero']['world_size'])
     full = unflatten_shards([s['zero'] for s in shards])
@@ -601,18 +562,17 @@ def iteration(zero, model, batches, ctx, cfg, iter_num, first_iter, dp):
 
 
 def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank. cfg with --deepspeed_config
-    on."""
+    """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
     if cfg.stage not in (0, 1, 2, 3):
         raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
     check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
-    if cfg.init_from == 'resume' and os.path.exists(shard_path(cfg.out_dir, 0)):  # the saved cut, every rank
-        saved = load_mmap(shard_path(cfg.out_dir, 0))['zero']
-        if (saved['world_size'], saved['stage']) != (world_size, cfg.stage):
-            raise SystemExit(f"error: {shard_path(cfg.out_dir, 0)} is from stage {saved['stage']} on "
-                             f"{saved['world_size']} ranks; resume with those, or run python consolidate.py "
-                             f"{cfg.out_dir}, delete the zero_rank*.pt files, then resume")
+    first = shard_path(cfg.out_dir, 0)
+    saved = load_mmap(first)['zero'] if cfg.init_from == 'resume' and os.path.exists(first) else None
+    if saved and (saved['world_size'], saved['stage']) != (world_size, cfg.stage):  # (every rank reads it)
+        raise SystemExit(f"error: {first} is from stage {saved['stage']} on {saved['world_size']} ranks; "
+                         f"resume with those, or run python consolidate.py {cfg.out_dir}, delete the "
+                         f"zero_rank*.pt files, then resume")
     if cfg.print_ds_config:
         return cfg
     if cfg.dtype not in ('float32', 'bfloat16'):
