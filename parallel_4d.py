@@ -28,8 +28,7 @@ from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, rng_state, seed_dropout, set_rng_state)
 from dataset import load_dataset, micro_batches
-from distributed import (Comm, data_parallel_size, finish_distributed, init_distributed, process_grid,
-                         world_size_from_env)
+from distributed import Comm, data_parallel_size, finish_distributed, process_grid, world_size_from_env
 from measure import measured_step
 from model import GPTConfig, init_params, materialize
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
@@ -37,7 +36,7 @@ import reports
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure, get_lr,
-                      outputs_line, profiled, progress, run_main, training_loop)
+                      outputs_line, profiled, progress, refuse, run_main, start_run, training_loop)
 from zero import Zero, unflatten_shards
 
 # -----------------------------------------------------------------------------
@@ -162,13 +161,11 @@ def grid_loss(stage, cp, x, y):
 def main(argv):
     cfg = configure(config, argv)
     dp_size = check_config(cfg, world_size_from_env())
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
+    rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     comms.update(dp_cp=dp_cp_comm(grid, rank), embed=embed_comm(grid, rank, cfg.tie_embeddings))
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
     data, vocab_size = load_dataset(cfg.dataset)
+    # train.py's GPT on the meta device: build_stage cuts it along the grid and materializes this rank's part
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
                                                             gpt2=False, meta=True)
     flops = model.flops_per_token(cfg.block_size)  # of the whole model, before it is cut
@@ -176,7 +173,7 @@ def main(argv):
     stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
     zero, embed = build_zero(model, cfg, comms['dp_cp'], coords, checkpoint), comms['embed']
     weights, first_iter, writer = clip_weights(model, layout, tp, embed, stage), iter_num, CheckpointWriter()
-    sending = [comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d] is not None]
+    sending = [comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d]]  # a step's groups (not dp)
 
     def step(it):  # one iteration; a measured one also reports what each rank holds and sends
         batches = micro_batches(data, cfg, it, coords['dp'], dp_size)
@@ -203,37 +200,33 @@ def main(argv):
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank. Returns dp."""
     check_schedule(cfg)  # first: the checks below divide by n_microbatches and virtual_stages
-    if cfg.cp_attention not in ('ring', 'ulysses'):
-        raise SystemExit(f"error: --cp_attention={cfg.cp_attention} is not one of ring, ulysses")
+    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
+            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"))
     dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     check_batch(cfg, dp, world_size)
-    n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    m, n_kv_head = cfg.n_microbatches, cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
-    if cfg.n_head % heads or n_kv_head % heads:
-        raise SystemExit(f"error: n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) must be divisible by tp"
-                         f"{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole heads")
-    if cfg.n_layer % (cfg.pp * cfg.virtual_stages):
-        raise SystemExit(f"error: n_layer ({cfg.n_layer}) must be divisible by pp x virtual_stages = "
-                         f"{cfg.pp * cfg.virtual_stages}")
-    m = cfg.n_microbatches
-    if cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp) or \
-            (cfg.schedule == 'interleaved' and m % cfg.pp):
-        raise SystemExit(f"error: batch_size ({cfg.batch_size}) must split into n_microbatches ({m}), at "
-                         f"least pp ({cfg.pp}) of them for 1f1b (a multiple: interleaved)")
-    if cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)):
-        raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with "
-                         f"sequence_parallel)")
-    if cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel):
-        raise SystemExit("error: with cp > 1, dropout must be 0.0 and sequence_parallel False (the ring "
-                         "cannot replay dropout; sequence parallelism inside a cp chunk is not "
-                         "composed here)")
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}")
+    refuse((cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
+            f"must be divisible by tp{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole "
+            "heads"),
+           (cfg.n_layer % (cfg.pp * cfg.virtual_stages), f"n_layer ({cfg.n_layer}) must be divisible by pp x "
+            f"virtual_stages = {cfg.pp * cfg.virtual_stages}"),
+           (cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp)
+            or (cfg.schedule == 'interleaved' and m % cfg.pp),
+            f"batch_size ({cfg.batch_size}) must split into n_microbatches ({m}), at least pp ({cfg.pp}) of "
+            "them for 1f1b (a multiple: interleaved)"),
+           (cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)),
+            f"block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with sequence_parallel)"),
+           (cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel), "with cp > 1, dropout must be 0.0 "
+            "and sequence_parallel False (the ring cannot replay dropout; sequence parallelism inside a cp "
+            "chunk is not composed here)"),
+           (cfg.dtype not in ('float32', 'bfloat16'),
+            f"parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}"))
     check_no_compile(cfg, 'parallel_4d.py')
-    if cfg.init_from == 'resume' and not os.path.exists(rank_file(cfg.out_dir, 0)):
-        raise SystemExit(f"error: init_from=resume but there is no checkpoint at {rank_file(cfg.out_dir, 0)} "
-                         f"(resume needs the same grid)")
-    check_resume_grid(cfg, run_grid(cfg, world_size), rank_file(cfg.out_dir, 0))
+    path = rank_file(cfg.out_dir, 0)
+    refuse((cfg.init_from == 'resume' and not os.path.exists(path),
+            f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"))
+    check_resume_grid(cfg, run_grid(cfg, world_size), path)
     return dp
 
 
