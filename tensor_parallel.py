@@ -15,9 +15,7 @@ Every rank builds train.py's GPT from the seed and keeps its slice, so the loss 
 """
 
 import contextlib
-import functools
 import os
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -29,13 +27,13 @@ import reports
 from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, rng_state, seed_dropout, set_rng_state)
 from dataset import load_dataset, micro_batches
-from distributed import (Comm, all_gather_seq, average_gradients, clip_grad_norm, finish_distributed,
-                         init_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
-                         world_size_from_env)
+from distributed import (all_gather_seq, average_gradients, clip_grad_norm, finish_distributed, process_grid,
+                         reduce_scatter_seq, sum_of_squares, world_size_from_env)
 from measure import WireMeter, first_block_saved_bytes, measured_step
 from model import GPTConfig, init_values, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      outputs_line, profiled, progress, run_main, run_shape, training_loop)
+                      configure_adamw, outputs_line, profiled, progress, refuse, run_main, start_run,
+                      training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -47,16 +45,6 @@ sequence_parallel = False       # shard norms and dropout along the sequence (al
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
-
-
-# -----------------------------------------------------------------------------
-# Collectives, each through a Comm, which counts the bytes it is handed (the sequence's all-gather and
-# reduce-scatter, all_gather_seq and reduce_scatter_seq, are distributed.py's).
-
-def all_reduce(x, comm, kind='all_reduce', op=dist.ReduceOp.SUM):
-    """x summed (or op) over comm's group, in place; returns x."""
-    comm.all_reduce(x, op=op, kind=kind)
-    return x
 
 
 # -----------------------------------------------------------------------------
@@ -72,7 +60,9 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.tp_group), None
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        ctx.tp_group.all_reduce(grad)  # in place, through the Comm (which counts the bytes)
+        return grad, None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -80,7 +70,9 @@ class ReduceFromTP(torch.autograd.Function):
     row-parallel layer's partial sums add up to the full output, whose gradient every rank has whole."""
     @staticmethod
     def forward(ctx, x, tp_group):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), tp_group)
+        x = x.clone(memory_format=torch.contiguous_format)
+        tp_group.all_reduce(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,12 +105,11 @@ class ScatterToSequence(torch.autograd.Function):
         return all_gather_seq(grad, ctx.tp_group), None
 
 
-@dataclass
 class TensorParallel:
-    """This rank's tensor-parallel group (a Comm), and the operators that enter and leave the tensor-parallel
-    region: f and g, or with sequence parallelism the all-gather and the reduce-scatter."""
-    group: Comm
-    sequence_parallel: bool = False
+    """This rank's tp group (a Comm), and the way into and out of the tensor-parallel region: f and g, or
+    with sequence parallelism the all-gather and the reduce-scatter."""
+    def __init__(self, group, sequence_parallel=False):
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def enter(self, x):
         op = GatherFromSequence if self.sequence_parallel else CopyToTP
@@ -140,8 +131,7 @@ def tp_rank_rng(tp_rank):
     """Draw inside under this tp rank's own stream (Megatron's model-parallel RNG tracker), seeded by a draw
     from the shared stream (so activation checkpointing's recompute replays it) plus the rank."""
     seed = int(torch.randint(0, 2 ** 62, ()).item())
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = [torch.cuda.current_device()] if cuda else []
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed + tp_rank)
         yield
@@ -165,7 +155,7 @@ def give_tp_ranks_their_dropout(model, tp):
     if tp.group.size == 1 or model.config.dropout == 0:
         return
     for block in model.transformer.h:
-        block.attn.dropout_rng = functools.partial(tp_rank_rng, tp.group.rank)
+        block.attn.dropout_rng = lambda: tp_rank_rng(tp.group.rank)
         if tp.sequence_parallel:
             block.attn.resid_dropout = TPRankDropout(block.attn.resid_dropout, tp.group.rank)
             block.mlp.dropout = TPRankDropout(block.mlp.dropout, tp.group.rank)
@@ -178,8 +168,7 @@ def give_tp_ranks_their_dropout(model, tp):
 
 def qkv_split(config):
     """The sizes of q, k and v along c_attn's output features (k and v have n_kv_head heads)."""
-    hd = config.n_embd // config.n_head
-    return [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    return [n * (config.n_embd // config.n_head) for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
 
 
 def take_slice(full, kind, tp_group, qkv_sizes=None):
@@ -254,15 +243,15 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start, tp):
     """Mean cross-entropy from this rank's vocabulary slice of the logits (B, T, V/t), never gathering them: 3
     all-reduces of one number per token (max, sum of exponentials, target's logit). Targets -1 are ignored."""
     logits, targets = logits.float().flatten(0, 1), targets.flatten()
-    top = all_reduce(logits.max(dim=-1).values.detach(), tp.group, op=dist.ReduceOp.MAX)  # for stability only
+    top = logits.max(dim=-1).values.detach()  # for stability only
+    tp.group.all_reduce(top, op=dist.ReduceOp.MAX)
     shifted = logits - top[:, None]
     sum_exp = shifted.exp().sum(dim=-1)
     local = targets - vocab_start
     mine = (local >= 0) & (local < logits.size(-1))
     target_logit = shifted.gather(1, local.clamp(0, logits.size(-1) - 1)[:, None]).squeeze(1) * mine
-    if tp.group.size > 1:  # g: all-reduce forward, identity backward: each slice's gradient is p - one_hot
-        sum_exp = ReduceFromTP.apply(sum_exp, tp.group)
-        target_logit = ReduceFromTP.apply(target_logit, tp.group)
+    # g: all-reduce forward, identity backward: each slice's gradient is p - one_hot
+    sum_exp, target_logit = ReduceFromTP.apply(sum_exp, tp.group), ReduceFromTP.apply(target_logit, tp.group)
     valid = targets != -1
     return ((sum_exp.log() - target_logit) * valid).sum() / valid.sum()
 
@@ -334,8 +323,7 @@ def tp_embed(model, idx, tp, positions=None):
 
 
 def tp_head(model, x, targets, tp):
-    """The final norm, the vocabulary-parallel head and loss: (this rank's vocabulary slice of the logits,
-    loss)."""
+    """The final norm, the vocabulary-parallel head and loss: (this rank's slice of the logits, loss)."""
     logits = model.lm_head(model.transformer.ln_f(x))
     if targets is None:
         return logits, None
@@ -376,7 +364,8 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
         clip_grad_norm(split + replicated, share, grad_clip, [tp.group])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return all_reduce(loss_sum, dp, 'scalars').item() / dp.size
+    dp.all_reduce(loss_sum, kind='scalars')
+    return loss_sum.item() / dp.size
 
 
 def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
@@ -384,19 +373,14 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
     then values (train.py's or GPT-2's, one dense tensor at a time, or this rank's checkpoint); its AdamW."""
     ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
-    if rank == 0:
-        sp = ' with sequence parallelism' if cfg.sequence_parallel else ''
-        print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}{sp}", cfg,
-                        model.get_num_params()))
+    reports.tensor_parallel_shape(cfg, world_size, model.get_num_params(), rank)
     flops_per_token = model.flops_per_token(cfg.block_size)  # the whole model's, at the run's sequence length
     layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
     give_tp_ranks_their_dropout(model, tp)
     materialize(model, cfg.device)  # storage for the slices; their values come below
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           'cuda' if cfg.device.startswith('cuda') else 'cpu')
+    optimizer = configure_adamw(model, cfg, checkpoint)  # (its saved state when resuming)
     if checkpoint is not None:  # (check_config has checked its tp and world size)
         model.load_state_dict(checkpoint['model'])
-        optimizer.load_state_dict(checkpoint['optimizer'])
         set_rng_state(checkpoint['rng'])  # this rank's own streams
     else:  # train.py's (or GPT-2's) values, one dense tensor at a time, of which this rank keeps its slice
         init_values(cfg, model.config, keep_slices(layout, tp, model.config))
@@ -407,11 +391,8 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
 # -----------------------------------------------------------------------------
 # The checkpoint: each rank saves its own slices, out_dir/ckpt_rank<r>.pt; consolidate joins them.
 
-RANK_FILE = 'ckpt_rank{}.pt'
-
-
-def rank_ckpt_path(out_dir, rank):
-    return os.path.join(out_dir, RANK_FILE.format(rank))
+def rank_ckpt_path(out_dir, rank):  # (rank '{}': the files' pattern, for load_world)
+    return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
 
 
 def rank_checkpoint(model, layout, optimizer, cfg, world_size, iter_num, best_val_loss):
@@ -427,7 +408,8 @@ def rank_checkpoint(model, layout, optimizer, cfg, world_size, iter_num, best_va
 
 def consolidate(out_dir):
     """The slices of data-parallel replica 0's tp ranks, joined (join_slices) into train.py's checkpoint."""
-    ranks = load_world(out_dir, RANK_FILE, load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp'])
+    n = load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp']  # the tp ranks of data-parallel replica 0
+    ranks = load_world(out_dir, rank_ckpt_path('', '{}'), n)
     first, model_sd, states = ranks[0], {}, {}
     qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
@@ -442,24 +424,19 @@ def consolidate(out_dir):
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
-    if cfg.tp < 1 or world_size % cfg.tp:
-        raise SystemExit(f"error: world size {world_size} is not divisible by tp={cfg.tp}")
+    refuse((cfg.tp < 1 or world_size % cfg.tp, f"world size {world_size} is not divisible by tp={cfg.tp}"))
     check_batch(cfg, world_size // cfg.tp, world_size)
     check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
-    n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
-    if cfg.n_head % cfg.tp or n_kv_head % cfg.tp:
-        raise SystemExit(f"error: n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) must both be divisible "
-                         f"by tp={cfg.tp}: each rank holds whole query and key/value heads")
-    if cfg.sequence_parallel and cfg.block_size % cfg.tp:
-        raise SystemExit(f"error: sequence_parallel needs block_size ({cfg.block_size}) divisible by "
-                         f"tp={cfg.tp}")
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: dtype must be float32 or bfloat16 for tensor_parallel.py, got "
-                         f"{cfg.dtype!r} (float16's GradScaler would need its inf check shared by the tp "
-                         "ranks)")
-    path = rank_ckpt_path(cfg.out_dir, 0)
-    if cfg.init_from == 'resume' and not os.path.exists(path):  # (every rank's file: init_model checks)
-        raise SystemExit(f"error: init_from=resume but there is no checkpoint at {path}")
+    n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_ckpt_path(cfg.out_dir, 0)
+    refuse((cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
+            f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),
+           (cfg.sequence_parallel and cfg.block_size % cfg.tp,
+            f"sequence_parallel needs block_size ({cfg.block_size}) divisible by tp={cfg.tp}"),
+           (cfg.dtype not in ('float32', 'bfloat16'),
+            f"dtype must be float32 or bfloat16 for tensor_parallel.py, got {cfg.dtype!r} (float16's "
+            "GradScaler would need its inf check shared by the tp ranks)"),
+           (cfg.init_from == 'resume' and not os.path.exists(path),  # (every rank's file: init_model checks)
+            f"init_from=resume but there is no checkpoint at {path}"))
     check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py
 
 
@@ -476,11 +453,9 @@ def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
     devices = [torch.device(cfg.device).index or 0] if cfg.device.startswith('cuda') else []
     with ctx, torch.random.fork_rng(devices=devices):  # its dropout draws must not move the run's streams
         activation_bytes = first_block_saved_bytes(model, x)
-    tp.group.clear(), dp.clear()  # the step's bytes only
-    wire = WireMeter()
-    wire.start()
+    wire, params = WireMeter(), sum(p.numel() * p.element_size() for p, _ in layout.values())
+    tp.group.clear(), dp.clear(), wire.start()  # the step's bytes only
     yield
-    params = sum(p.numel() * p.element_size() for p, _ in layout.values())
     reports.tensor_parallel_step(iter_num, cfg, model.config, params, tp, dp, activation_bytes, wire.stop(),
                                  wire.why_not)
 
@@ -488,13 +463,10 @@ def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
 def main(argv):
     cfg = configure(config, argv)
     check_config(cfg, world_size_from_env())
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
+    rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.tp, tp=cfg.tp)
     tp, dp = TensorParallel(comms['tp'], cfg.sequence_parallel), comms['dp']
     reports.tensor_parallel_grid(grid, coords, rank)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
     model, layout, optimizer, iter_num, best_val_loss, flops = build_sharded(cfg, vocab_size, tp, dp.rank,
