@@ -3,15 +3,14 @@ train.py plus tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and, optiona
 (Korthikanti et al. 2022), by hand. The tp ranks of a group split every layer: attention by heads, the MLP
 column then row, the vocabulary of the embedding, the head and the loss. Each block runs 2 all-reduces forward
 and 2 backward; with --sequence_parallel=True each becomes an all-gather + a reduce-scatter, and the norms and
-dropouts work on 1/tp of the sequence each.
+dropouts work on 1/tp of the sequence each. Every rank builds train.py's GPT from the seed and keeps its
+slice, so the loss curve is train.py's.
 
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=4 --sequence_parallel=True
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=2 --gradient_accumulation_steps=2   # dp=2 x tp=2
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --init_from=resume        # same tp and world size
     python consolidate.py out-tp   # the rank checkpoints in out-tp/ -> out-tp/ckpt.pt, train.py's format
-
-Every rank builds train.py's GPT from the seed and keeps its slice, so the loss curve is train.py's.
 """
 
 import contextlib
@@ -44,7 +43,6 @@ tp = 1                          # tensor-parallel degree; world size = dp * tp
 sequence_parallel = False       # shard norms and dropout along the sequence (all-gather + reduce-scatter)
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
 config = config_defaults(globals())
-# -----------------------------------------------------------------------------
 
 
 # -----------------------------------------------------------------------------
@@ -52,7 +50,8 @@ config = config_defaults(globals())
 
 class CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. It enters the tensor-parallel region: each rank
-    feeds x to its slice of a column-parallel layer: its dL/dx covers its outputs only; the sum is whole."""
+    feeds x to its slice of a column-parallel layer, so its dL/dx covers its outputs only; the full dL/dx is
+    the sum."""
     @staticmethod
     def forward(ctx, x, tp_group):
         ctx.tp_group = tp_group
@@ -357,7 +356,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
         loss.backward()
     sync_tp_grads(layout, tp)
     average_gradients([p for p, _ in layout.values()], dp)  # data parallelism over the replicas
-    if grad_clip != 0.0:  # the whole model's norm: the slices' squares, 1/tp of the replicated ones', over tp
+    if grad_clip != 0.0:  # the whole model's norm: over tp, each rank's slices + 1/tp of the replicated
         split = [p.grad for p, kind in layout.values() if kind != 'replicated' and p.grad is not None]
         replicated = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
         share = sum_of_squares(split) + sum_of_squares(replicated) / tp.group.size
@@ -408,8 +407,8 @@ def rank_checkpoint(model, layout, optimizer, cfg, world_size, iter_num, best_va
 
 def consolidate(out_dir):
     """The slices of data-parallel replica 0's tp ranks, joined (join_slices) into train.py's checkpoint."""
-    n = load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp']  # the tp ranks of data-parallel replica 0
-    ranks = load_world(out_dir, rank_ckpt_path('', '{}'), n)
+    tp_size = load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp']
+    ranks = load_world(out_dir, rank_ckpt_path('', '{}'), tp_size)  # ranks 0 .. tp-1: dp replica 0
     first, model_sd, states = ranks[0], {}, {}
     qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
