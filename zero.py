@@ -32,16 +32,14 @@ import torch.nn as nn
 from deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from model import init_values, load_params, param_groups
 from training import (autocast_context, check_batch, config_defaults, configure, get_lr, outputs_line,
-                      print_sample, profiled, progress, run_main, run_shape, training_loop)
+                      print_sample, profiled, progress, refuse, run_main, run_shape, start_run, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
-from distributed import (Comm, all_gather_direct, clip_grad_norm, finish_distributed, init_distributed,
-                         reduce_scatter_of, return_freed_buffers_to_the_os, sum_of_squares,
-                         world_size_from_env)
+from distributed import (Comm, all_gather_direct, clip_grad_norm, finish_distributed, reduce_scatter_of,
+                         return_freed_buffers_to_the_os, sum_of_squares, world_size_from_env)
 from measure import measured_step
 import reports
-from reports import held_bytes  # noqa: F401 (parallel_4d.py imports it from here)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -141,11 +139,10 @@ class ShardedAdamW:
     written once for any flat fp32 tensors: here, this rank's chunks. Element for element torch's numbers."""
 
     def __init__(self, masters, decay_ranges, weight_decay, betas, eps):
-        self.masters, self.decay_ranges = masters, decay_ranges
+        self.masters, self.decay_ranges, self.step_count = masters, decay_ranges, 0
         self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
         self.exp_avg = [torch.zeros_like(m) for m in masters]
         self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
-        self.step_count = 0
 
     def step(self, grads, lr):  # (under Zero.step's no_grad)
         beta1, beta2 = self.betas
@@ -290,9 +287,8 @@ def before_backward(z, b):
 
 
 def install_stage_3_hooks(z, model):
-    """Each block gathers its bucket before its forward (and, unless it is a recomputation inside backward,
-    prefetches the blocks after it) and frees it after; the root bucket (embeddings, final norm, head) is
-    gathered for the whole model's forward."""
+    """Each block gathers its bucket before its forward (prefetching the blocks after it) and frees it after;
+    the root bucket (embeddings, final norm, head) is gathered for the whole model's forward."""
     *z.block_buckets, root = z.buckets  # in backward order: the last block's first
     forward = z.block_buckets[::-1]
     for block, b in zip(model.transformer.h, forward):
@@ -471,8 +467,7 @@ def bucket_groups(model, stage, bucket_size):
 def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
     """train.py's iteration on this rank's micro-batches: the hooks reduce each bucket as backward fills it
     (at every micro-step in stages 2-3, which cannot hold full gradients; at the last in stages 0-1, which
-    accumulate them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss over the
-    global batch."""
+    accumulate them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss."""
     loss_sum = 0.0
     for micro_step, (x, y) in enumerate(batches):
         zero.last_micro_step = micro_step == len(batches) - 1
@@ -490,13 +485,12 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 
 
 # -----------------------------------------------------------------------------
-# The build, the checkpoint layout, the measured step, main
+# The build, the checkpoint layout, the measured step (reports.py), main
 
 def build_zero(cfg, vocab_size, rank, world_size, dp):
     """train.py's GPT on the meta device; the buckets give storage to what this rank keeps, then train.py's
-    values (or GPT-2's) fill it. Resume from this rank's shard, else from a train.py-format ckpt.pt (any
-    script's, any world size: memory-mapped, each rank reads only its chunk). Returns (model, zero, iter_num,
-    best_val_loss)."""
+    values (or GPT-2's), this rank's shard, or a train.py-format ckpt.pt (any script's, any world size:
+    memory-mapped, each rank reads only its chunk) fill it. Returns (model, zero, iter_num, best_val_loss)."""
     shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
     # every rank decides alike, from rank 0's shard: a rank whose own shard is missing is then told so (with
     # the others) by init_model, instead of quietly taking ckpt.pt while the others take their shards
@@ -564,25 +558,23 @@ def iteration(zero, model, batches, ctx, cfg, iter_num, first_iter, dp):
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
-    if cfg.stage not in (0, 1, 2, 3):
-        raise SystemExit(f"error: stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
+    refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"))
     check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
-    first = shard_path(cfg.out_dir, 0)
-    saved = load_mmap(first)['zero'] if cfg.init_from == 'resume' and os.path.exists(first) else None
-    if saved and (saved['world_size'], saved['stage']) != (world_size, cfg.stage):  # (every rank reads it)
-        raise SystemExit(f"error: {first} is from stage {saved['stage']} on {saved['world_size']} ranks; "
-                         f"resume with those, or run python consolidate.py {cfg.out_dir}, delete the "
-                         f"zero_rank*.pt files, then resume")
+    first = shard_path(cfg.out_dir, 0)  # resuming from shards: every rank reads rank 0's cut
+    saved = (load_mmap(first)['zero'] if cfg.init_from == 'resume' and os.path.exists(first) else
+             {'world_size': world_size, 'stage': cfg.stage})
+    refuse(((saved['world_size'], saved['stage']) != (world_size, cfg.stage),
+            f"{first} is from stage {saved['stage']} on {saved['world_size']} ranks; resume with those, or "
+            f"run python consolidate.py {cfg.out_dir}, delete the zero_rank*.pt files, then resume"))
     if cfg.print_ds_config:
         return cfg
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: zero.py trains in float32 or bfloat16 (fp32 master weights), got "
-                         f"{cfg.dtype!r}")
-    if cfg.compile and cfg.stage == 3:
-        raise SystemExit("error: compile=True is not supported with stage 3 (its hooks free storage)")
-    if cfg.bucket_size < 1 or cfg.prefetch_blocks < 0:
-        raise SystemExit(f"error: bucket_size must be positive ({cfg.bucket_size}) and prefetch_blocks 0 or "
-                         f"more ({cfg.prefetch_blocks})")
+    refuse((cfg.dtype not in ('float32', 'bfloat16'),
+            f"zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}"),
+           (cfg.compile and cfg.stage == 3,
+            "compile=True is not supported with stage 3 (its hooks free storage)"),
+           (cfg.bucket_size < 1 or cfg.prefetch_blocks < 0,
+            f"bucket_size must be positive ({cfg.bucket_size}) and prefetch_blocks 0 or more "
+            f"({cfg.prefetch_blocks})"))
     return cfg
 
 
@@ -591,11 +583,8 @@ def main(argv):
     cfg = check_config(configure(config, argv), world)
     if print_deepspeed_config(cfg, world):  # --print_ds_config: the run's DeepSpeed JSON, and nothing run
         return
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
+    rank, world_size = start_run(cfg)
     dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
     model, zero, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
