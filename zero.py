@@ -179,9 +179,9 @@ def reduce_stage_1(z, b):
 
 
 def reduce_stage_2(z, b):
-    """Full-size gradients exist only in the bucket's `filling` buffer, from the first backward produces until
-    this reduce-scatter has sent it; then only this rank's chunk of the sum is kept, added to grad_shard (the
-    micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
+    """Full-size gradients exist only in the bucket's `filling` buffer, from the moment backward produces the
+    first until this reduce-scatter has sent it; then only this rank's chunk of the sum is kept, added to
+    grad_shard (the micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
     finish_in_flight(z)
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
     b.filling = None  # (zeros: a bucket whose parameters got no gradient)
@@ -374,7 +374,7 @@ class Zero:
         """torch.nn.utils.clip_grad_norm_ over the whole model (distributed.clip_grad_norm): each rank sums
         the squares of its chunks (padding is zero), one all-reduce of that scalar gives the global norm. In a
         larger grid (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the
-        model), and weights {id(parameter): w} count a parameter that several of them hold w times each."""
+        model), and weights {id(parameter): w} count one that several hold w times each (1/tp, or 0)."""
         grads = self.grads()
         sq = sum_of_squares(grads, self.device)
         for b, g in zip(self.buckets, grads):
