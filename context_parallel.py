@@ -21,22 +21,21 @@ command: dp=2 x cp=2); the loss is the mean over the global batch: train.py's cu
 import functools
 import math
 import os
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from formulas import activation_bytes_formula, cp_comm_bytes_formula
 from model import GPT, apply_rope, rope_cos_sin
-from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, outputs_line,
-                      print_sample, profiled, run_main, run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, outputs_line, print_sample,
+                      profiled, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from distributed import (Comm, average_gradients, finish_distributed, init_distributed, process_grid,
                          world_size_from_env)
-from measure import WireMeter, comm_report, measured_step, print_measured, saved_bytes_counter
+from measure import WaitClock, WireMeter, measured_step, saved_bytes_counter
+import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -382,51 +381,6 @@ def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_pat
 
 # Measured steps (the first, and every measure_every-th): train_step itself untouched, clocked from outside
 
-
-class WaitClock:
-    """For a measured step only: it stands in for the cp group's Comm and adds up the time spent waiting on
-    the group's communication (a ring exchange's wait(), a Ulysses all-to-all); its hooks add up the attention
-    layers' forward and backward time. The layers' time less the waits is computing."""
-
-    def __init__(self, comm, model):
-        self.comm, self.wait_s, self.layer_s, self.t0 = comm, 0.0, 0.0, 0.0
-        on = lambda *_: setattr(self, 't0', self.now())  # noqa: E731
-        off = lambda *_: setattr(self, 'layer_s', self.layer_s + self.now() - self.t0)  # noqa: E731
-        self.hooks = [register(hook) for b in model.transformer.h for register, hook in (
-            (b.attn.register_forward_pre_hook, on), (b.attn.register_forward_hook, off),
-            (b.attn.register_full_backward_pre_hook, on), (b.attn.register_full_backward_hook, off))]
-
-    @staticmethod
-    def now():  # the host clock, after the device has caught up
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def __getattr__(self, name):  # rank, size, global_rank, the counters: the Comm's own
-        return getattr(self.comm, name)
-
-    def clocked(self, fn, *args):
-        start = self.now()
-        out = fn(*args)
-        self.wait_s += self.now() - start
-        return out
-
-    def all_to_all(self, out, inp):
-        return self.clocked(self.comm.all_to_all, out, inp)
-
-    def send_recv(self, sends, recvs, kind='send'):
-        return tuple([SimpleNamespace(wait=functools.partial(self.clocked, w.wait)) for w in works]
-                     for works in self.comm.send_recv(sends, recvs, kind))
-
-
-REPORT = [  # what a measured step prints: (quantity, its row keys: measured, counted, modelled)
-    ("activation bytes, one layer (1/cp)", 'activation_bytes', None, 'activation_bytes_formula'),
-    ('bytes sent by the attention', None, 'cp_attention_bytes', 'cp_attention_bytes_formula'),
-    ('bytes sent, all groups', 'wire_bytes', 'collective_bytes', 'wire_bytes_formula'),
-    ('attention layers: computing, s', 'attention_compute_s', None, None),
-    ('attention layers: waiting on communication, s', 'attention_wait_s', None, None)]
-
-
 def measured_train_step(model, optimizer, batches, ctx, cfg, cp, dp_cp, iter_num):
     """train_step, measured: the bytes the first block keeps for backward, the bytes sent (counted at the
     calls, the formula, this rank's sockets), the attention layers' time (WaitClock). Rank 0 prints all."""
@@ -441,25 +395,8 @@ def measured_train_step(model, optimizer, batches, ctx, cfg, cp, dp_cp, iter_num
     cp.group = clock = WaitClock(comm, model)
     loss = train_step(model, optimizer, batches, ctx, cfg.grad_clip, cp, dp_cp)
     cp.group, wire_bytes, _ = comm, wire.stop(), [h.remove() for h in clock.hooks]
-    s, b, c, C, sent = cfg.block_size, cfg.batch_size, model.config, comm.size, comm_report([comm, dp_cp])
-    elem, micro_steps = 2 if cfg.dtype == 'bfloat16' else 4, cfg.gradient_accumulation_steps * C // dp_cp.size
-    rows = log_rank_rows(cfg.out_dir, {
-        'rank': dp_cp.rank, 'iter': iter_num, 'cp_rank': comm.rank, 'cp': C, 'cp_attention': cp.attention,
-        'activation_bytes': sum(seen.values()), 'activation_bytes_formula': activation_bytes_formula(
-            s, b, c.n_embd, c.n_head, 1, False, bytes_per_elem=elem) / C,
-        'collective_bytes': sum(sent['collective_bytes'].values()),
-        'collective_bytes_by_kind': sent['collective_bytes'],
-        'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
-        'cp_attention_bytes': sum(comm.wire_bytes_formula.values()),  # the step's cp calls: attention's
-        'cp_attention_bytes_formula': micro_steps * c.n_layer * cp_comm_bytes_formula(
-            s, b, c.n_head, c.n_kv_head, c.n_embd // c.n_head, C, cp.attention, elem),
-        'wire_bytes': wire_bytes, 'wire_bytes_note': wire.why_not,
-        'attention_compute_s': clock.layer_s - clock.wait_s, 'attention_wait_s': clock.wait_s})
-    for r in rows if dp_cp.rank == 0 else []:
-        print_measured(f"[rank {r['rank']}] cp {r['cp_rank']}/{C} ({cp.attention}), iter {iter_num}:",
-                       [(name, *(r.get(k) for k in keys)) for name, *keys in REPORT],
-                       [', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items())]
-                       + [r['wire_bytes_note']] * bool(r['wire_bytes_note']))
+    reports.report_context_parallel(cfg, model.config, cp.attention, comm, dp_cp, iter_num,
+                                    sum(seen.values()), wire_bytes, wire.why_not, clock)
     return loss
 
 

@@ -24,16 +24,16 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from formulas import ep_all_to_all_bytes_formula, ep_model_state_bytes_formula
 from model import MoE, combine, init_params, keep_own, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, model_config,
-                      outputs_line, print_sample, profiled, progress, run_main, run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, model_config, outputs_line,
+                      print_sample, profiled, progress, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
 from distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
                          init_distributed, sum_of_squares, world_size_from_env)
-from measure import WireMeter, measured_step, print_measured
+from measure import WireMeter, measured_step
+import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -291,72 +291,14 @@ def measuring(iter_num, first_iter, cfg, model, optimizer, comms):
     for comm in comms:
         comm.clear()
     seen, wire = {}, WireMeter()
-    hook = optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=nbytes(
+    hook = optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=reports.nbytes(
         p.grad for p in model.parameters() if p.grad is not None)))
     wire.start()
     yield
     wire_bytes = wire.stop()
     hook.remove()
-    report(iter_num, cfg, model, optimizer, comms, dict(seen, wire_bytes=wire_bytes), wire.why_not)
-
-
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def report(iter_num, cfg, model, optimizer, comms, measured, why_not):
-    """A log.jsonl row per rank; rank 0 prints the load of the last micro-batch (tokens per expert and per
-    rank), and each rank's all-to-all bytes, wire bytes and model states, beside the formulas."""
-    (ep, edp, dp), c = comms, model.config
-    a2a = {k: v for k, v in ep.collective_bytes.items() if k.startswith(('dispatch', 'combine'))}  # the rows'
-    moe = [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoE)]
-    experts = sum(p.numel() for m in moe for e in m.experts if e is not None for p in e.parameters())
-    dense = sum(p.numel() for p in model.parameters()) - experts
-    micro = cfg.gradient_accumulation_steps // dp.size
-    uniform = ep_all_to_all_bytes_formula(cfg.batch_size * cfg.block_size, c.n_expert_active, c.n_embd,
-                                          ep.size, 4, 2 if cfg.dtype == 'bfloat16' else 4)
-    held = ep_model_state_bytes_formula(dense, experts * ep.size, ep.size)
-    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
-    rows = log_rank_rows(cfg.out_dir, dict(
-        rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, ep_rank=ep.rank,
-        edp_rank=edp.rank, ep=ep.size, dp=dp.size, tokens_per_expert=model.tokens_per_expert.tolist(),
-        all_to_all_bytes=sum(a2a.values()), all_to_all_bytes_by_kind=a2a,
-        all_to_all_wire_bytes=sum(v for k, v in ep.wire_bytes_formula.items() if k in a2a),
-        all_to_all_bytes_formula=len(moe) * micro * uniform['all_to_all_bytes'],
-        all_to_all_wire_bytes_formula=len(moe) * micro * uniform['wire_bytes'],
-        wire_bytes=measured['wire_bytes'],
-        collective_bytes=sum(sum(m.collective_bytes.values()) for m in comms),  # counted at calls
-        # what those calls put on the wire: the all-to-alls' off-rank rows exactly, all-reduces by the ring
-        wire_bytes_formula=sum(sum(m.wire_bytes_formula.values()) for m in comms),
-        param_bytes=nbytes(model.parameters()), grad_bytes=measured.get('grad_bytes'),
-        optim_bytes=nbytes(moments),
-        **{k + '_formula': v for k, v in held.items()}))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    tokens = torch.tensor([r['tokens_per_expert'] for r in rows])  # (rank, MoE layer, expert)
-    per_expert = tokens.sum(0)  # all ranks' slots per expert, each MoE layer
-    per_rank = tokens.view(-1, ep.size, *tokens.shape[1:]).sum(1)  # (replica, layer, expert): an ep group's
-    per_rank = per_rank.view(*per_rank.shape[:2], ep.size, -1).sum(-1)  # slots each ep rank computed
-    load = lambda t: (t.max(-1).values / t.float().mean(-1)).max().item()
-    lines = [(f"layer {i} tokens per expert", ', '.join(map(str, n.tolist())), None, None)
-             for i, n in enumerate(per_expert)]
-    lines += [('load max/mean: experts', load(per_expert), None, 1.0),
-              ('load max/mean: ranks', load(per_rank), None, 1.0)]
-    for r in rows:
-        held_now = r['param_bytes'] + (r['grad_bytes'] or 0) + r['optim_bytes']
-        lines += [(f"rank {r['rank']} all-to-all bytes", None, r['all_to_all_bytes'],
-                   r['all_to_all_bytes_formula']),
-                  (f"rank {r['rank']}   of them off-rank", None, r['all_to_all_wire_bytes'],
-                   r['all_to_all_wire_bytes_formula']),
-                  (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
-                   r['wire_bytes_formula']),
-                  (f"rank {r['rank']} model states", held_now, None, sum(held.values()))]
-    print_measured(f"iter {iter_num}: dp {dp.size} = ep {ep.size} x {edp.size} replicas, {c.n_expert} "
-                   f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "
-                   f"(counted at the calls; modelled: uniform routing)", lines,
-                   ["all-to-all counted != modelled: the formula assumes the router spreads the slots "
-                    "evenly; each rank's combine carries its experts' real load"]
-                   + ([f"wire bytes {why_not}"] if why_not else []))
+    reports.report_expert_parallel(iter_num, cfg, model, optimizer, comms, dict(seen, wire_bytes=wire_bytes),
+                                   wire.why_not)
 
 
 def main(argv):

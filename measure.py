@@ -5,6 +5,7 @@ device's peak, and torch.profiler traces.
 """
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import socket
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -446,3 +448,39 @@ def first_block_saved_bytes(model, idx):
         with hooks:
             model.run_block(model.transformer.h[0], x)
     return sum(seen.values())
+
+
+class WaitClock:
+    """For a measured step only: it stands in for the cp group's Comm and adds up the time spent waiting on
+    the group's communication (a ring exchange's wait(), a Ulysses all-to-all); its hooks add up the attention
+    layers' forward and backward time. The layers' time less the waits is computing."""
+
+    def __init__(self, comm, model):
+        self.comm, self.wait_s, self.layer_s, self.t0 = comm, 0.0, 0.0, 0.0
+        on = lambda *_: setattr(self, 't0', self.now())  # noqa: E731
+        off = lambda *_: setattr(self, 'layer_s', self.layer_s + self.now() - self.t0)  # noqa: E731
+        self.hooks = [register(hook) for b in model.transformer.h for register, hook in (
+            (b.attn.register_forward_pre_hook, on), (b.attn.register_forward_hook, off),
+            (b.attn.register_full_backward_pre_hook, on), (b.attn.register_full_backward_hook, off))]
+
+    @staticmethod
+    def now():  # the host clock, after the device has caught up
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def __getattr__(self, name):  # rank, size, global_rank, the counters: the Comm's own
+        return getattr(self.comm, name)
+
+    def clocked(self, fn, *args):
+        start = self.now()
+        out = fn(*args)
+        self.wait_s += self.now() - start
+        return out
+
+    def all_to_all(self, out, inp):
+        return self.clocked(self.comm.all_to_all, out, inp)
+
+    def send_recv(self, sends, recvs, kind='send'):
+        return tuple([SimpleNamespace(wait=functools.partial(self.clocked, w.wait)) for w in works]
+                     for works in self.comm.send_recv(sends, recvs, kind))

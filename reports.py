@@ -5,13 +5,25 @@ formulas.py), side by side in one table (measure.print_measured), and one log.js
 measure; this file only lays their numbers out, one function per script.
 """
 
-# === zero.py ===
+import os
 from collections import Counter
 
-from formulas import model_state_bytes_formula
-from measure import WireMeter, print_measured
-from training import log_rank_rows
+import torch
+import torch.distributed as dist
 
+from distributed import Comm, GRID_DIMS, is_master
+from formulas import (activation_bytes_formula, bubble_fraction_formula, cp_comm_bytes_formula,
+                      ep_all_to_all_bytes_formula, ep_model_state_bytes_formula, model_state_bytes_formula,
+                      p2p_comm_bytes_formula, param_bytes_formula, peak_microbatches_formula,
+                      saved_bytes_formula, tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
+from measure import (comm_report, NOT_MEASURED, print_measured, print_schedule_report, schedule_measurements,
+                     ScheduleClock, WireMeter)
+from model import MoE
+from training import log_rank_rows, run_shape
+
+
+# -----------------------------------------------------------------------------
+# zero.py: the bytes each rank holds (sampled through the step) and sends
 
 def storage_bytes(tensors, skip=()):
     """Bytes of the distinct storages behind tensors (views of one buffer count once), and their ids."""
@@ -93,17 +105,9 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     print_measured(f"iter {iter_num}: ZeRO stage {z.stage}, N = {z.world_size}, Ψ = {z.numel:,}: bytes "
                    f"each rank holds after the step (the paper's formula) and sends in it (its own sockets, "
                    f"counted at the calls, the ring formula)", lines, notes)
-# === end zero.py ===
 
-# === tensor_parallel.py ===
-import torch.distributed as dist
-
-from distributed import is_master
-from formulas import (activation_bytes_formula, param_bytes_formula, saved_bytes_formula,
-                      tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
-from measure import comm_report, print_measured
-from training import log_rank_rows, run_shape
-
+# -----------------------------------------------------------------------------
+# tensor_parallel.py: the grid, activations per layer, the tp and dp traffic
 
 def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes, wire_bytes, why_not):
     """tensor_parallel.py's measured step: a log.jsonl row per rank; rank 0 prints its numbers and each
@@ -171,16 +175,9 @@ def tensor_parallel_shape(cfg, world_size, n_params, rank):
     if rank == 0:
         sp = ' with sequence parallelism' if cfg.sequence_parallel else ''
         print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}{sp}", cfg, n_params))
-# === end tensor_parallel.py ===
 
-# === pipeline.py ===
-import os
-
-from distributed import Comm
-from formulas import bubble_fraction_formula, p2p_comm_bytes_formula, peak_microbatches_formula
-from measure import NOT_MEASURED, ScheduleClock, print_schedule_report, schedule_measurements
-from training import log_rank_rows, run_shape
-
+# -----------------------------------------------------------------------------
+# pipeline.py: the grid, each stage's schedule timed, its bubble and its traffic
 
 def start_measuring_pipeline(stage, comms, wire):
     """A measured step: the counts from zero, the clock on, the bytes on the wire. The clock's barrier and MAX
@@ -229,14 +226,9 @@ def print_pipeline_grid(grid, cfg, n_layer, n_params, rank):
               f"world {world_size} = dp {dp} x pp {cfg.pp}, {n_layer // cfg.pp} blocks "
               f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
               f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
-# === end pipeline.py ===
 
-# === parallel_4d.py ===
-from distributed import GRID_DIMS
-from formulas import model_state_bytes_formula
-from measure import NOT_MEASURED, ScheduleClock, WireMeter, comm_report, print_measured
-from training import log_rank_rows, run_shape
-
+# -----------------------------------------------------------------------------
+# parallel_4d.py: the grid and every dimension's traffic and state
 
 def print_grid_4d(grid, coords, comms, rank, cfg, n_params):
     """Rank 0 prints the grid and the run; every rank prints (and logs) its coordinates and the global ranks
@@ -253,10 +245,12 @@ def print_grid_4d(grid, coords, comms, rank, cfg, n_params):
 
 
 def start_measuring_4d(stage, comms):
-    """A measured step: the counts from zero, the schedule's clock on, the wire meter started."""
+    """A measured step: the counts from zero, the schedule's clock on (its barrier and MAX all-reduce through
+    a Comm of their own, so that the algorithm's counts leave them out), the wire meter started."""
     for comm in comms:
         comm.clear()
-    stage.clock, wire = ScheduleClock(stage.device, stage.comm, stage.model), WireMeter()
+    clock_comm = Comm(stage.comm.group, 'pp clock', alone=stage.comm.size == 1)
+    stage.clock, wire = ScheduleClock(stage.device, clock_comm, stage.model), WireMeter()
     wire.start()
     return wire
 
@@ -285,4 +279,100 @@ def report_4d(stage, zero, comms, wire, cfg, coords, iter_num, rank):
                            (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
                             r['wire_bytes_formula']))],
                        [f"wire bytes {wire.why_not}"] if wire_bytes is None else [])
-# === end parallel_4d.py ===
+
+
+# -----------------------------------------------------------------------------
+# context_parallel.py: activations per layer, the attention's traffic and its time waiting on it
+
+CP_REPORT = [  # what a measured step prints: (quantity, its row keys: measured, counted, modelled)
+    ("activation bytes, one layer (1/cp)", 'activation_bytes', None, 'activation_bytes_formula'),
+    ('bytes sent by the attention', None, 'cp_attention_bytes', 'cp_attention_bytes_formula'),
+    ('bytes sent, all groups', 'wire_bytes', 'collective_bytes', 'wire_bytes_formula'),
+    ('attention layers: computing, s', 'attention_compute_s', None, None),
+    ('attention layers: waiting on communication, s', 'attention_wait_s', None, None)]
+
+
+def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation_bytes, wire_bytes,
+                            why_not, clock):
+    """context_parallel.py's measured step: a log row per rank; rank 0 of each cp group prints its ranks'."""
+    s, b, C, sent = cfg.block_size, cfg.batch_size, comm.size, comm_report([comm, dp_cp])
+    elem, micro_steps = 2 if cfg.dtype == 'bfloat16' else 4, cfg.gradient_accumulation_steps * C // dp_cp.size
+    rows = log_rank_rows(cfg.out_dir, {
+        'rank': dp_cp.rank, 'iter': iter_num, 'cp_rank': comm.rank, 'cp': C, 'cp_attention': attention,
+        'activation_bytes': activation_bytes, 'activation_bytes_formula': activation_bytes_formula(
+            s, b, c.n_embd, c.n_head, 1, False, bytes_per_elem=elem) / C,
+        'collective_bytes': sum(sent['collective_bytes'].values()),
+        'collective_bytes_by_kind': sent['collective_bytes'],
+        'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
+        'cp_attention_bytes': sum(comm.wire_bytes_formula.values()),  # the step's cp calls: attention's
+        'cp_attention_bytes_formula': micro_steps * c.n_layer * cp_comm_bytes_formula(
+            s, b, c.n_head, c.n_kv_head, c.n_embd // c.n_head, C, attention, elem),
+        'wire_bytes': wire_bytes, 'wire_bytes_note': why_not,
+        'attention_compute_s': clock.layer_s - clock.wait_s, 'attention_wait_s': clock.wait_s})
+    for r in rows if dp_cp.rank == 0 else []:
+        print_measured(f"[rank {r['rank']}] cp {r['cp_rank']}/{C} ({attention}), iter {iter_num}:",
+                       [(name, *(r.get(k) for k in keys)) for name, *keys in CP_REPORT],
+                       [', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items())]
+                       + [r['wire_bytes_note']] * bool(r['wire_bytes_note']))
+
+
+# -----------------------------------------------------------------------------
+# expert_parallel.py: the load per expert and per rank, the all-to-all bytes, the model states
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why_not):
+    """A log.jsonl row per rank; rank 0 prints the load of the last micro-batch (tokens per expert and per
+    rank), and each rank's all-to-all bytes, wire bytes and model states, beside the formulas."""
+    (ep, edp, dp), c = comms, model.config
+    a2a = {k: v for k, v in ep.collective_bytes.items() if k.startswith(('dispatch', 'combine'))}  # the rows'
+    moe = [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoE)]
+    experts = sum(p.numel() for m in moe for e in m.experts if e is not None for p in e.parameters())
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    micro = cfg.gradient_accumulation_steps // dp.size
+    uniform = ep_all_to_all_bytes_formula(cfg.batch_size * cfg.block_size, c.n_expert_active, c.n_embd,
+                                          ep.size, 4, 2 if cfg.dtype == 'bfloat16' else 4)
+    held = ep_model_state_bytes_formula(dense, experts * ep.size, ep.size)
+    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
+    rows = log_rank_rows(cfg.out_dir, dict(
+        rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, ep_rank=ep.rank,
+        edp_rank=edp.rank, ep=ep.size, dp=dp.size, tokens_per_expert=model.tokens_per_expert.tolist(),
+        all_to_all_bytes=sum(a2a.values()), all_to_all_bytes_by_kind=a2a,
+        all_to_all_wire_bytes=sum(v for k, v in ep.wire_bytes_formula.items() if k in a2a),
+        all_to_all_bytes_formula=len(moe) * micro * uniform['all_to_all_bytes'],
+        all_to_all_wire_bytes_formula=len(moe) * micro * uniform['wire_bytes'],
+        wire_bytes=measured['wire_bytes'],
+        collective_bytes=sum(sum(m.collective_bytes.values()) for m in comms),  # counted at calls
+        # what those calls put on the wire: the all-to-alls' off-rank rows exactly, all-reduces by the ring
+        wire_bytes_formula=sum(sum(m.wire_bytes_formula.values()) for m in comms),
+        param_bytes=nbytes(model.parameters()), grad_bytes=measured.get('grad_bytes'),
+        optim_bytes=nbytes(moments),
+        **{k + '_formula': v for k, v in held.items()}))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tokens = torch.tensor([r['tokens_per_expert'] for r in rows])  # (rank, MoE layer, expert)
+    per_expert = tokens.sum(0)  # all ranks' slots per expert, each MoE layer
+    per_rank = tokens.view(-1, ep.size, *tokens.shape[1:]).sum(1)  # (replica, layer, expert): an ep group's
+    per_rank = per_rank.view(*per_rank.shape[:2], ep.size, -1).sum(-1)  # slots each ep rank computed
+    load = lambda t: (t.max(-1).values / t.float().mean(-1)).max().item()
+    lines = [(f"layer {i} tokens per expert", ', '.join(map(str, n.tolist())), None, None)
+             for i, n in enumerate(per_expert)]
+    lines += [('load max/mean: experts', load(per_expert), None, 1.0),
+              ('load max/mean: ranks', load(per_rank), None, 1.0)]
+    for r in rows:
+        held_now = r['param_bytes'] + (r['grad_bytes'] or 0) + r['optim_bytes']
+        lines += [(f"rank {r['rank']} all-to-all bytes", None, r['all_to_all_bytes'],
+                   r['all_to_all_bytes_formula']),
+                  (f"rank {r['rank']}   of them off-rank", None, r['all_to_all_wire_bytes'],
+                   r['all_to_all_wire_bytes_formula']),
+                  (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
+                   r['wire_bytes_formula']),
+                  (f"rank {r['rank']} model states", held_now, None, sum(held.values()))]
+    print_measured(f"iter {iter_num}: dp {dp.size} = ep {ep.size} x {edp.size} replicas, {c.n_expert} "
+                   f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "
+                   f"(counted at the calls; modelled: uniform routing)", lines,
+                   ["all-to-all counted != modelled: the formula assumes the router spreads the slots "
+                    "evenly; each rank's combine carries its experts' real load"]
+                   + ([f"wire bytes {why_not}"] if why_not else []))
