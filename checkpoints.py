@@ -229,7 +229,7 @@ def check_resume_grid(cfg, grid, ckpt_path):
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
         return  # (a missing file is init_model's to report, on every rank)
     checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=True)
-    saved = checkpoint.get('grid', checkpoint['config'])
+    saved = checkpoint['grid'] if 'grid' in checkpoint else checkpoint['config']
     saved = {k: saved[k] for k in grid if k in saved}
     if saved != {k: grid[k] for k in saved}:
         def as_flags(g):

@@ -1,7 +1,9 @@
 """
 Process groups and the collectives every parallel script calls: init_distributed / finish_distributed
 (torchrun's group: NCCL on GPUs, gloo on CPU), the dp x pp x cp x tp grid, and Comm, one group's collectives
-with every byte handed to them counted (the papers' ring formula beside it).
+with every byte handed to them counted (the papers' ring formula beside it); the gradient average and the
+global-norm clip over ranks; and two collectives written for gloo's memory (all_gather_direct,
+reduce_scatter_of) with glibc's allocator setting that ZeRO-3 needs (return_freed_buffers_to_the_os).
 """
 
 import json
@@ -229,7 +231,8 @@ def data_parallel_size(world_size, **degrees):
         product *= degree
     if product < 1 or world_size % product:
         named = ' x '.join(f"{k}={v}" for k, v in degrees.items())
-        raise SystemExit(f"error: world size {world_size} is not divisible by {named} = {product}: start a "
+        named += f" = {product}" if len(degrees) > 1 else ''
+        raise SystemExit(f"error: world size {world_size} is not divisible by {named}: start a "
                          f"multiple of {product} processes (torchrun --nproc_per_node={product}), or lower "
                          + ' / '.join(f"--{k}" for k in degrees))
     return world_size // product
