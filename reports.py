@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from distributed import Comm, GRID_DIMS, is_master
-from formulas import (activation_bytes_formula, bubble_fraction_formula, cp_comm_bytes_formula,
-                      ep_all_to_all_bytes_formula, ep_model_state_bytes_formula, model_state_bytes_formula,
-                      p2p_comm_bytes_formula, param_bytes_formula, peak_microbatches_formula,
-                      saved_bytes_formula, tp_comm_bytes_formula, tp_edge_comm_bytes_formula)
+from formulas import (activation_bytes_formula, bubble_fraction_formula, comm_bytes_formula,
+                      cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
+                      model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
+                      peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
+                      tp_edge_comm_bytes_formula)
 from measure import (comm_report, NOT_MEASURED, print_measured, print_schedule_report, schedule_measurements,
                      ScheduleClock, WireMeter)
 from model import MoE
@@ -83,7 +84,10 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
            'collective_bytes': sum(comm.collective_bytes.values()),
            'collective_bytes_by_kind': dict(comm.collective_bytes),
            'wire_bytes_formula': sum(comm.wire_bytes_formula.values()),
-           'wire_bytes_formula_by_kind': dict(comm.wire_bytes_formula)}
+           'wire_bytes_formula_by_kind': dict(comm.wire_bytes_formula),
+           # the paper's count from Ψ alone (an independent model of the calls the ring formula prices)
+           'comm_bytes_formula': comm_bytes_formula(z.numel, z.world_size, z.stage, z.dtype.itemsize,
+                                                    cfg.gradient_accumulation_steps // z.world_size)}
     for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
         row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': peak[k]})
     rows = log_rank_rows(cfg.out_dir, row)
@@ -92,6 +96,7 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     lines = [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula']) for r in rows for k in kinds]
     lines += [(f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
                r['wire_bytes_formula']) for r in rows]
+    lines.append(("each rank's, the paper's count from Ψ", None, None, row['comm_bytes_formula']))
     notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
                                                                   for k in kinds) for r in rows]
     by_kind = row['collective_bytes_by_kind']

@@ -184,11 +184,10 @@ def reduce_stage_2(z, b):
     grad_shard (the micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
     finish_in_flight(z)
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
-    b.filling = None  # (zeros: a bucket whose parameters got no gradient)
-    full.div_(z.world_size)
-    z.in_flight.append((None, full, None, b))  # listed before the call: a memory sample taken there sees it
+    full.div_(z.world_size)  # (zeros: a bucket whose parameters got no gradient)
     work, out = reduce_scatter_of(z.comm, full)  # out: this rank's chunk of the sum (on gloo, a view of full)
-    z.in_flight[-1] = (work, full, out, b)
+    b.filling = None  # full lives on in in_flight until the reduce has sent it
+    z.in_flight.append((work, full, out, b))
 
 
 def reduce_stage_3(z, b):
