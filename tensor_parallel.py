@@ -26,8 +26,9 @@ import reports
 from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, rng_state, seed_dropout, set_rng_state)
 from dataset import load_dataset, micro_batches
-from distributed import (all_gather_seq, average_gradients, clip_grad_norm, finish_distributed, process_grid,
-                         reduce_scatter_seq, sum_of_squares, world_size_from_env)
+from distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
+                         finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
+                         world_size_from_env)
 from measure import WireMeter, first_block_saved_bytes, measured_step
 from model import GPTConfig, init_values, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
@@ -423,8 +424,7 @@ def consolidate(out_dir):
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
-    refuse((cfg.tp < 1 or world_size % cfg.tp, f"world size {world_size} is not divisible by tp={cfg.tp}"))
-    check_batch(cfg, world_size // cfg.tp, world_size)
+    check_batch(cfg, data_parallel_size(world_size, tp=cfg.tp), world_size)  # (names the flag to change)
     check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
     n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_ckpt_path(cfg.out_dir, 0)
     refuse((cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "

@@ -381,7 +381,7 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize('over, world, message', [
-    (dict(tp=4), 2, 'world size 2 is not divisible by tp=4'),
+    (dict(tp=4), 2, 'world size 2 is not divisible by tp=4: start a multiple of 4 processes'),
     (dict(tp=2, gradient_accumulation_steps=1), 4, 'divisible by the data-parallel size dp=2'),
     (dict(tp=4, n_head=8, n_kv_head=2), 4, 'n_kv_head (2) must both be divisible by tp=4'),
     (dict(tp=4, n_head=6), 4, 'n_head (6)'),
