@@ -417,9 +417,9 @@ def run_main(main):
             sys.stderr.write(line)
             sys.stderr.flush()
             record_for_torchrun(e.code, line)
-            # (an error found after joining, e.g. on resume): left to
+            # an error found after joining (e.g. on resume): the group torn down here, since left to the
+            # interpreter's exit, gloo's threads can abort ('terminate called')
             if dist.is_initialized() and distributed._GROUP_IS_OURS:
-                # the interpreter's exit, gloo's threads can abort ('terminate called')
                 dist.destroy_process_group()
             sys.exit(1)
         raise
