@@ -131,6 +131,30 @@ class Comm:
         return works[:len(sends)], works[len(sends):]
 
 
+# The all-to-all with its backward: expert parallelism's dispatch and combine, Ulysses' sequence <-> heads
+
+def all_to_all_rows(x, comm, send, recv, kind):
+    """send[i] rows of x to rank i of comm; returns the recv[i] rows from each rank i, in rank order."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    comm.all_to_all_v(out, x.contiguous(), recv, send, kind)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_rows with a backward: the gradient of what came from rank i goes back to rank i (the same
+    all-to-all with the sizes swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send, recv, kind):
+        ctx.comm, ctx.send, ctx.recv, ctx.kind = comm, send, recv, kind
+        return all_to_all_rows(x, comm, send, recv, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = all_to_all_rows(grad, ctx.comm, ctx.recv, ctx.send, ctx.kind + ' backward')
+        return back, None, None, None, None
+
+
 def average_gradients(params, comm, divisor=None, kind='all_reduce'):
     """Data parallelism by hand: every gradient summed over comm's ranks in one flat all-reduce, then divided
     by divisor (default comm's size: the mean; expert parallelism divides by the whole world's)."""

@@ -30,8 +30,8 @@ from training import (autocast_context, check_batch, config_defaults, configure,
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
-from distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
-                         init_distributed, sum_of_squares, world_size_from_env)
+from distributed import (AllToAll, Comm, average_gradients, clip_grad_norm, data_parallel_size,
+                         finish_distributed, init_distributed, sum_of_squares, world_size_from_env)
 from measure import WireMeter, measured_step
 import reports
 
@@ -52,28 +52,6 @@ def held_experts(n_expert, ep_rank, ep_size):
     sorted by rank too."""
     per_rank = n_expert // ep_size
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-
-
-def all_to_all_rows(x, comm, send, recv, kind):
-    """send[i] rows of x to rank i of comm; returns the recv[i] rows from each rank i, in rank order."""
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    comm.all_to_all_v(out, x.contiguous(), recv, send, kind)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """all_to_all_rows with a backward: the gradient of what came from rank i goes back to rank i (the same
-    all-to-all with the sizes swapped)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, send, recv, kind):
-        ctx.comm, ctx.send, ctx.recv, ctx.kind = comm, send, recv, kind
-        return all_to_all_rows(x, comm, send, recv, kind)
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = all_to_all_rows(grad, ctx.comm, ctx.recv, ctx.send, ctx.kind + ' backward')
-        return back, None, None, None, None
 
 
 def dispatch(rows, counts, ep):

@@ -128,18 +128,17 @@ def _counted_bytes(rank, world_size, comms):
 
 
 def _same_as_torch(rank, world_size):
-    """dispatch's AllToAll against torch.distributed.nn.functional.all_to_all_single: forward and backward."""
+    """distributed.AllToAll (dispatch's, Ulysses') against torch.distributed.nn.functional.all_to_all_single: forward and backward."""
     import torch.distributed as dist
     import torch.distributed.nn.functional as dist_nn
-    import expert_parallel as epm
-    from distributed import Comm
+    from distributed import AllToAll, Comm
     comm = Comm(None, 'ep')
     gen = torch.Generator().manual_seed(0)
     sizes = torch.randint(0, 4, (world_size, world_size), generator=gen)  # [src, dst] rows
     send, recv = sizes[rank].tolist(), sizes[:, rank].tolist()
     x = torch.randn(sum(send), 3, generator=torch.Generator().manual_seed(rank + 1), requires_grad=True)
     w = torch.randn(sum(recv), 3)
-    ours = epm.AllToAll.apply(x, comm, send, recv, 'test')
+    ours = AllToAll.apply(x, comm, send, recv, 'test')
     (ours * w).sum().backward()
     ours_grad, x.grad = x.grad, None
     theirs = dist_nn.all_to_all_single(torch.empty(sum(recv), 3), x, recv, send, group=dist.group.WORLD)
