@@ -32,8 +32,8 @@ from training import (autocast_context, check_batch, config_defaults, configure,
                       profiled, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
-from distributed import (Comm, average_gradients, finish_distributed, init_distributed, process_grid,
-                         world_size_from_env)
+from distributed import (AllToAll, Comm, average_gradients, finish_distributed, init_distributed,
+                         process_grid, world_size_from_env)
 from measure import WaitClock, WireMeter, measured_step, saved_bytes_counter
 import reports
 
@@ -193,45 +193,29 @@ class RingAttention(torch.autograd.Function):
 
 def seq_to_heads(x, cp):
     """(B, H, L, hd), this rank's tokens and every head -> (B, H/cp, cp·L, hd), every rank's tokens (in rank
-    order) and this rank's heads."""
+    order) and this rank's heads. An all-to-all with a backward (distributed.AllToAll: the gradient goes back
+    by the same exchange), so autograd carries the layout changes around it."""
     B, H, L, hd = x.shape
     n = cp.group.size
-    send = x.view(B, n, H // n, L, hd).transpose(0, 1).contiguous()  # the i-th slice goes to rank i
-    out = torch.empty_like(send)
-    cp.group.all_to_all(out, send)  # the i-th slice came from rank i: its tokens, our heads
-    return out.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * L, hd)
+    send = x.view(B, n, H // n, L, hd).transpose(0, 1).reshape(n, -1)  # the i-th row goes to rank i
+    out = AllToAll.apply(send, cp.group, [1] * n, [1] * n, 'all_to_all')  # row i: rank i's tokens, our heads
+    return out.view(n, B, H // n, L, hd).permute(1, 2, 0, 3, 4).reshape(B, H // n, n * L, hd)
 
 
 def heads_to_seq(x, cp):
     """The inverse of seq_to_heads."""
     B, Hn, NL, hd = x.shape
     n = cp.group.size
-    send = x.view(B, Hn, n, NL // n, hd).permute(2, 0, 1, 3, 4).contiguous()
-    out = torch.empty_like(send)
-    cp.group.all_to_all(out, send)
-    return out.transpose(0, 1).reshape(B, n * Hn, NL // n, hd)
-
-
-class AllToAll(torch.autograd.Function):
-    """Ulysses' all-to-all, seq_to_heads (to_heads) or heads_to_seq; its backward is the other one, on the
-    gradient."""
-
-    @staticmethod
-    def forward(ctx, x, cp, to_heads):
-        ctx.cp, ctx.to_heads = cp, to_heads
-        return seq_to_heads(x, cp) if to_heads else heads_to_seq(x, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        return (heads_to_seq(grad, ctx.cp) if ctx.to_heads else seq_to_heads(grad, ctx.cp)), None, None
+    send = x.view(B, Hn, n, NL // n, hd).permute(2, 0, 1, 3, 4).reshape(n, -1)
+    out = AllToAll.apply(send, cp.group, [1] * n, [1] * n, 'all_to_all')
+    return out.view(n, B, Hn, NL // n, hd).transpose(0, 1).reshape(B, n * Hn, NL // n, hd)
 
 
 def ulysses_attention(q, k, v, cp):
     """All-to-all to whole sequences of this rank's heads (kv heads too: n_kv_head divisible by cp), causal
     attention over them in global order (the gathered tokens come in zig-zag order: sorted by position, then
     put back), all-to-all back to this rank's tokens."""
-    q, k, v = (AllToAll.apply(t, cp, True) for t in (q, k, v))
+    q, k, v = (seq_to_heads(t, cp) for t in (q, k, v))
     n = cp.group.size
     seq_len = 2 * n * (cp.positions.numel() // 2)
     gathered = torch.cat([zigzag_positions(seq_len, n, r) for r in range(n)]).to(q.device)
@@ -240,7 +224,7 @@ def ulysses_attention(q, k, v, cp):
     k, v = expand_kv(k, q.size(1)), expand_kv(v, q.size(1))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = y[..., torch.argsort(order), :]
-    return AllToAll.apply(y, cp, False)
+    return heads_to_seq(y, cp)
 
 
 # model.py's GPT with context-parallel attention

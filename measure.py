@@ -478,8 +478,8 @@ class WaitClock:
         self.wait_s += self.now() - start
         return out
 
-    def all_to_all(self, out, inp):
-        return self.clocked(self.comm.all_to_all, out, inp)
+    def all_to_all_v(self, *args):
+        return self.clocked(self.comm.all_to_all_v, *args)
 
     def send_recv(self, sends, recvs, kind='send'):
         return tuple([SimpleNamespace(wait=functools.partial(self.clocked, w.wait)) for w in works]

@@ -75,7 +75,7 @@ def _checks(rank, world_size):
                 comm.clear()
                 _, loss = cpm.cp_forward(model, x, y, cp)
                 loss.backward()
-                sent = sum(v for kind, v in comm.wire_bytes_formula.items() if kind in ('kv', 'dkv', 'all_to_all'))
+                sent = sum(v for kind, v in comm.wire_bytes_formula.items() if kind in ('kv', 'dkv', 'all_to_all', 'all_to_all backward'))
                 average_gradients(model.parameters(), comm)
                 mean_loss = loss.detach().clone()
                 comm.all_reduce(mean_loss)
@@ -163,7 +163,7 @@ def test_an_unmeasured_step_makes_no_measuring_call(spawned):
     n_layer = LAYOUTS['gpt2']['n_layer']
     algorithm = {'ring': {'batch_isend_irecv': n_layer * 4, 'all_reduce': 2},
                  'ulysses': {'all_to_all_single': n_layer * 8, 'all_reduce': 2}}
-    kinds = {'ring': ['dkv', 'kv', 'all_reduce', 'scalars'], 'ulysses': ['all_to_all', 'all_reduce', 'scalars']}
+    kinds = {'ring': ['dkv', 'kv', 'all_reduce', 'scalars'], 'ulysses': ['all_to_all', 'all_to_all backward', 'all_reduce', 'scalars']}
     for rank, results in enumerate(spawned):
         for attention in ('ring', 'ulysses'):
             unmeasured = results[('calls', attention, False)]
