@@ -96,7 +96,7 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     lines = [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula']) for r in rows for k in kinds]
     lines += [(f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
                r['wire_bytes_formula']) for r in rows]
-    lines.append(("each rank's, the paper's count from Ψ", None, None, row['comm_bytes_formula']))
+    lines.append(("bytes sent per rank, the paper's (Ψ)", None, None, row['comm_bytes_formula']))
     notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
                                                                   for k in kinds) for r in rows]
     by_kind = row['collective_bytes_by_kind']
