@@ -1,10 +1,9 @@
 """
 train.py plus tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and, optionally, sequence parallelism
-(Korthikanti et al. 2022), by hand. The tp ranks of a group split every layer: attention by heads, the MLP
-column then row, the vocabulary of the embedding, the head and the loss. Each block runs 2 all-reduces forward
-and 2 backward; with --sequence_parallel=True each becomes an all-gather + a reduce-scatter, and the norms and
-dropouts work on 1/tp of the sequence each. Every rank builds train.py's GPT from the seed and keeps its
-slice, so the loss curve is train.py's.
+(Korthikanti et al. 2022), by hand. The tp ranks split every layer: attention by heads, the MLP column then
+row, the vocabulary (embedding, head, loss). Each block runs 2 all-reduces forward and 2 backward; with
+--sequence_parallel=True an all-gather + a reduce-scatter each, the norms and dropouts on 1/tp of the
+sequence. Each rank keeps its slice of train.py's seeded GPT: train.py's loss curve.
 
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=4 --sequence_parallel=True
@@ -339,11 +338,18 @@ def tp_forward(model, idx, targets, tp):
 
 
 def sync_tp_grads(layout, tp):
-    """Sequence parallelism only: the replicated parameters (norms, row-parallel biases, positions) saw only
-    this rank's chunk of the sequence, so their gradient is the tp ranks' sum (without SP: all of it)."""
+    """SP only: a replicated parameter (norm, row bias, positions) saw 1/tp of the sequence: sum over tp."""
     if tp.sequence_parallel:
         average_gradients([p for p, kind in layout.values() if kind == 'replicated'], tp.group, divisor=1,
                           kind='grad_all_reduce')
+
+
+def clip_grads(layout, tp, max_norm):
+    """clip_grad_norm_ over the whole model: summed over tp, each rank's slices + 1/tp of the replicated."""
+    grads = [(p.grad, kind == 'replicated') for p, kind in layout.values() if p.grad is not None]
+    split, replicated = [g for g, r in grads if not r], [g for g, r in grads if r]
+    share = sum_of_squares(split) + sum_of_squares(replicated) / tp.group.size
+    return clip_grad_norm(split + replicated, share, max_norm, [tp.group])
 
 
 def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
@@ -357,11 +363,8 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
         loss.backward()
     sync_tp_grads(layout, tp)
     average_gradients([p for p, _ in layout.values()], dp)  # data parallelism over the replicas
-    if grad_clip != 0.0:  # the whole model's norm: over tp, each rank's slices + 1/tp of the replicated
-        split = [p.grad for p, kind in layout.values() if kind != 'replicated' and p.grad is not None]
-        replicated = [p.grad for p, kind in layout.values() if kind == 'replicated' and p.grad is not None]
-        share = sum_of_squares(split) + sum_of_squares(replicated) / tp.group.size
-        clip_grad_norm(split + replicated, share, grad_clip, [tp.group])
+    if grad_clip != 0.0:
+        clip_grads(layout, tp, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dp.all_reduce(loss_sum, kind='scalars')
@@ -369,8 +372,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
 
 
 def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
-    """train.py's GPT on the meta device (shapes only), cut to this rank's slices, which alone get storage,
-    then values (train.py's or GPT-2's, one dense tensor at a time, or this rank's checkpoint); its AdamW."""
+    """train.py's GPT on meta, this rank's slices alone given storage and values; its AdamW."""
     ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     reports.tensor_parallel_shape(cfg, world_size, model.get_num_params(), rank)
@@ -390,7 +392,6 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
 
 # -----------------------------------------------------------------------------
 # The checkpoint: each rank saves its own slices, out_dir/ckpt_rank<r>.pt; consolidate joins them.
-
 def rank_ckpt_path(out_dir, rank):  # (rank '{}': the files' pattern, for load_world)
     return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
 
@@ -410,14 +411,14 @@ def consolidate(out_dir):
     """The slices of data-parallel replica 0's tp ranks, joined (join_slices) into train.py's checkpoint."""
     tp_size = load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp']
     ranks = load_world(out_dir, rank_ckpt_path('', '{}'), tp_size)  # ranks 0 .. tp-1: dp replica 0
+    qkv = qkv_split(GPTConfig(**ranks[0]['model_args']))
     first, model_sd, states = ranks[0], {}, {}
-    qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
     for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
         progress(i + 1, len(first['layout']), f"consolidating {len(ranks)} tensor-parallel ranks")
-        model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv_sizes).clone()
+        model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv).clone()
         saved = [r['optimizer']['state'].get(r['param_order'].index(local)) for r in ranks]
         if saved[0] is not None:  # (AdamW has no state for a parameter that never had a gradient)
-            states[dense] = {k: v if k == 'step' else join_slices([s[k] for s in saved], kind, qkv_sizes)
+            states[dense] = {k: v if k == 'step' else join_slices([s[k] for s in saved], kind, qkv)
                              for k, v in saved[0].items()}
     return joined_checkpoint(model_sd, states, first, [first['rng']], first['config'])
 

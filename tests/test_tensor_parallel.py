@@ -65,6 +65,7 @@ def _against_dense(rank, world_size):
         dense_logits, dense_loss = dense(idx, targets)
         dense_loss.backward()
         dense_params = dict(dense.named_parameters())
+        dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float('inf'))  # (scales by 1)
         for t in (1, 2, 4):
             for sp in (False, True):
                 tp = tpm.TensorParallel(groups[t], sp)
@@ -84,6 +85,7 @@ def _against_dense(rank, world_size):
                     logits_err=_rel_err(full_logits, dense_logits.detach()),
                     loss_err=abs(loss.item() - dense_loss.item()),
                     grad_err=grad_err,
+                    norm_err=_rel_err(tpm.clip_grads(param_layout, tp, float('inf')), dense_norm),
                     covered=sorted(param_layout) == sorted(dense_params),
                     comm=comm,
                     comm_formula=L * formulas.tp_comm_bytes_formula(16, 2, h, t, sp, 4)
@@ -249,6 +251,7 @@ def test_logits_loss_and_every_gradient_equal_the_dense_model(spawned, layout, t
         r = dense[(layout, t, sp)]
         assert r['covered'], "the shard layout must cover every dense parameter"
         assert r['logits_err'] < TOL and r['loss_err'] < TOL and r['grad_err'] < TOL, (rank, r)
+        assert r['norm_err'] < TOL, (rank, r)  # the clip's global norm: the dense model's
 
 
 def test_a_sharded_model_refuses_the_dense_forward():
