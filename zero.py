@@ -36,10 +36,11 @@ from training import (autocast_context, check_batch, config_defaults, configure,
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
                          rng_state, seed_dropout, set_rng_state)
-from distributed import (Comm, all_gather_direct, clip_grad_norm, finish_distributed, reduce_scatter_of,
+from distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of,
                          return_freed_buffers_to_the_os, sum_of_squares, world_size_from_env)
 from measure import measured_step
 import reports
+from zero3 import free, install_stage_3_hooks
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -228,74 +229,6 @@ def publish_stage_3(z, b):
     """Only this rank's chunk is kept: it is updated in place; the next forward gathers the block."""
     if b.shard is not b.master:
         b.shard.copy_(b.master)
-
-
-# -----------------------------------------------------------------------------
-# Stage 3: a block's parameters gathered just before it runs, freed just after. With prefetch_blocks = k the
-# gathers of the next k blocks (in forward order during forward, in backward order during backward) are
-# posted while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait moves off the critical
-# path, and k more blocks' parameters are held at the peak.
-
-def start_gather(z, b):
-    """Give the bucket its full storage back and post the all-gather into it (asynchronously)."""
-    if not b.gathered and b.gathering is None:
-        b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
-        # write through .data: the gather is not an autograd in-place op on the views saved for backward
-        b.gathering = all_gather_direct(z.comm, b.flat.data, b.shard, tag=z.buckets.index(b))
-
-
-def gather(z, b, order=()):
-    """The bucket's parameters, complete (posted now unless a prefetch did, and waited for); then the gathers
-    of the prefetch_blocks buckets after b in `order` posted."""
-    start_gather(z, b)
-    wait_gather(b)
-    b.gathered = True
-    i = order.index(b) if b in order else len(order)
-    for nxt in order[i + 1:i + 1 + z.prefetch_blocks]:
-        start_gather(z, nxt)
-
-
-def wait_gather(b):
-    for work in b.gathering or ():
-        work.wait()
-    b.gathering = None
-
-
-def free(b):
-    # the views (p.data) and the tensors autograd saved keep pointing at this storage; it just holds no bytes
-    # until the next gather refills it
-    wait_gather(b)
-    b.flat.untyped_storage().resize_(0)
-    b.gathered = False
-
-
-def after_forward(z, b, out):
-    """A block's forward is over: free its parameters, and hook its output's gradient. Every node of the
-    block's backward hangs below that output, so the hook runs first: the place to all-gather them again, just
-    in time. A recomputation (activation checkpointing) inside backward keeps them."""
-    if not b.in_backward:
-        free(b)
-        if out is not None and torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad: before_backward(z, b))
-    return out
-
-
-def before_backward(z, b):
-    b.in_backward = True
-    gather(z, b, z.block_buckets)  # the blocks run backward in the buckets' order
-
-
-def install_stage_3_hooks(z, model):
-    """Each block gathers its bucket before its forward (prefetching the blocks after it) and frees it after;
-    the root bucket (embeddings, final norm, head) is gathered for the whole model's forward."""
-    *z.block_buckets, root = z.buckets  # in backward order: the last block's first
-    forward = z.block_buckets[::-1]
-    for block, b in zip(model.transformer.h, forward):
-        # (a recomputation inside backward prefetches nothing: the blocks after it have run backward)
-        block.register_forward_pre_hook(lambda m, a, b=b: gather(z, b, () if b.in_backward else forward))
-        block.register_forward_hook(lambda m, a, out, b=b: after_forward(z, b, out))
-    model.register_forward_pre_hook(lambda m, args: gather(z, root))
-    model.register_forward_hook(lambda m, args, out: (out[0], after_forward(z, root, out[1])))
 
 
 # -----------------------------------------------------------------------------

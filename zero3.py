@@ -1,0 +1,80 @@
+"""
+ZeRO stage 3's other half (zero.py has the rest): the parameters sharded. At rest a rank keeps only its chunk
+of each block's flat bucket; a block's parameters are all-gathered just before its forward and freed just
+after, gathered again just before its backward and freed once its gradients are reduce-scattered
+(zero.reduce_stage_3). So at any moment a rank holds one block's parameters in full, plus its chunk of the
+rest: the 1/N of stage 3, paid for with a second all-gather per block per step.
+
+With prefetch_blocks = k the gathers of the next k blocks (in forward order during forward, in backward order
+during backward) are posted while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait moves
+off the critical path, and k more blocks' parameters are held at the peak.
+
+z is zero.py's engine (Zero: its comm, buckets and prefetch_blocks), b one of its Buckets (flat: the block's
+parameters, laid end to end; shard: this rank's chunk of them). Run it: torchrun ... zero.py --stage=3
+"""
+
+import torch
+
+from distributed import all_gather_direct
+
+
+def start_gather(z, b):
+    """Give the bucket its full storage back and post the all-gather into it (asynchronously)."""
+    if not b.gathered and b.gathering is None:
+        b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
+        # write through .data: the gather is not an autograd in-place op on the views saved for backward
+        b.gathering = all_gather_direct(z.comm, b.flat.data, b.shard, tag=z.buckets.index(b))
+
+
+def gather(z, b, order=()):
+    """The bucket's parameters, complete (posted now unless a prefetch did, and waited for); then the gathers
+    of the prefetch_blocks buckets after b in `order` posted."""
+    start_gather(z, b)
+    wait_gather(b)
+    b.gathered = True
+    i = order.index(b) if b in order else len(order)
+    for nxt in order[i + 1:i + 1 + z.prefetch_blocks]:
+        start_gather(z, nxt)
+
+
+def wait_gather(b):
+    for work in b.gathering or ():
+        work.wait()
+    b.gathering = None
+
+
+def free(b):
+    # the views (p.data) and the tensors autograd saved keep pointing at this storage; it just holds no bytes
+    # until the next gather refills it
+    wait_gather(b)
+    b.flat.untyped_storage().resize_(0)
+    b.gathered = False
+
+
+def after_forward(z, b, out):
+    """A block's forward is over: free its parameters, and hook its output's gradient. Every node of the
+    block's backward hangs below that output, so the hook runs first: the place to all-gather them again, just
+    in time. A recomputation (activation checkpointing) inside backward keeps them."""
+    if not b.in_backward:
+        free(b)
+        if out is not None and torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad: before_backward(z, b))
+    return out
+
+
+def before_backward(z, b):
+    b.in_backward = True
+    gather(z, b, z.block_buckets)  # the blocks run backward in the buckets' order
+
+
+def install_stage_3_hooks(z, model):
+    """Each block gathers its bucket before its forward (prefetching the blocks after it) and frees it after;
+    the root bucket (embeddings, final norm, head) is gathered for the whole model's forward."""
+    *z.block_buckets, root = z.buckets  # in backward order: the last block's first
+    forward = z.block_buckets[::-1]
+    for block, b in zip(model.transformer.h, forward):
+        # (a recomputation inside backward prefetches nothing: the blocks after it have run backward)
+        block.register_forward_pre_hook(lambda m, a, b=b: gather(z, b, () if b.in_backward else forward))
+        block.register_forward_hook(lambda m, a, out, b=b: after_forward(z, b, out))
+    model.register_forward_pre_hook(lambda m, args: gather(z, root))
+    model.register_forward_hook(lambda m, args, out: (out[0], after_forward(z, root, out[1])))
