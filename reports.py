@@ -38,13 +38,13 @@ def storage_bytes(tensors, skip=()):
 
 def held_bytes(zero):
     """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
-    bs, opt = zero.buckets, zero.optimizer
+    bs = zero.buckets
     params, param_ids = storage_bytes([p for b in bs for p in b.params] +
                                       [t for b in bs for t in (b.flat, b.shard)])
     grads, _ = storage_bytes([p.grad for b in bs for p in b.params] +
                              [t for b in bs for t in (b.grad_flat, b.grad_shard, b.filling)] +
                              [t for _, full, out, _ in zero.in_flight for t in (full, out)])
-    state = opt.masters + opt.exp_avg + opt.exp_avg_sq
+    state = [t for key in ('master', 'exp_avg', 'exp_avg_sq') for t in zero.adam_state(key)]
     if bs[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
         host, _ = storage_bytes(state + [b.grad_host for b in bs])
         return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': 0, 'host_bytes': host}

@@ -135,29 +135,19 @@ class Bucket:
             chunk[start:end].copy_(values.reshape(-1)[at:at + end - start])
 
 
-class ShardedAdamW:
-    """torch.optim.AdamW's update (decoupled weight decay, bias correction, eps added after the square root),
-    written once for any flat fp32 tensors: here, this rank's chunks. Element for element torch's numbers."""
+STATE_KEYS = ('master', 'exp_avg', 'exp_avg_sq')  # what a rank's checkpoint keeps of each chunk
 
-    def __init__(self, masters, decay_ranges, weight_decay, betas, eps):
-        self.masters, self.decay_ranges, self.step_count = masters, decay_ranges, 0
-        self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
-        self.exp_avg = [torch.zeros_like(m) for m in masters]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
 
-    def step(self, grads, lr):  # (under Zero.step's no_grad)
-        beta1, beta2 = self.betas
-        self.step_count += 1
-        bias_correction1 = 1 - beta1 ** self.step_count
-        bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
-        for p, g, m, v, ranges in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
-            g = g.float()
-            for start, end in ranges:
-                p[start:end].mul_(1 - lr * self.weight_decay)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-lr / bias_correction1)
+def sharded_adamw(masters, betas, eps):
+    """train.py's optimizer, torch.optim.AdamW, handed only this rank's fp32 chunks: the optimizer is
+    unchanged, it just sees 1/N of the model (as DeepSpeed wraps any torch optimizer). Its state is made now,
+    not at the first step, so a rank holds it from the start. Weight decay is Zero.step's: a chunk spans both
+    of train.py's groups."""
+    optimizer = torch.optim.AdamW(masters, lr=0.0, betas=betas, eps=eps, weight_decay=0.0)
+    for m in masters:
+        optimizer.state[m] = {'step': torch.tensor(0.0), 'exp_avg': torch.zeros_like(m),
+                              'exp_avg_sq': torch.zeros_like(m)}
+    return optimizer
 
 
 # -----------------------------------------------------------------------------
@@ -255,8 +245,8 @@ class Zero:
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self.grad_ready(b, i, p))
-        self.optimizer = ShardedAdamW([b.master for b in self.buckets],
-                                      [b.decay_ranges for b in self.buckets], weight_decay, betas, eps)
+        self.optimizer = sharded_adamw([b.master for b in self.buckets], betas, eps)
+        self.weight_decay = weight_decay
         if stage == 3:
             install_stage_3_hooks(self, model)
         self.last_micro_step = True  # stages 0-1 reduce only then (gradients accumulate locally); 2-3 at each
@@ -320,9 +310,15 @@ class Zero:
     @torch.no_grad()
     def step(self, lr):
         """AdamW on this rank's chunks, then the parameters published; the gradients start again from zero."""
-        self.optimizer.step(self.grads(), lr)
+        for b, grad in zip(self.buckets, self.grads()):
+            b.master.grad = grad.float()  # (in bf16 an fp32 copy, dropped after the step)
+            for start, end in b.decay_ranges:  # decoupled weight decay, first, as torch's AdamW does it
+                b.master[start:end].mul_(1 - lr * self.weight_decay)
+        self.optimizer.param_groups[0]['lr'] = lr
+        self.optimizer.step()
         self.publish_all()
         for b in self.buckets:
+            b.master.grad = None
             if self.stage <= 1:
                 b.grad_flat.zero_()
                 b.grad_shard = None  # (stage 1: the next reduce-scatter makes a new one)
@@ -349,33 +345,35 @@ class Zero:
             b.copy_owned(i, values, b.shard)
 
     # checkpoints: this rank's chunks of the fp32 weights and AdamW's moments, and where they sit in the model
+    def adam_state(self, key):  # 'master' (the fp32 weights), 'exp_avg', 'exp_avg_sq' or 'step', per bucket
+        return [b.master if key == 'master' else self.optimizer.state[b.master][key] for b in self.buckets]
+
     def state_dict(self):
-        opt = self.optimizer
-        return {'stage': self.stage, 'world_size': self.world_size, 'rank': self.rank, 'step': opt.step_count,
+        return {'stage': self.stage, 'world_size': self.world_size, 'rank': self.rank,
+                'step': int(self.adam_state('step')[0]),
                 'layout': [{'names': b.names, 'shapes': b.shapes, 'numel': b.numel, 'lo': b.lo}
-                           for b in self.buckets],
-                'master': opt.masters, 'exp_avg': opt.exp_avg, 'exp_avg_sq': opt.exp_avg_sq}
+                           for b in self.buckets], **{k: self.adam_state(k) for k in STATE_KEYS}}
 
     @torch.no_grad()
     def load_state_dict(self, sd):
-        opt = self.optimizer
-        for mine, saved in zip(opt.masters + opt.exp_avg + opt.exp_avg_sq,
-                               sd['master'] + sd['exp_avg'] + sd['exp_avg_sq']):
-            mine.copy_(saved)
-        opt.step_count = sd['step']
+        for key in STATE_KEYS:
+            for mine, saved in zip(self.adam_state(key), sd[key]):
+                mine.copy_(saved)
+        for step in self.adam_state('step'):
+            step.fill_(sd['step'])
         self.publish_all()
 
     @torch.no_grad()
     def load_torch_optimizer(self, osd):
         """Start from a torch AdamW state_dict (train.py's checkpoint; its params in param_groups order)."""
-        opt = self.optimizer
-        order = [p for g in param_groups(self.model, opt.weight_decay) for p in g['params']]
-        state = {id(p): osd['state'][i] for i, p in enumerate(order)}
-        for b, m, v in zip(self.buckets, opt.exp_avg, opt.exp_avg_sq):
+        order = [p for g in param_groups(self.model, self.weight_decay) for p in g['params']]
+        saved = {id(p): osd['state'][i] for i, p in enumerate(order)}
+        for b in self.buckets:
+            state = self.optimizer.state[b.master]
+            state['step'].fill_(float(osd['state'][0]['step']))
             for j, p in enumerate(b.params):  # only the part in this rank's chunk is read
-                b.copy_owned(j, state[id(p)]['exp_avg'], m)
-                b.copy_owned(j, state[id(p)]['exp_avg_sq'], v)
-        opt.step_count = int(osd['state'][0]['step'])
+                b.copy_owned(j, saved[id(p)]['exp_avg'], state['exp_avg'])
+                b.copy_owned(j, saved[id(p)]['exp_avg_sq'], state['exp_avg_sq'])
 
 
 def bucket_groups(model, stage, bucket_size):
@@ -456,7 +454,7 @@ def unflatten_shards(shards):
     """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}:
     each bucket's chunks laid end to end (stage 0: every rank holds it all), cut back into its parameters."""
     full, n_buckets = {}, len(shards[0]['layout'])
-    for k, key in enumerate(('master', 'exp_avg', 'exp_avg_sq')):
+    for k, key in enumerate(STATE_KEYS):
         full[key] = {}
         for i, layout in enumerate(shards[0]['layout']):
             progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (w, m, v)")
