@@ -222,10 +222,11 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
 # Sharded checkpoints back into train.py's: what every script's consolidate(out_dir) shares (consolidate.py
 # finds which script wrote out_dir and calls that script's function)
 
-def check_resume_grid(cfg, grid, ckpt_path):
+def check_resume_grid(cfg, grid, ckpt_path, then=''):
     """init_from=resume: the saved files must be cut as this run cuts the model (grid: {key: this run's
     value}), else loading them fails deep in load_state_dict. The first file tells (memory-mapped: little is
-    read): its 'grid', else its config (a file written before 'grid' was saved)."""
+    read): its 'grid', else its config (a file written before 'grid' was saved). then: what to do after
+    consolidating, where the script would still read its rank files."""
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
         return  # (a missing file is init_model's to report, on every rank)
     checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=True)
@@ -237,7 +238,7 @@ def check_resume_grid(cfg, grid, ckpt_path):
             return ' '.join(f"--{k}={v}" for k, v in g.items() if k != 'ranks') + ranks
         raise SystemExit(f"error: init_from=resume: {ckpt_path} was saved with {as_flags(saved)}, this run "
                          f"has {as_flags(grid)}: resume with the saved ones, or python consolidate.py "
-                         f"{cfg.out_dir} makes one ckpt.pt, which train.py, train_ddp.py, zero.py, "
+                         f"{cfg.out_dir} makes one ckpt.pt{then}, which train.py, train_ddp.py, zero.py, "
                          f"train_fsdp.py and context_parallel.py continue from on any number of ranks")
 
 

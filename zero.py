@@ -9,17 +9,14 @@ out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
     python consolidate.py out-zero       # the per-rank shards -> out-zero/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
-stage 1  + optimizer state sharded: rank r keeps AdamW's state (in bf16 also the fp32 master weights) for its
-           chunk of each flat bucket; gradients reduce-scattered, each rank updates its chunk, the parameters
-           all-gathered back
+stage 1  + optimizer state sharded: gradients reduce-scattered, each rank updates its chunk, then all-gathered
 stage 2  + gradients sharded: each bucket reduce-scattered as soon as backward has filled it, then freed
-stage 3  + parameters sharded: a block's parameters all-gathered just before its forward and again just
-           before its backward, and freed after each
+stage 3  + parameters sharded: each block gathered just before its forward and backward, then freed (zero3.py)
 
 Each stage is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced them)
-and publish_stage_S (the updated chunk, back into the model's parameters). The update is AdamW's, element by
-element, so every stage trains train.py's numbers. A measured step (the first, every --measure_every-th)
-reports the bytes each rank holds and sends beside the paper's formulas (reports.py).
+and publish_stage_S (the updated chunk, back into the model's parameters). The optimizer is train.py's AdamW,
+on this rank's chunks. A measured step (the first, every --measure_every-th) reports the bytes each rank holds
+and sends beside the paper's formulas (reports.py).
 """
 
 import math
@@ -34,13 +31,13 @@ from model import init_values, load_params, param_groups
 from training import (autocast_context, check_batch, config_defaults, configure, get_lr, outputs_line,
                       print_sample, profiled, progress, refuse, run_main, run_shape, start_run, training_loop)
 from dataset import load_dataset, micro_batches
-from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, restore_rng,
-                         rng_state, seed_dropout, set_rng_state)
-from distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of,
-                         return_freed_buffers_to_the_os, sum_of_squares, world_size_from_env)
+from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
+                         load_world, restore_rng, rng_state, seed_dropout, set_rng_state)
+from distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of, sum_of_squares,
+                         world_size_from_env)
 from measure import measured_step
 import reports
-from zero3 import free, install_stage_3_hooks
+from zero3 import block_groups, free, install_stage_3_hooks, shard_parameters
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -110,11 +107,8 @@ class Bucket:
         else:
             self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         self.ready = 0  # parameters whose gradient backward has produced this micro-step
-        # stage 3: whether flat holds the parameters now; the gather filling it (posted, not yet waited for);
-        # whether the block's backward has begun (a recompute must not free it then)
-        self.gathered, self.gathering, self.in_backward = True, None, False
         if stage == 3:
-            free(self)  # at rest a rank keeps only its chunk: the full buffer exists for one bucket at a time
+            shard_parameters(self)  # at rest a rank keeps only its chunk (zero3.py)
 
     def views(self, flat):
         return [flat[off:off + math.prod(s)].view(s) for off, s in zip(self.offsets, self.shapes)]
@@ -230,8 +224,6 @@ class Zero:
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
                  device=None, offload=False, prefetch_blocks=0):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
-        if stage == 3:  # (stages 0-2 free no block-sized buffers; there it would only slow the activations)
-            return_freed_buffers_to_the_os()
         self.prefetch_blocks, self.dtype = prefetch_blocks, dtype
         self.device = device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
@@ -379,13 +371,10 @@ class Zero:
 def bucket_groups(model, stage, bucket_size):
     """(name, parameter) groups in the order backward produces their gradients: the reverse of the model's
     order (the tied token embedding, first in the model, gets its last contribution last). Stage 3: one group
-    per block, and one for the rest (embeddings, final norm, head), which the whole model uses."""
+    per block (zero3.block_groups)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if stage == 3:
-        blocks = [list(block.named_parameters(prefix=f'transformer.h.{i}'))
-                  for i, block in enumerate(model.transformer.h)]
-        in_blocks = {id(p) for group in blocks for _, p in group}
-        return blocks[::-1] + [[(n, p) for n, p in named if id(p) not in in_blocks]]
+        return block_groups(model, named)
     groups = [[]]
     for n, p in reversed(named):
         if sum(q.numel() for _, q in groups[-1]) >= bucket_size:
@@ -477,25 +466,13 @@ def consolidate(out_dir):
     return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
 
 
-def iteration(zero, model, batches, ctx, cfg, iter_num, first_iter, dp):
-    """One iteration: train_step alone, or, on a step measure.measured_step names, measured and reported."""
-    run_step = lambda: train_step(zero, model, batches, ctx, cfg.grad_clip, get_lr(iter_num, cfg), dp)
-    if not measured_step(iter_num, first_iter, cfg.measure_every):
-        return run_step()
-    return reports.measured_zero_step(zero, dp, cfg, iter_num, run_step)
-
-
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
     refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"))
     check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
-    first = shard_path(cfg.out_dir, 0)  # resuming from shards: every rank reads rank 0's cut
-    saved = (load_mmap(first)['zero'] if cfg.init_from == 'resume' and os.path.exists(first) else
-             {'world_size': world_size, 'stage': cfg.stage})
-    refuse(((saved['world_size'], saved['stage']) != (world_size, cfg.stage),
-            f"{first} is from stage {saved['stage']} on {saved['world_size']} ranks; resume with those, or "
-            f"run python consolidate.py {cfg.out_dir}, delete the zero_rank*.pt files, then resume"))
+    check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, shard_path(cfg.out_dir, 0),
+                      then=" (and delete the zero_rank*.pt files)")  # (the same grid as save() writes)
     if cfg.print_ds_config:
         return cfg
     refuse((cfg.dtype not in ('float32', 'bfloat16'),
@@ -521,16 +498,25 @@ def main(argv):
     compiled = torch.compile(model) if cfg.compile else model
     first_iter, writer = iter_num, CheckpointWriter()
 
-    step = lambda it: iteration(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx, cfg, it,
-                                first_iter, dp)
+    def step(it):  # one iteration: train_step, measured and reported only on the steps measured_step names
+        batches = micro_batches(data, cfg, it, rank, world_size)
+        run_step = lambda: train_step(zero, compiled, batches, ctx, cfg.grad_clip, get_lr(it, cfg), dp)
+        if not measured_step(it, first_iter, cfg.measure_every):
+            return run_step()
+        return reports.measured_zero_step(zero, dp, cfg, it, run_step)
+
+    def loss_of(x, y):
+        with ctx:
+            return compiled(x, y)[1]
 
     def save(it, best):  # every rank its own shard, written in the background
         writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(model.config),
-                     'iter_num': it, 'best_val_loss': best, 'config': vars(cfg)},
+                     'grid': {'stage': cfg.stage, 'ranks': world_size}, 'iter_num': it, 'best_val_loss': best,
+                     'config': vars(cfg)},
                     shard_path(cfg.out_dir, rank))
 
-    run = SimpleNamespace(model=compiled, optimizer=None, loss_of=lambda x, y: loss_of(compiled, ctx, x, y),
-                          dp=dp, data=data, step=step, save=save, n_devices=world_size, rank=rank,
+    run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_of, dp=dp, data=data, step=step,
+                          save=save, n_devices=world_size, rank=rank,
                           flops_per_token=model.flops_per_token(cfg.block_size))
     training_loop(cfg, run, iter_num, best_val_loss)  # (every rank evaluates: stage 3's forward gathers)
     writer.wait()
@@ -541,11 +527,6 @@ def main(argv):
         print(outputs_line(cfg.out_dir, "zero_rank*.pt (each rank's shard: resume; python consolidate.py "
                                         f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     finish_distributed(cfg)
-
-
-def loss_of(model, ctx, x, y):
-    with ctx:
-        return model(x, y)[1]
 
 
 if __name__ == '__main__':

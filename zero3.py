@@ -6,8 +6,8 @@ after, gathered again just before its backward and freed once its gradients are 
 rest: the 1/N of stage 3, paid for with a second all-gather per block per step.
 
 With prefetch_blocks = k the gathers of the next k blocks (in forward order during forward, in backward order
-during backward) are posted while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait moves
-off the critical path, and k more blocks' parameters are held at the peak.
+during backward) are posted while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait
+moves off the critical path, and k more blocks' parameters are held at the peak.
 
 z is zero.py's engine (Zero: its comm, buckets and prefetch_blocks), b one of its Buckets (flat: the block's
 parameters, laid end to end; shard: this rank's chunk of them). Run it: torchrun ... zero.py --stage=3
@@ -15,7 +15,24 @@ parameters, laid end to end; shard: this rank's chunk of them). Run it: torchrun
 
 import torch
 
-from distributed import all_gather_direct
+from distributed import all_gather_direct, return_freed_buffers_to_the_os
+
+
+def block_groups(model, named):
+    """The buckets' (name, parameter) groups, in the order backward reaches them: one per block, the last
+    block's first, then one for the rest (embeddings, final norm, head), which the whole model uses."""
+    blocks = [list(block.named_parameters(prefix=f'transformer.h.{i}'))
+              for i, block in enumerate(model.transformer.h)]
+    in_blocks = {id(p) for group in blocks for _, p in group}
+    return blocks[::-1] + [[(n, p) for n, p in named if id(p) not in in_blocks]]
+
+
+def shard_parameters(b):
+    """A new bucket keeps only its chunk (b.shard) at rest: the full buffer exists for one block at a time.
+    gathered: flat holds the parameters now; gathering: the gather filling it (posted, not yet waited for);
+    in_backward: the block's backward has begun (a recomputation must not free it then)."""
+    b.gathered, b.gathering, b.in_backward = True, None, False
+    free(b)
 
 
 def start_gather(z, b):
@@ -70,6 +87,7 @@ def before_backward(z, b):
 def install_stage_3_hooks(z, model):
     """Each block gathers its bucket before its forward (prefetching the blocks after it) and frees it after;
     the root bucket (embeddings, final norm, head) is gathered for the whole model's forward."""
+    return_freed_buffers_to_the_os()  # (stages 0-2 free no block-sized buffers: there it would slow them)
     *z.block_buckets, root = z.buckets  # in backward order: the last block's first
     forward = z.block_buckets[::-1]
     for block, b in zip(model.transformer.h, forward):

@@ -364,20 +364,21 @@ def test_missing_dataset_one_line_nonzero_on_every_rank(tmp_path):
 def test_resume_from_shards_of_different_iterations_is_one_line_on_every_rank(tmp_path):
     """A run stopped while saving can leave one rank's shard a save behind (each rank writes its own): resuming
     from that mix, or with a shard missing, stops every rank with one line (model.check_resume_files), not a model
-    that never existed and not a hang."""
+    that never existed and not a hang; so does resuming another stage's shards."""
     args = TINY + [f'--out_dir={tmp_path}', '--gradient_accumulation_steps=2', '--max_iters=2']
     assert [code for code, _ in launch_ranks(args)] == [0, 0]
-    shard = torch.load(tmp_path / 'zero_rank1.pt', weights_only=False)
-    shard['iter_num'] -= 1  # rank 1's file from the save before (its contents need not change: only the iteration)
-    torch.save(shard, tmp_path / 'zero_rank1.pt')
 
-    def every_rank_says(messages):
-        for rank, (code, stderr) in enumerate(launch_ranks(args + ['--init_from=resume', '--max_iters=4'])):
+    def every_rank_says(messages, *extra):
+        for rank, (code, stderr) in enumerate(launch_ranks(args + ['--init_from=resume', '--max_iters=4', *extra])):
             lines = [line for line in stderr.splitlines() if line.strip() and 'Warning' not in line]
             assert code is not None and code != 0, stderr
             assert len(lines) == 1 and lines[0].startswith(f'[rank {rank}] error: ') and messages[rank] in lines[0], \
                 stderr
 
+    every_rank_says(['saved with --stage=2 on 2 ranks, this run has --stage=3 on 2 ranks'] * 2, '--stage=3')
+    shard = torch.load(tmp_path / 'zero_rank1.pt', weights_only=False)
+    shard['iter_num'] -= 1  # rank 1's file from the save before (its contents need not change: only the iteration)
+    torch.save(shard, tmp_path / 'zero_rank1.pt')
     every_rank_says(['different iterations (rank 0: 2, rank 1: 1;'] * 2)
     os.remove(tmp_path / 'zero_rank1.pt')
     every_rank_says(['rank(s) 1 found no checkpoint', 'no checkpoint at'])
