@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from model import MoE, combine, init_params, keep_own, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, model_config, outputs_line,
-                      print_sample, profiled, progress, run_main, run_shape, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, loss_function, model_config,
+                      outputs_line, print_sample, profiled, progress, run_main, run_shape, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, init_model, joined_checkpoint, load_mmap, load_world, rng_state,
                          seed_dropout, set_rng_state)
@@ -293,10 +293,6 @@ def main(argv):
                                                                      world_size)
     writer, first_iter, dp = CheckpointWriter(), iter_num, comms[2]
 
-    def loss_of(x, y):
-        with ctx:
-            return model(x, y)[1]
-
     def step(it):  # one iteration; measured (measuring) only on the steps measured_step names
         batches = micro_batches(data, cfg, it, dp.rank, dp.size)
         with measuring(it, first_iter, cfg, model, optimizer, comms):
@@ -305,9 +301,10 @@ def main(argv):
     def save(it, best):
         writer.save(rank_checkpoint(model, optimizer, cfg, world_size, it, best),
                     rank_file(cfg.out_dir, rank))
-    training_loop(cfg, SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_of, dp=dp, data=data,
-                                       step=step, save=save, flops_per_token=flops, n_devices=world_size,
-                                       rank=rank), iter_num, best_val_loss)
+    run = SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_function(model, ctx), dp=dp,
+                          data=data, step=step, save=save, flops_per_token=flops, n_devices=world_size,
+                          rank=rank)
+    training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates: each forward dispatches to the others
         print_sample(model, cfg, ctx, show=rank == 0)

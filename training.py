@@ -194,6 +194,14 @@ def estimate_loss(loss_of, data, cfg, dp=None):
     return {'train': sums[0].item() / n, 'val': sums[1].item() / n}
 
 
+def loss_function(model, ctx):
+    """What evaluation calls, loss_of(x, y): the model's mean loss on a batch, under ctx (autocast)."""
+    def loss_of(x, y):
+        with ctx:
+            return model(x, y)[1]
+    return loss_of
+
+
 def autocast_context(device_type, dtype):
     """torch.autocast for bfloat16/float16 on CPU or CUDA; a no-op context for float32. On CUDA, float32
     matmuls run on the TF32 tensor cores, as nanoGPT sets them (so MFU divides by the TF32 peak)."""

@@ -14,9 +14,8 @@ stage 2  + gradients sharded: each bucket reduce-scattered as soon as backward h
 stage 3  + parameters sharded: each block gathered just before its forward and backward, then freed (zero3.py)
 
 Each stage is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced them)
-and publish_stage_S (the updated chunk, back into the model's parameters). The optimizer is train.py's AdamW,
-on this rank's chunks. A measured step (the first, every --measure_every-th) reports the bytes each rank holds
-and sends beside the paper's formulas (reports.py).
+and publish_stage_S (the updated chunk, back into the model; stage 2 publishes as 1, 3 as 0). A measured
+step (the first, every --measure_every-th) reports bytes held and sent beside the formulas (reports.py).
 """
 
 import math
@@ -28,8 +27,9 @@ import torch.nn as nn
 
 from deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from model import init_values, load_params, param_groups
-from training import (autocast_context, check_batch, config_defaults, configure, get_lr, outputs_line,
-                      print_sample, profiled, progress, refuse, run_main, run_shape, start_run, training_loop)
+from training import (autocast_context, check_batch, config_defaults, configure, get_lr, loss_function,
+                      outputs_line, print_sample, profiled, progress, refuse, run_main, run_shape, start_run,
+                      training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, restore_rng, rng_state, seed_dropout, set_rng_state)
@@ -42,10 +42,8 @@ from zero3 import block_groups, free, install_stage_3_hooks, shard_parameters
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-zero'            # each script its own folder: runs never overwrite one another
-init_from = 'scratch'           # 'scratch' or 'resume' (out_dir's rank shards, else a train.py ckpt.pt there)
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
-# ZeRO
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
 offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state on the host, updated
@@ -58,11 +56,10 @@ config = config_defaults(globals())
 
 
 class Bucket:
-    """Some parameters laid end to end in one flat buffer, padded to a multiple of N when sharded, so that
-    one collective moves all of them and rank r owns the contiguous chunk [r·S, (r+1)·S), S = padded/N. Each
-    parameter's .data becomes a view of the flat buffer, so a gather into the buffer is a gather into the
-    model. The buffers of each stage (P = padded elements, S = P/N, W = the working dtype: fp32, or bf16 in
-    mixed precision; in fp32 `master` is `shard` itself, in bf16 an fp32 copy):
+    """Parameters laid end to end in one flat buffer, padded to a multiple of N when sharded: one collective
+    moves all of them, and rank r owns the chunk [r·S, (r+1)·S), S = padded/N. Each parameter's .data is a
+    view of the buffer, so a gather into it is a gather into the model. The buffers of each stage (P padded
+    elements, W the working dtype: fp32, or bf16 in mixed precision; in fp32 `master` is `shard` itself):
                     stage 0             stage 1             stage 2                stage 3
       flat (W)      P, the parameters   P                   P                      P while gathered, else 0 B
       shard (W)     = flat              S, a view of flat   S, a view of flat      S, its own: the parameters
@@ -72,8 +69,9 @@ class Bucket:
       grad_shard(W) -                   S, from the reduce  S, sums the micro-steps S, sums the micro-steps
     """
 
-    def __init__(self, names, params, decay, rank, world_size, stage, dtype, device, offload=False):
-        self.names, self.params, self.stage = names, params, stage
+    def __init__(self, group, decay, rank, world_size, stage, dtype, device, offload=False):
+        names, params = [n for n, _ in group], [p for _, p in group]
+        self.names, self.params = names, params
         self.shapes = [tuple(p.shape) for p in params]
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.numel = sum(p.numel() for p in params)
@@ -129,24 +127,9 @@ class Bucket:
             chunk[start:end].copy_(values.reshape(-1)[at:at + end - start])
 
 
-STATE_KEYS = ('master', 'exp_avg', 'exp_avg_sq')  # what a rank's checkpoint keeps of each chunk
-
-
-def sharded_adamw(masters, betas, eps):
-    """train.py's optimizer, torch.optim.AdamW, handed only this rank's fp32 chunks: the optimizer is
-    unchanged, it just sees 1/N of the model (as DeepSpeed wraps any torch optimizer). Its state is made now,
-    not at the first step, so a rank holds it from the start. Weight decay is Zero.step's: a chunk spans both
-    of train.py's groups."""
-    optimizer = torch.optim.AdamW(masters, lr=0.0, betas=betas, eps=eps, weight_decay=0.0)
-    for m in masters:
-        optimizer.state[m] = {'step': torch.tensor(0.0), 'exp_avg': torch.zeros_like(m),
-                              'exp_avg_sq': torch.zeros_like(m)}
-    return optimizer
-
-
 # -----------------------------------------------------------------------------
-# What each stage does. reduce_stage_S: a bucket whose gradients backward has all produced. publish_stage_S:
-# after this rank's AdamW step on its chunk, the parameters the model computes with.
+# What each stage does: reduce_stage_S once backward has produced a bucket's gradients, publish_stage_S after
+# this rank's AdamW step on its chunks
 
 def reduce_stage_0(z, b):
     """Plain data parallelism: all-reduce the full gradients in place, asynchronously, so backward goes on
@@ -188,16 +171,17 @@ def finish_in_flight(z):
         if out is not None:
             b.grad_shard.add_(out)
         if b.grad_host is not None and z.last_micro_step:
-            # ZeRO-Offload: this bucket's reduced gradients go to the host now, while backward goes on with
-            # the next buckets (an asynchronous copy into pinned memory on a GPU), not all at once in the step
+            # ZeRO-Offload: to the host now, while backward goes on (asynchronous into pinned memory on a GPU)
             b.grad_host.copy_(b.grad_flat if z.stage == 0 else b.grad_shard, non_blocking=True)
     z.in_flight = []
 
 
 def publish_stage_0(z, b):
-    """The updated parameters are the master (fp32); in bf16 they are copied down into the model's."""
-    if b.master.data_ptr() != b.flat.data_ptr():
-        b.flat.copy_(b.master)
+    """Every rank updated the whole bucket: its master is the model's parameters (fp32), or is copied down
+    into them (bf16, offload). Stage 3 publishes so too: a rank keeps only its chunk (shard), which the next
+    forward gathers."""
+    if b.shard is not b.master:
+        b.shard.copy_(b.master)
 
 
 def publish_stage_1(z, b):
@@ -206,39 +190,34 @@ def publish_stage_1(z, b):
     return z.comm.all_gather(b.flat, b.master.to(z.device, z.dtype, copy=True), async_op=True)
 
 
-publish_stage_2 = publish_stage_1
-
-
-def publish_stage_3(z, b):
-    """Only this rank's chunk is kept: it is updated in place; the next forward gathers the block."""
-    if b.shard is not b.master:
-        b.shard.copy_(b.master)
-
-
 # -----------------------------------------------------------------------------
 # The engine: the buckets, the hook that reduces them as backward fills them, the clip and the step
 
 class Zero:
     """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ by stage."""
+    STATE_KEYS = ('master', 'exp_avg', 'exp_avg_sq')  # what a rank's checkpoint keeps of each chunk
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
                  device=None, offload=False, prefetch_blocks=0):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
-        self.prefetch_blocks, self.dtype = prefetch_blocks, dtype
+        self.prefetch_blocks, self.dtype, self.weight_decay = prefetch_blocks, dtype, weight_decay
         self.device = device or next(model.parameters()).device
         self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
-        self.publish = (publish_stage_0, publish_stage_1, publish_stage_2, publish_stage_3)[stage]
+        self.publish = (publish_stage_0, publish_stage_1, publish_stage_1, publish_stage_0)[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
-        self.buckets = [Bucket([n for n, _ in group], [p for _, p in group], decay, rank, world_size, stage,
-                               dtype, self.device, offload)
+        self.buckets = [Bucket(group, decay, rank, world_size, stage, dtype, self.device, offload)
                         for group in bucket_groups(model, stage, bucket_size)]
         self.numel = sum(b.numel for b in self.buckets)
         self.where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self.grad_ready(b, i, p))
-        self.optimizer = sharded_adamw([b.master for b in self.buckets], betas, eps)
-        self.weight_decay = weight_decay
+        # train.py's AdamW, handed only this rank's fp32 chunks: unchanged, it sees 1/N of the model. Its
+        # state is made now (held from the start); weight decay is step's (a chunk spans both AdamW groups)
+        self.optimizer = torch.optim.AdamW([b.master for b in self.buckets], 0.0, betas, eps, weight_decay=0)
+        for m in self.optimizer.param_groups[0]['params']:
+            self.optimizer.state[m] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
+                                           exp_avg_sq=torch.zeros_like(m))
         if stage == 3:
             install_stage_3_hooks(self, model)
         self.last_micro_step = True  # stages 0-1 reduce only then (gradients accumulate locally); 2-3 at each
@@ -265,7 +244,7 @@ class Zero:
 
     def finish_backward(self):
         """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients),
-        then wait for every collective still running, as the step needs their results."""
+        then wait for every collective still running: the step needs their results."""
         if self.stage >= 2 or self.last_micro_step:
             for b in self.buckets[self.next_bucket:]:
                 self.reduce(self, b)
@@ -285,10 +264,9 @@ class Zero:
                 for b in self.buckets]
 
     def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
-        """torch.nn.utils.clip_grad_norm_ over the whole model (distributed.clip_grad_norm): each rank sums
-        the squares of its chunks (padding is zero), one all-reduce of that scalar gives the global norm. In a
-        larger grid (parallel_4d.py) the sum goes on over other_comms (the ranks that hold other parts of the
-        model), and weights {id(parameter): w} count one that several hold w times each (1/tp, or 0)."""
+        """clip_grad_norm_ over the whole model: each rank sums the squares of its chunks (padding is 0),
+        an all-reduce of that scalar gives the global norm. parallel_4d.py sums on over other_comms (ranks
+        holding other parts); weights {id(parameter): w} count one several ranks hold w times (1/tp, 0)."""
         grads = self.grads()
         sq = sum_of_squares(grads, self.device)
         for b, g in zip(self.buckets, grads):
@@ -324,9 +302,8 @@ class Zero:
 
     @torch.no_grad()
     def set_param_values(self, name, values):
-        """One whole parameter's values (init_params hands each in turn to a model built on the meta device):
-        its part in this rank's chunk to the fp32 master (stage 3: and the shard); in stages 0-2, where every
-        rank holds all the parameters, the whole of it to the model's flat buffer."""
+        """One whole parameter's values (init_params hands each in turn): its part in this rank's chunk to
+        the master (stage 3: and the shard); stages 0-2 hold every parameter: all of it to the flat buffer."""
         if name not in self.where:
             return  # (a second name of a tied weight)
         b, i = self.where[name]
@@ -336,19 +313,18 @@ class Zero:
         if self.stage == 3 and b.shard is not b.master:
             b.copy_owned(i, values, b.shard)
 
-    # checkpoints: this rank's chunks of the fp32 weights and AdamW's moments, and where they sit in the model
-    def adam_state(self, key):  # 'master' (the fp32 weights), 'exp_avg', 'exp_avg_sq' or 'step', per bucket
+    def adam_state(self, key):  # a checkpoint's: 'master' (fp32 weights), 'exp_avg', 'exp_avg_sq', 'step'
         return [b.master if key == 'master' else self.optimizer.state[b.master][key] for b in self.buckets]
 
     def state_dict(self):
         return {'stage': self.stage, 'world_size': self.world_size, 'rank': self.rank,
                 'step': int(self.adam_state('step')[0]),
                 'layout': [{'names': b.names, 'shapes': b.shapes, 'numel': b.numel, 'lo': b.lo}
-                           for b in self.buckets], **{k: self.adam_state(k) for k in STATE_KEYS}}
+                           for b in self.buckets], **{k: self.adam_state(k) for k in self.STATE_KEYS}}
 
     @torch.no_grad()
     def load_state_dict(self, sd):
-        for key in STATE_KEYS:
+        for key in self.STATE_KEYS:
             for mine, saved in zip(self.adam_state(key), sd[key]):
                 mine.copy_(saved)
         for step in self.adam_state('step'):
@@ -369,9 +345,8 @@ class Zero:
 
 
 def bucket_groups(model, stage, bucket_size):
-    """(name, parameter) groups in the order backward produces their gradients: the reverse of the model's
-    order (the tied token embedding, first in the model, gets its last contribution last). Stage 3: one group
-    per block (zero3.block_groups)."""
+    """(name, parameter) groups in the order backward produces their gradients: the model's, reversed (the
+    tied token embedding gets its last contribution last). Stage 3: one per block (zero3.block_groups)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if stage == 3:
         return block_groups(model, named)
@@ -407,18 +382,14 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 # The build, the checkpoint layout, the measured step (reports.py), main
 
 def build_zero(cfg, vocab_size, rank, world_size, dp):
-    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps, then train.py's
-    values (or GPT-2's), this rank's shard, or a train.py-format ckpt.pt (any script's, any world size:
-    memory-mapped, each rank reads only its chunk) fill it. Returns (model, zero, iter_num, best_val_loss)."""
-    shard_file, full_file = shard_path(cfg.out_dir, rank), os.path.join(cfg.out_dir, 'ckpt.pt')
-    # every rank decides alike, from rank 0's shard: a rank whose own shard is missing is then told so (with
-    # the others) by init_model, instead of quietly taking ckpt.pt while the others take their shards
+    """train.py's GPT on the meta device; the buckets give storage to what this rank keeps, filled with
+    train.py's values (or GPT-2's), this rank's shard, or its chunks of a memory-mapped train.py ckpt.pt."""
+    full_file = os.path.join(cfg.out_dir, 'ckpt.pt')  # (every rank decides alike, from rank 0's shard)
     from_shard = os.path.exists(shard_path(cfg.out_dir, 0)) or not os.path.exists(full_file)
-    ckpt_path = shard_file if from_shard else full_file
+    ckpt_path = shard_path(cfg.out_dir, rank) if from_shard else full_file  # (a missing one: init_model says)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     if rank == 0:
-        print(run_shape(f'world {world_size} = dp {world_size}, ZeRO stage {cfg.stage}', cfg,
-                        model.get_num_params()))
+        print(run_shape(f'world {world_size} = dp (ZeRO-{cfg.stage})', cfg, model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
                 cfg.offload_optimizer, cfg.prefetch_blocks)
@@ -443,27 +414,32 @@ def unflatten_shards(shards):
     """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}:
     each bucket's chunks laid end to end (stage 0: every rank holds it all), cut back into its parameters."""
     full, n_buckets = {}, len(shards[0]['layout'])
-    for k, key in enumerate(STATE_KEYS):
+    for k, key in enumerate(Zero.STATE_KEYS):
         full[key] = {}
         for i, layout in enumerate(shards[0]['layout']):
             progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (w, m, v)")
             flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
-            at = 0
-            for name, shape in zip(layout['names'], layout['shapes']):
-                full[key][name] = flat[at:at + math.prod(shape)].view(shape).clone()
-                at += math.prod(shape)
+            parts = flat[:layout['numel']].split([math.prod(shape) for shape in layout['shapes']])
+            for name, shape, part in zip(layout['names'], layout['shapes'], parts):
+                full[key][name] = part.view(shape).clone()
     return full
 
 
 def consolidate(out_dir):
-    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py): the weights and AdamW's
-    moments unflattened, every rank's random streams kept."""
+    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py), every rank's RNG kept."""
     first = load_mmap(shard_path(out_dir, 0))
     shards = load_world(out_dir, os.path.basename(shard_path('', '{}')), first['zero']['world_size'])
     full = unflatten_shards([s['zero'] for s in shards])
     states = {n: {'step': first['zero']['step'], 'exp_avg': full['exp_avg'][n],
                   'exp_avg_sq': full['exp_avg_sq'][n]} for n in full['master']}
     return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
+
+
+def iteration(zero, model, batches, ctx, cfg, it, first_iter, dp):
+    """train_step; measured and reported (reports.py) only on a step measure.measured_step names."""
+    run_step = lambda: train_step(zero, model, batches, ctx, cfg.grad_clip, get_lr(it, cfg), dp)
+    measured = measured_step(it, first_iter, cfg.measure_every)
+    return reports.measured_zero_step(zero, dp, cfg, it, run_step) if measured else run_step()
 
 
 def check_config(cfg, world_size):
@@ -477,11 +453,9 @@ def check_config(cfg, world_size):
         return cfg
     refuse((cfg.dtype not in ('float32', 'bfloat16'),
             f"zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}"),
-           (cfg.compile and cfg.stage == 3,
-            "compile=True is not supported with stage 3 (its hooks free storage)"),
+           (cfg.compile and cfg.stage == 3, "compile=True can't run stage 3 (its hooks free storage)"),
            (cfg.bucket_size < 1 or cfg.prefetch_blocks < 0,
-            f"bucket_size must be positive ({cfg.bucket_size}) and prefetch_blocks 0 or more "
-            f"({cfg.prefetch_blocks})"))
+            f"bucket_size must be >= 1 and prefetch_blocks >= 0: {cfg.bucket_size}, {cfg.prefetch_blocks}"))
     return cfg
 
 
@@ -498,16 +472,8 @@ def main(argv):
     compiled = torch.compile(model) if cfg.compile else model
     first_iter, writer = iter_num, CheckpointWriter()
 
-    def step(it):  # one iteration: train_step, measured and reported only on the steps measured_step names
-        batches = micro_batches(data, cfg, it, rank, world_size)
-        run_step = lambda: train_step(zero, compiled, batches, ctx, cfg.grad_clip, get_lr(it, cfg), dp)
-        if not measured_step(it, first_iter, cfg.measure_every):
-            return run_step()
-        return reports.measured_zero_step(zero, dp, cfg, it, run_step)
-
-    def loss_of(x, y):
-        with ctx:
-            return compiled(x, y)[1]
+    step = lambda it: iteration(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx, cfg, it,
+                                first_iter, dp)
 
     def save(it, best):  # every rank its own shard, written in the background
         writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(model.config),
@@ -515,8 +481,8 @@ def main(argv):
                      'config': vars(cfg)},
                     shard_path(cfg.out_dir, rank))
 
-    run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_of, dp=dp, data=data, step=step,
-                          save=save, n_devices=world_size, rank=rank,
+    run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_function(compiled, ctx), dp=dp,
+                          data=data, step=step, save=save, n_devices=world_size, rank=rank,
                           flops_per_token=model.flops_per_token(cfg.block_size))
     training_loop(cfg, run, iter_num, best_val_loss)  # (every rank evaluates: stage 3's forward gathers)
     writer.wait()
