@@ -302,7 +302,11 @@ def world_size_from_env():
 
 def all_gather_direct(comm, full, shard, tag):
     """full (contiguous, N equal chunks) = every rank's shard in rank order, posted asynchronously: returns
-    the works of the sends and receives. tag keeps apart the gathers in flight at once (one per bucket)."""
+    the works. On gloo, sends and receives (tag keeps apart the gathers in flight at once, one per bucket).
+    Other backends (NCCL) all-gather into full with no temporary; there, sends posted before receives on
+    both sides could also deadlock."""
+    if comm.size > 1 and dist.get_backend(comm.group) != 'gloo':
+        return [comm.all_gather(full, shard, async_op=True)]
     full.chunk(comm.size)[comm.rank].copy_(shard)
     if comm.size == 1:
         return []

@@ -10,7 +10,7 @@ out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
 stage 1  + optimizer state sharded: gradients reduce-scattered, each rank updates its chunk, then all-gathered
-stage 2  + gradients sharded: each bucket reduce-scattered as soon as backward has filled it, then freed
+stage 2  + gradients sharded: reduce-scattered at every micro-step; a rank keeps only its chunk of them
 stage 3  + parameters sharded: each block gathered just before its forward and backward, then freed (zero3.py)
 
 Each stage is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced them)
@@ -37,7 +37,7 @@ from distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatte
                          world_size_from_env)
 from measure import measured_step
 import reports
-from zero3 import block_groups, free, install_stage_3_hooks, shard_parameters
+from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -46,7 +46,7 @@ dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
 bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
-offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state on the host, updated
+offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state on the host (CPU)
 prefetch_blocks = 1             # stage 3: gather this many blocks ahead while one computes (0: just in time)
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
@@ -59,14 +59,14 @@ class Bucket:
     """Parameters laid end to end in one flat buffer, padded to a multiple of N when sharded: one collective
     moves all of them, and rank r owns the chunk [r·S, (r+1)·S), S = padded/N. Each parameter's .data is a
     view of the buffer, so a gather into it is a gather into the model. The buffers of each stage (P padded
-    elements, W the working dtype: fp32, or bf16 in mixed precision; in fp32 `master` is `shard` itself):
+    elements, W the working dtype, fp32 or bf16; in fp32 without offload `master` is `shard` itself):
                     stage 0             stage 1             stage 2                stage 3
       flat (W)      P, the parameters   P                   P                      P while gathered, else 0 B
       shard (W)     = flat              S, a view of flat   S, a view of flat      S, its own: the parameters
       master (fp32) P                   S                   S                      S
       grad_flat (W) P, p.grad its views P, p.grad its views -                      -
-      filling (W)   -                   -                   P, while backward fills it and the reduce runs
-      grad_shard(W) -                   S, from the reduce  S, sums the micro-steps S, sums the micro-steps
+      filling (W)   -                   -                   P, filled then reduced P, filled then reduced
+      grad_shard(W) -                   S, from the reduce  S, micro-steps summed  S, micro-steps summed
     """
 
     def __init__(self, group, decay, rank, world_size, stage, dtype, device, offload=False):
@@ -106,7 +106,7 @@ class Bucket:
             self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         self.ready = 0  # parameters whose gradient backward has produced this micro-step
         if stage == 3:
-            shard_parameters(self)  # at rest a rank keeps only its chunk (zero3.py)
+            start_sharded(self)  # at rest a rank keeps only its chunk (zero3.py)
 
     def views(self, flat):
         return [flat[off:off + math.prod(s)].view(s) for off, s in zip(self.offsets, self.shapes)]
@@ -148,12 +148,12 @@ def reduce_stage_1(z, b):
 
 def reduce_stage_2(z, b):
     """Full-size gradients exist only in the bucket's `filling` buffer, from the moment backward produces the
-    first until this reduce-scatter has sent it; then only this rank's chunk of the sum is kept, added to
+    first until this reduce-scatter has sent it; then only this rank's chunk of the average is kept, added to
     grad_shard (the micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
     finish_in_flight(z)
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
     full.div_(z.world_size)  # (zeros: a bucket whose parameters got no gradient)
-    work, out = reduce_scatter_of(z.comm, full)  # out: this rank's chunk of the sum (on gloo, a view of full)
+    work, out = reduce_scatter_of(z.comm, full)  # out: this rank's chunk (on gloo, a view of full)
     b.filling = None  # full lives on in in_flight until the reduce has sent it
     z.in_flight.append((work, full, out, b))
 
@@ -177,16 +177,15 @@ def finish_in_flight(z):
 
 
 def publish_stage_0(z, b):
-    """Every rank updated the whole bucket: its master is the model's parameters (fp32), or is copied down
-    into them (bf16, offload). Stage 3 publishes so too: a rank keeps only its chunk (shard), which the next
-    forward gathers."""
+    """The updated master copied into shard (nothing to do where they are one tensor). Stage 0: shard is the
+    whole bucket, the model's parameters; stage 3: this rank's chunk, which the next forward gathers."""
     if b.shard is not b.master:
         b.shard.copy_(b.master)
 
 
 def publish_stage_1(z, b):
-    """Every rank updated only its chunk: an all-gather gives everyone everyone's (of a copy: the chunk is
-    inside the output). Returns the work, waited for once every bucket's gather is posted."""
+    """Every rank updated only its chunk: an all-gather gives every rank every chunk (sent from a copy: the
+    chunk is a view inside flat, the output). Returns the work, waited for once every gather is posted."""
     return z.comm.all_gather(b.flat, b.master.to(z.device, z.dtype, copy=True), async_op=True)
 
 
@@ -194,7 +193,8 @@ def publish_stage_1(z, b):
 # The engine: the buckets, the hook that reduces them as backward fills them, the clip and the step
 
 class Zero:
-    """The ZeRO engine of one rank. Its stage picks, once, the two functions above that differ by stage."""
+    """The ZeRO engine of one rank. Its stage picks the reduce and publish functions above; the Bucket's
+    buffers and a few stage branches below do the rest."""
     STATE_KEYS = ('master', 'exp_avg', 'exp_avg_sq')  # what a rank's checkpoint keeps of each chunk
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
@@ -213,7 +213,7 @@ class Zero:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self.grad_ready(b, i, p))
         # train.py's AdamW, handed only this rank's fp32 chunks: unchanged, it sees 1/N of the model. Its
-        # state is made now (held from the start); weight decay is step's (a chunk spans both AdamW groups)
+        # state is made now (held from the start); weight decay is applied in step, range by range
         self.optimizer = torch.optim.AdamW([b.master for b in self.buckets], 0.0, betas, eps, weight_decay=0)
         for m in self.optimizer.param_groups[0]['params']:
             self.optimizer.state[m] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
@@ -233,7 +233,7 @@ class Zero:
         if self.stage >= 2:  # into the bucket's buffer, and freed at once: no full-size gradients outside it
             if b.filling is None:
                 b.filling = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-                self.sample()  # the step's peak is here (the bucket before still in flight), not at a call
+                self.sample()  # (a measured step: the peak, while the bucket before is still in flight)
             b.views(b.filling)[i].copy_(p.grad)
             p.grad = None
         # reduce in bucket order (a bucket may fill early; the collectives must match across ranks)
@@ -254,8 +254,7 @@ class Zero:
         for b in self.buckets:
             b.ready = 0
             if self.stage == 3:
-                b.in_backward = False
-                free(b)
+                end_backward(b)
         self.next_bucket = 0
 
     def grads(self):
@@ -266,7 +265,7 @@ class Zero:
     def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
         """clip_grad_norm_ over the whole model: each rank sums the squares of its chunks (padding is 0),
         an all-reduce of that scalar gives the global norm. parallel_4d.py sums on over other_comms (ranks
-        holding other parts); weights {id(parameter): w} count one several ranks hold w times (1/tp, 0)."""
+        holding other parts); weights {id(parameter): w} count a parameter several ranks hold w times."""
         grads = self.grads()
         sq = sum_of_squares(grads, self.device)
         for b, g in zip(self.buckets, grads):
@@ -302,7 +301,7 @@ class Zero:
 
     @torch.no_grad()
     def set_param_values(self, name, values):
-        """One whole parameter's values (init_params hands each in turn): its part in this rank's chunk to
+        """One whole parameter's values (init_values, load_params): its part in this rank's chunk to
         the master (stage 3: and the shard); stages 0-2 hold every parameter: all of it to the flat buffer."""
         if name not in self.where:
             return  # (a second name of a tied weight)
@@ -359,9 +358,9 @@ def bucket_groups(model, stage, bucket_size):
 
 
 def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
-    """train.py's iteration on this rank's micro-batches: the hooks reduce each bucket as backward fills it
-    (at every micro-step in stages 2-3, which cannot hold full gradients; at the last in stages 0-1, which
-    accumulate them, as DDP's no_sync), then the clip and the sharded step. Returns the mean loss."""
+    """train.py's step on this rank's micro-batches: the hooks reduce each bucket as backward fills it (at
+    every micro-step in stages 2-3, which cannot hold full gradients; at the last in stages 0-1, which
+    accumulate them, as DDP's no_sync does), then the clip and the sharded step. Returns the mean loss."""
     loss_sum = 0.0
     for micro_step, (x, y) in enumerate(batches):
         zero.last_micro_step = micro_step == len(batches) - 1
