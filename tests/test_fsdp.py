@@ -1,6 +1,6 @@
 """train_fsdp.py: FSDP2 (fully_shard) trains the same model to the same numbers as train.py, resumes from its
 sharded (DCP) checkpoint as if uninterrupted, and consolidates it offline into a train.py checkpoint that train.py,
-and FSDP on another world size, continue exactly."""
+and FSDP on another world size, continue exactly; a step it does not measure makes no measuring call."""
 import os
 import shutil
 import subprocess
@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, read_log,
-                     run_script, spawn, train_losses, train_py_reference)
+from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses,
+                     measuring_calls_per_step, read_log, run_script, spawn, train_losses, train_py_reference)
 from test_ddp import ARGS, assert_survivors_fail_when_a_rank_dies
 
 import pytest
@@ -147,3 +147,15 @@ def test_bad_input_is_one_line_and_non_zero(tmp_path):
 def test_a_rank_that_dies_makes_the_others_exit_non_zero(tmp_path):
     assert_survivors_fail_when_a_rank_dies('train_fsdp.py', TINY + ['--gradient_accumulation_steps=2'],
                                            str(tmp_path))
+
+
+def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
+    """main() as a user runs it (2 ranks, 3 iterations, --measure_every=0): the first step reports each rank's
+    held bytes (gathered with all_gather_object); the later steps make no barrier, all_gather_object,
+    synchronize or clock call (the patches do see the first step's)."""
+    argv = ARGS + ['--max_iters=3', '--eval_interval=3', '--sample_at_end=False', '--measure_every=0',
+                   f'--out_dir={tmp_path}']
+    for rank, per_step in enumerate(spawn(measuring_calls_per_step, 2, 'train_fsdp', argv)):
+        assert len(per_step) == 3, (rank, per_step)
+        assert per_step[0].get('all_gather_object', 0) > 0, (rank, per_step[0])
+        assert per_step[1] == per_step[2] == {}, (rank, per_step)

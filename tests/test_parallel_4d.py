@@ -1,14 +1,16 @@
 """parallel_4d.py: the pieces of tensor_parallel.py, context_parallel.py, pipeline.py and zero.py composed on one
 dp x pp x cp x tp grid of 8 gloo processes train train.py's loss curve; every rank's groups are the grid's rows
 along each dimension; a run resumes on the same grid and consolidates into train.py's checkpoint; bad input is one
-line. (Three 8-process runs: each costs half a minute on two cores.)"""
+line; a step main() does not measure makes no measuring call. (Three 8-process runs: each costs half a minute
+on two cores.)"""
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import (TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
-                     read_log, run_script, train_losses, train_py_reference)
+                     measuring_calls_per_step, read_log, run_script, spawn, train_losses,
+                     train_py_reference)
 
 FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
                 '--learning_rate=1e-2', '--warmup_iters=1']
@@ -115,3 +117,15 @@ def test_resume_on_another_grid_says_what_to_do(tmp_path):
     one_error_line_per_rank(proc, 'was saved with --pp=2 --cp=1 --tp=1 --virtual_stages=1 on 2 ranks, this run '
                                   'has --pp=1 --cp=1 --tp=2 --virtual_stages=1 on 2 ranks')
     assert f'python consolidate.py {tmp_path}' in proc.stderr
+
+
+def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
+    """main() as a user runs it (pp=2 x tp=2, 3 iterations, --measure_every=0): the schedule's clock (its
+    barriers, the MAX all-reduce, perf_counter) and the report run on the measured first step only; the later
+    steps make no barrier, all_gather_object, synchronize or clock call (the patches do see the first step's)."""
+    argv = FLAGS + ['--pp=2', '--tp=2', '--max_iters=3', '--eval_interval=3', '--sample_at_end=False',
+                    '--measure_every=0', f'--out_dir={tmp_path}']
+    for rank, per_step in enumerate(spawn(measuring_calls_per_step, 4, 'parallel_4d', argv)):
+        assert len(per_step) == 3, (rank, per_step)
+        assert per_step[0].get('clock', 0) > 0 and per_step[0].get('barrier', 0) > 0, (rank, per_step[0])
+        assert per_step[1] == per_step[2] == {}, (rank, per_step)
