@@ -294,6 +294,47 @@ def _step_calls(rank, world_size):
     return out
 
 
+def _clipped_grads(rank, world_size, layout):
+    """One pipeline.train_step on pp=2 with a clip that bites (the norm is far above 0.05): the gradients AdamW
+    is handed (an optimizer pre-hook reads them) beside the sequential model's after torch's clip_grad_norm_."""
+    from types import SimpleNamespace
+    import pipeline
+    from distributed import Comm, process_grid
+    from model import GPT, GPTConfig
+    torch.manual_seed(1337)
+    full = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0, bias=False,
+                         **LAYOUTS[layout]))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 32, (4, 16), generator=g), torch.randint(0, 32, (4, 16), generator=g)
+    ref = copy.deepcopy(full)
+    ref(x, y)[1].backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    want['lm_head.weight'] = ref.lm_head.weight.grad  # the tied weight under its second name too
+    grid, coords, comms = process_grid(world_size, rank, dp=1, pp=2)
+    st = pipeline.Stage(full, pipeline.keep_stage(full, coords['pp'], 2), coords['pp'], 2, grid[0, :, 0, 0],
+                        (2, 16, 16), 'cpu', torch.autocast('cpu', enabled=False), comms['pp'])
+    optimizer = full.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    got = {}
+    optimizer.register_step_pre_hook(lambda *_: got.update(
+        {n: p.grad.clone() for n, p in full.named_parameters() if p.grad is not None}))
+    cfg = SimpleNamespace(batch_size=4, n_microbatches=2, block_size=16, schedule='1f1b', device='cpu', grad_clip=0.05)
+    pipeline.train_step(st, optimizer, [(x, y)], cfg, Comm(None, 'dp', alone=True),
+                        pipeline.embed_comm(grid, rank, full.config.tie_embeddings))
+    return norm, max(_rel_err(g, want[n]) for n, g in got.items()), sorted(got)
+
+
+@pytest.mark.parametrize('layout', list(LAYOUTS))
+def test_the_clip_is_over_every_stage_with_a_tied_weight_once(layout):
+    """The clip's norm is the whole model's (the stages' squares summed, the tied embedding counted once): the
+    clipped gradients equal the sequential model's after torch's clip_grad_norm_ (counting the tied weight on
+    both stages, or one stage's alone, fails this)."""
+    results = spawn(_clipped_grads, 2, layout)
+    assert results[0][0] > 0.5  # the clip bites: the gradients are scaled by 0.05 / norm
+    for rank, (_, err, names) in enumerate(results):
+        assert names and err < 1e-5, (rank, err, names)
+
+
 def test_an_unmeasured_step_makes_no_measuring_calls():
     """A step that is not measured runs the schedules alone: no barrier, no device synchronize or CUDA event, no
     clock read, no all_gather_object, no saved-tensor hooks (the held-activation count), and the only collectives
