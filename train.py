@@ -14,8 +14,8 @@ import os
 import torch
 
 from training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr, log_row,
-                      outputs_line, print_sample, profiled, run_main, run_shape, set_lr, should_evaluate,
-                      should_save)
+                      loss_function, outputs_line, print_sample, profiled, run_main, run_shape, set_lr,
+                      should_evaluate, should_save)
 from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
 from measure import StepProfiler
@@ -132,9 +132,7 @@ def main(argv):
     if cfg.compile:
         model = torch.compile(model)
 
-    def loss_of(x, y):
-        with ctx:
-            return model(x, y)[1]
+    loss_of = loss_function(model, ctx)  # what evaluation calls: the mean loss of a batch, under autocast
 
     # training loop
     writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      outputs_line, print_sample, profiled, run_main, run_shape, set_lr, should_evaluate,
-                      should_save)
+                      loss_function, outputs_line, print_sample, profiled, run_main, run_shape, set_lr,
+                      should_evaluate, should_save)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
                          train_checkpoint)
@@ -114,9 +114,7 @@ def main(argv):
     model, raw_model, optimizer, scaler, iter_num, best_val_loss = build_ddp(cfg, vocab_size, dp_rank,
                                                                              dp_size)
 
-    def loss_of(x, y):
-        with ctx:
-            return raw_model(x, y)[1]  # each rank its share of the eval batches: no DDP hooks needed
+    loss_of = loss_function(raw_model, ctx)  # each rank its share of the eval batches: no DDP hooks needed
 
     # training loop
     writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
