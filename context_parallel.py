@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, apply_rope, rope_cos_sin
-from training import (autocast_context, check_batch, config_defaults, configure, outputs_line, print_sample,
-                      profiled, run_main, run_shape, training_loop)
+from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
+                      configure_adamw, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+                      start_run, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
-from distributed import (AllToAll, Comm, average_gradients, finish_distributed, init_distributed,
+from distributed import (AllToAll, Comm, average_gradients, data_parallel_size, finish_distributed,
                          process_grid, world_size_from_env)
-from measure import WaitClock, WireMeter, measured_step, saved_bytes_counter
+from measure import WaitClock, WireMeter, first_block_saved_bytes, measured_step
 import reports
 
 # -----------------------------------------------------------------------------
@@ -98,7 +99,8 @@ def ring_step_blocks(step, src, cp_rank, positions):
     """Which of this rank's queries meet which of src's keys at this step, under the zig-zag split (L = 2c
     local tokens, two chunks of c). Step 0, its own keys: causal by position. An earlier rank's keys: only its
     first chunk is in the past, for all our queries. A later rank's keys: both its chunks are in the past of
-    our second chunk only. Each step is c x 2c of work on every rank: none idles."""
+    our second chunk only. Each step is c x 2c of useful work on every rank (step 0: the 2c x 2c block, half
+    of it masked): none idles."""
     c = positions.numel() // 2
     if step == 0:
         return slice(None), slice(None), positions[:, None] >= positions[None, :]
@@ -313,18 +315,14 @@ def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
     its attention made context-parallel. Returns model, optimizer, cp, dp, dp_cp, iter_num, best_val_loss."""
     _, _, comms = process_grid(world_size, rank, dp=world_size // cfg.cp, cp=cfg.cp)
     cp, dp = ContextParallel(comms['cp'], cfg.cp_attention), comms['dp']
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
     model.to(cfg.device)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {dp.size} x cp {cfg.cp} ({cfg.cp_attention} attention, "
                         f"{cfg.block_size // cfg.cp} tokens of each sequence per rank)", cfg,
                         model.get_num_params()))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           'cuda' if cfg.device.startswith('cuda') else 'cpu')
+    optimizer = configure_adamw(model, cfg, checkpoint)
     if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
         restore_rng(checkpoint, rank, world_size, cfg.seed, dp.rank)
     shard_sequence(model, cp)
     return model, optimizer, cp, dp, Comm(None, 'dp_cp'), iter_num, best_val_loss
@@ -332,26 +330,20 @@ def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
-    if cfg.cp < 1 or world_size % cfg.cp:
-        raise SystemExit(f"error: world size {world_size} is not divisible by cp={cfg.cp}")
-    check_batch(cfg, world_size // cfg.cp, world_size)
-    if cfg.cp_attention not in ('ring', 'ulysses'):
-        raise SystemExit(f"error: --cp_attention={cfg.cp_attention} is not one of ring, ulysses")
-    if cfg.block_size % (2 * cfg.cp):
-        raise SystemExit(f"error: block_size ({cfg.block_size}) must be divisible by 2 x cp = {2 * cfg.cp}: "
-                         f"each rank holds two equal chunks of every sequence (zig-zag)")
+    check_batch(cfg, data_parallel_size(world_size, cp=cfg.cp), world_size)  # (names the flag to change)
+    check_no_compile(cfg, 'context_parallel.py')  # not wired in here: said rather than ignored
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
-    if cfg.cp_attention == 'ulysses' and (cfg.n_head % cfg.cp or n_kv_head % cfg.cp):
-        raise SystemExit(f"error: ulysses needs n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) divisible "
-                         f"by cp={cfg.cp}: its all-to-all gives each rank whole heads")
-    if cfg.dropout != 0.0:
-        raise SystemExit(f"error: context_parallel.py needs dropout=0.0, got {cfg.dropout}: attention's "
-                         f"dropout would have to be replayed block by block in the ring's backward")
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: context_parallel.py needs dtype float32 or bfloat16, got {cfg.dtype!r}")
-    if cfg.compile:  # not wired in here: said rather than ignored
-        raise SystemExit("error: --compile=True is not supported by context_parallel.py: pass "
-                         "--compile=False (after the config file, if it sets compile = True)")
+    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
+            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
+           (cfg.block_size % (2 * cfg.cp), f"block_size ({cfg.block_size}) must be divisible by 2 x cp = "
+            f"{2 * cfg.cp}: each rank holds two equal chunks of every sequence (zig-zag)"),
+           (cfg.cp_attention == 'ulysses' and (cfg.n_head % cfg.cp or n_kv_head % cfg.cp),
+            f"ulysses needs n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) divisible by cp={cfg.cp}: its "
+            f"all-to-all gives each rank whole heads"),
+           (cfg.dropout != 0.0, f"context_parallel.py needs dropout=0.0, got {cfg.dropout}: attention's "
+            f"dropout would have to be replayed block by block in the ring's backward"),
+           (cfg.dtype not in ('float32', 'bfloat16'),
+            f"context_parallel.py needs dtype float32 or bfloat16, got {cfg.dtype!r}"))
 
 
 def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_path):
@@ -368,27 +360,24 @@ def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_pat
 def measured_train_step(model, optimizer, batches, ctx, cfg, cp, dp_cp, iter_num):
     """train_step, measured: the bytes the first block keeps for backward, the bytes sent (counted at the
     calls, the formula, this rank's sockets), the attention layers' time (WaitClock). Rank 0 prints all."""
-    x, (hooks, seen) = batches[0][0], saved_bytes_counter(model)
-    with ctx, torch.enable_grad():
-        cp.positions = zigzag_positions(x.size(1), cp.group.size, cp.group.rank, x.device)
-        h = model.transformer.wte(x[:, cp.positions]).detach()
-        with hooks:
-            model.run_block(model.transformer.h[0], h)
+    x = batches[0][0]
+    cp.positions = zigzag_positions(x.size(1), cp.group.size, cp.group.rank, x.device)
+    with ctx:
+        activation_bytes = first_block_saved_bytes(model, x[:, cp.positions])  # this rank's tokens
     comm, wire = cp.group, WireMeter()
     comm.clear(), dp_cp.clear(), wire.start()
     cp.group = clock = WaitClock(comm, model)
     loss = train_step(model, optimizer, batches, ctx, cfg.grad_clip, cp, dp_cp)
     cp.group, wire_bytes, _ = comm, wire.stop(), [h.remove() for h in clock.hooks]
     reports.report_context_parallel(cfg, model.config, cp.attention, comm, dp_cp, iter_num,
-                                    sum(seen.values()), wire_bytes, wire.why_not, clock)
+                                    activation_bytes, wire_bytes, wire.why_not, clock)
     return loss
 
 
 def main(argv):
     cfg = configure(config, argv)
     check_config(cfg, world_size_from_env())
-    rank, _, world_size, device = init_distributed(cfg.dist_timeout)
-    cfg.device = device if world_size > 1 else cfg.device
+    rank, world_size = start_run(cfg)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')  # train.py's: the weights are whole on every rank

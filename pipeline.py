@@ -7,7 +7,7 @@ dp x pp). A measured step (the first, every --measure_every-th) prints the execu
 
     torchrun --nproc_per_node=2 pipeline.py --pp=2 --schedule=1f1b --n_microbatches=4
     torchrun --nproc_per_node=4 pipeline.py --pp=2 --gradient_accumulation_steps=2   # dp=2 x pp=2
-    python consolidate.py out out_full    # out's stage checkpoints -> out_full/ckpt.pt, train.py's format
+    python consolidate.py out-pp    # the stage checkpoints in out-pp/ -> out-pp/ckpt.pt, train.py's format
 """
 
 import contextlib
@@ -463,8 +463,7 @@ def consolidate(out_dir):
                 states[name] = ck['optimizer']['state'][i]
     if 'lm_head.weight' in states:  # (tied: AdamW knows the weight by its first name, train.py by both)
         states.setdefault('transformer.wte.weight', states['lm_head.weight'])
-    return joined_checkpoint(model_sd, states, first, first['rng_states'],
-                             {k: v for k, v in first['config'].items() if k != 'consolidate'})
+    return joined_checkpoint(model_sd, states, first, first['rng_states'], first['config'])
 
 
 def main(argv):

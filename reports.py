@@ -140,28 +140,31 @@ def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes
     if not is_master():
         return
     r = rows[0]
-    lines = [('parameter bytes', None, params, r['param_bytes_formula']),
+    lines = [('parameter bytes', params, None, r['param_bytes_formula']),
              ('activation bytes, one layer', activation_bytes, None, r['activation_bytes_formula']),
              # saved_bytes_formula reads this code's saved tensors; Korthikanti's count is Megatron's (dropout
              # masks, an s x s attention matrix, the sequence chunk)
              ("  Megatron's count (Korthikanti)", None, None, r['activation_bytes_korthikanti']),
-             # (the ring formula at the calls we made, beside the paper's count of those calls)
-             ('tp activations, wire bytes (ring at our calls)', None, r['tp_activation_wire_bytes_formula'],
-              r['tp_comm_bytes_formula']),
-             ('dp gradients, wire bytes (ring at our calls)', None, r['dp_grad_wire_bytes_formula'],
-              r['dp_grad_bytes_formula'])]
+             # two models of the bytes sent: the ring formula priced at the calls we made, and the paper's
+             # count from the shapes alone (what Megatron's layers would make)
+             ('tp activations sent: the ring at our calls', None, None,
+              r['tp_activation_wire_bytes_formula']),
+             ("  the paper's count (2 all-reduces a layer each way)", None, None, r['tp_comm_bytes_formula']),
+             ('dp gradients sent: the ring at our calls', None, None, r['dp_grad_wire_bytes_formula']),
+             ("  the paper's count (an all-reduce of the slice)", None, None, r['dp_grad_bytes_formula'])]
     lines += [(f'handed to {kind}', None, n, None) for kind, n in r['collective_bytes_by_kind'].items()]
     lines += [(f"wire bytes, rank {q['rank']} (tp {q['tp_rank']}, dp {q['dp_rank']})", q['wire_bytes'],
                None, q['wire_bytes_formula']) for q in rows]
     notes = [f"wire bytes {why_not}"] if wire_bytes is None else []
-    if wire_bytes is not None and 'tp reduce_scatter' in r['collective_bytes_by_kind']:
+    if wire_bytes is not None and wire_bytes > 1.2 * r['wire_bytes_formula']:  # (sequence parallelism's)
         notes.append("more on the wire than the ring formula: gloo's reduce-scatter (sequence parallelism's) "
                      "is an all-reduce underneath")
     if elem == 2:
         notes.append("activations modelled at 2 bytes: under bfloat16 autocast the residual stream and the "
                      "norms stay fp32")
     print_measured(f"iter {iter_num}: dp {dp.size} x tp {t}{' with sequence parallelism' if sp else ''}; "
-                   "rank 0's numbers per step (counted: at the calls; wire bytes: the ring formula for them)",
+                   "rank 0's numbers per step (measured: tensors held, this rank's sockets; counted: "
+                   "handed to the calls; modelled: the formulas)",
                    lines, notes)
 
 
@@ -250,13 +253,9 @@ def print_grid_4d(grid, coords, comms, rank, cfg, n_params):
 
 
 def start_measuring_4d(stage, comms):
-    """A measured step: the counts from zero, the schedule's clock on (its barrier and MAX all-reduce through
-    a Comm of their own, so that the algorithm's counts leave them out), the wire meter started."""
-    for comm in comms:
-        comm.clear()
-    clock_comm = Comm(stage.comm.group, 'pp clock', alone=stage.comm.size == 1)
-    stage.clock, wire = ScheduleClock(stage.device, clock_comm, stage.model), WireMeter()
-    wire.start()
+    """A measured step: the grid's stage is a pipeline stage, measured as pipeline.py's is; its wire meter."""
+    wire = WireMeter()
+    start_measuring_pipeline(stage, comms, wire)
     return wire
 
 
@@ -299,7 +298,7 @@ CP_REPORT = [  # what a measured step prints: (quantity, its row keys: measured,
 
 def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation_bytes, wire_bytes,
                             why_not, clock):
-    """context_parallel.py's measured step: a log row per rank; rank 0 of each cp group prints its ranks'."""
+    """context_parallel.py's measured step: a log row per rank; rank 0 prints every rank's."""
     s, b, C, sent = cfg.block_size, cfg.batch_size, comm.size, comm_report([comm, dp_cp])
     elem, micro_steps = 2 if cfg.dtype == 'bfloat16' else 4, cfg.gradient_accumulation_steps * C // dp_cp.size
     rows = log_rank_rows(cfg.out_dir, {
