@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from model import GPT, apply_rope, rope_cos_sin
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      configure_adamw, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
-                      start_run, training_loop)
+                      configure_adamw, outputs_line, print_sample, profiled, refuse, refuse_moe, run_main,
+                      run_shape, start_run, training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from distributed import (AllToAll, Comm, average_gradients, data_parallel_size, finish_distributed,
@@ -332,6 +332,8 @@ def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
     check_batch(cfg, data_parallel_size(world_size, cp=cfg.cp), world_size)  # (names the flag to change)
     check_no_compile(cfg, 'context_parallel.py')  # not wired in here: said rather than ignored
+    refuse_moe(cfg, 'context_parallel.py', "the load-balancing loss needs the routing statistics of whole "
+               "sequences, which the cp ranks split")
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     refuse((cfg.cp_attention not in ('ring', 'ulysses'),
             f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),

@@ -36,7 +36,8 @@ import reports
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure, get_lr,
-                      outputs_line, profiled, progress, refuse, run_main, start_run, training_loop)
+                      outputs_line, profiled, progress, refuse, refuse_moe, run_main, start_run,
+                      training_loop)
 from zero import Zero, unflatten_shards
 
 # -----------------------------------------------------------------------------
@@ -223,6 +224,8 @@ def check_config(cfg, world_size):
            (cfg.dtype not in ('float32', 'bfloat16'),
             f"parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}"))
     check_no_compile(cfg, 'parallel_4d.py')
+    refuse_moe(cfg, 'parallel_4d.py', "its experts are not cut over the tp ranks, nor its stages' "
+               "load-balancing losses added")
     path = rank_file(cfg.out_dir, 0)
     refuse((cfg.init_from == 'resume' and not os.path.exists(path),
             f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"))

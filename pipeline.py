@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from model import init_params, keep_own, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      configure_adamw, outputs_line, profiled, refuse, run_main, start_run, training_loop)
+                      configure_adamw, outputs_line, profiled, refuse, refuse_moe, run_main, start_run,
+                      training_loop)
 from dataset import load_dataset, micro_batches
 from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
@@ -59,6 +60,7 @@ def validate(cfg, world_size):
            (cfg.dtype not in ('float32', 'bfloat16'),
             f"pipeline.py trains in float32 or bfloat16, not {cfg.dtype} (float16: one loss scale)"))
     check_no_compile(cfg, 'pipeline.py')
+    refuse_moe(cfg, 'pipeline.py', "each stage's load-balancing loss would be left out of the loss")
     check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, stage_ckpt_path(cfg.out_dir, 0))
 
 

@@ -31,8 +31,8 @@ from distributed import (all_gather_seq, average_gradients, clip_grad_norm, data
 from measure import WireMeter, first_block_saved_bytes, measured_step
 from model import GPTConfig, init_values, materialize
 from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      configure_adamw, outputs_line, profiled, progress, refuse, run_main, start_run,
-                      training_loop)
+                      configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
+                      start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -427,6 +427,7 @@ def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
     check_batch(cfg, data_parallel_size(world_size, tp=cfg.tp), world_size)  # (names the flag to change)
     check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
+    refuse_moe(cfg, 'tensor_parallel.py', "its experts are not cut over the tp ranks")
     n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_ckpt_path(cfg.out_dir, 0)
     refuse((cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
             f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),

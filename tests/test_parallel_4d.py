@@ -78,12 +78,13 @@ BAD = [
     (8, ['--pp=2', '--schedule=foo'], '--schedule=foo is not one of gpipe, 1f1b, interleaved'),
     (8, ['--pp=2', '--virtual_stages=2', '--schedule=1f1b'], '--virtual_stages=2 must be 1, or more with --schedule=i'),
     (8, ['--cp=2', '--cp_attention=foo'], '--cp_attention=foo is not one of ring, ulysses'),
+    (8, ['--pp=2', '--tp=2', '--n_expert=4'], 'parallel_4d.py does not train a mixture of experts yet (n_expert=4)'),
 ]
 
 
 @pytest.mark.parametrize('world,args,message', BAD,
                          ids=['world', 'heads', 'sp-with-cp', 'layers', 'compile', 'v-on-one-stage', 'm-0', 'v-0',
-                              'schedule', 'v-with-1f1b', 'attention'])
+                              'schedule', 'v-with-1f1b', 'attention', 'moe'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     import parallel_4d
     argv = TINY + ['--gradient_accumulation_steps=8', f'--out_dir={tmp_path}'] + args

@@ -483,12 +483,13 @@ BAD = [
     (2, ['--pp=2', '--virtual_stages=2'], '--virtual_stages=2 must be 1, or more with --schedule=interleaved'),
     (2, ['--pp=1', '--schedule=interleaved', '--virtual_stages=2'], '--virtual_stages=2 needs pp >= 2'),
     (2, ['--pp=2', '--compile=True'], 'not supported by pipeline.py: pass --compile=False'),
+    (2, ['--pp=2', '--n_expert=4'], "pipeline.py does not train a mixture of experts yet (n_expert=4)"),
 ]
 
 
 @pytest.mark.parametrize('world,args,message', BAD,
                          ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch', 'schedule', 'm-0',
-                              'v-without-interleaved', 'v-on-one-stage', 'compile'])
+                              'v-without-interleaved', 'v-on-one-stage', 'compile', 'moe'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     """Every check runs before the process group exists, from the world size torchrun sets."""
     import pipeline

@@ -379,7 +379,7 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
 
 def _cfg(**over):
     base = dict(tp=2, gradient_accumulation_steps=2, n_head=4, n_kv_head=None, sequence_parallel=False,
-                block_size=16, dtype='float32', compile=False, init_from='scratch', out_dir='out')
+                block_size=16, dtype='float32', compile=False, init_from='scratch', out_dir='out', n_expert=0)
     return SimpleNamespace(**dict(base, **over))
 
 
@@ -392,6 +392,7 @@ def _cfg(**over):
     (dict(dtype='float16'), 2, 'float32 or bfloat16'),
     (dict(init_from='resume', out_dir='/nonexistent'), 2, 'no checkpoint at'),
     (dict(compile=True), 2, 'not supported by tensor_parallel.py: pass --compile=False'),
+    (dict(tp=2, n_expert=4), 2, 'tensor_parallel.py does not train a mixture of experts yet (n_expert=4)'),
 ])
 def test_bad_config_is_one_clear_error(over, world, message):
     import tensor_parallel as tpm
