@@ -26,7 +26,7 @@ import pipeline
 import tensor_parallel
 import train_fsdp
 import zero
-from checkpoints import save_checkpoint
+from common.checkpoints import save_checkpoint
 
 # the file (or folder) rank 0 of each script writes -> that script's join of the whole world's files
 LAYOUTS = {os.path.basename(zero.shard_path('', 0)): zero.consolidate,

@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from model import init_params, keep_own, materialize
-from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
+from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
                       configure_adamw, outputs_line, profiled, refuse, refuse_moe, run_main, start_run,
                       training_loop)
-from dataset import load_dataset, micro_batches
-from checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
+from common.dataset import load_dataset, micro_batches
+from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                          joined_checkpoint, load_mmap, load_world, restore_rng, seed_dropout,
                          train_checkpoint)
-from distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
+from common.distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size, finish_distributed,
                          process_grid, sum_of_squares, world_size_from_env)
-from measure import NOT_MEASURED, WireMeter, measured_step
-import reports
+from common.measure import NOT_MEASURED, WireMeter, measured_step
+from common import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these

@@ -21,16 +21,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-import reports
-from checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
+from common import reports
+from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
                          load_world, rng_state, seed_dropout, set_rng_state)
-from dataset import load_dataset, micro_batches
-from distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
+from common.dataset import load_dataset, micro_batches
+from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
                          finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
                          world_size_from_env)
-from measure import WireMeter, first_block_saved_bytes, measured_step
+from common.measure import WireMeter, first_block_saved_bytes, measured_step
 from model import GPTConfig, init_values, materialize
-from training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
+from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
                       configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
                       start_run, training_loop)
 

@@ -28,15 +28,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from formulas import fsdp_held_bytes_formula
+from common.formulas import fsdp_held_bytes_formula
 from model import init_values, load_params, materialize
-from training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, outputs_line,
+from common.training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, outputs_line,
                       print_sample, profiled, progress, run_main, run_shape, training_loop)
-from dataset import load_dataset, micro_batches
-from checkpoints import (gather_rng_states, init_model, joined_checkpoint, restore_rng,
+from common.dataset import load_dataset, micro_batches
+from common.checkpoints import (gather_rng_states, init_model, joined_checkpoint, restore_rng,
                          seed_dropout, train_checkpoint)
-from distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from measure import measured_step, print_measured
+from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from common.measure import measured_step, print_measured
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ parameters, laid end to end; shard: this rank's chunk of them). Run it: torchrun
 
 import torch
 
-from distributed import all_gather_direct, return_freed_buffers_to_the_os
+from common.distributed import all_gather_direct, return_freed_buffers_to_the_os
 
 
 def block_groups(model, named):

@@ -227,7 +227,7 @@ def counting_patches(calls, targets):
     (each collective a Comm is handed, as 'comm <group> <kind>') and of each (module, attribute, label) in
     targets (calls[label] += 1, then the real call). Enter them, run a step, read calls."""
     from unittest import mock
-    import distributed
+    from common import distributed
 
     def counted(label, f):
         def wrapper(*args, **kwargs):

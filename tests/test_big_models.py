@@ -16,7 +16,7 @@ from helpers import REPO
 BUILD = r'''
 import sys, types, torch
 from model import GPT, GPTConfig, init_params, keep_own, materialize
-from measure import peak_resident_bytes
+from common.measure import peak_resident_bytes
 import pipeline, tensor_parallel as tpm
 config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
 tiny = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=8)
@@ -40,8 +40,8 @@ else:
         keep = keep_own(model)
     if way.startswith('zero3'):  # rank 3 of 8, ZeRO stage 3: its chunk of the weights, gradients and AdamW state
         from model import load_params
-        from distributed import Comm
-        from reports import held_bytes
+        from common.distributed import Comm
+        from common.reports import held_bytes
         from zero import Zero
         zero = Zero(model, 3, 3, 8, 0.1, (0.9, 0.99), 1e-8, 1, torch.float32, Comm(None, 'dp', alone=True), 'cpu')
         if way == 'zero3':
@@ -130,10 +130,10 @@ def zero3_peak_rise(rank, world_size):
     from contextlib import nullcontext
 
     import torch
-    from distributed import Comm
-    from measure import peak_resident_bytes
+    from common.distributed import Comm
+    from common.measure import peak_resident_bytes
     from model import GPT, GPTConfig, init_params
-    from reports import held_bytes
+    from common.reports import held_bytes
     from zero import Zero, train_step
 
     def build(config):

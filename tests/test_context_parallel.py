@@ -17,7 +17,7 @@ import torch
 from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses, read_log,
                      run_script, spawn, train_losses, train_py_reference)
 
-import formulas
+from common import formulas
 
 TOL = 1e-5
 LAYOUTS = {
@@ -38,7 +38,7 @@ def _checks(rank, world_size):
     import torch.nn.functional as F
     import context_parallel as cpm
     from model import GPT, GPTConfig
-    from distributed import Comm, average_gradients
+    from common.distributed import Comm, average_gradients
     groups = {2: [dist.new_group(r.tolist()) for r in torch.arange(4).view(2, 2)], 4: [None]}
     results = {}
     for C in (2, 4):
@@ -98,7 +98,7 @@ def _measuring_calls(group):
     import torch.distributed as dist
     import context_parallel as cpm
     from model import GPT, GPTConfig
-    from distributed import Comm
+    from common.distributed import Comm
     out = {}
     for attention in ('ring', 'ulysses'):
         cp, dp_cp = cpm.ContextParallel(Comm(group, 'cp'), attention), Comm(None, 'dp_cp')

@@ -11,7 +11,7 @@ import pytest
 import tiktoken
 import torch
 
-import dataset
+from common import dataset
 from helpers import REPO
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
@@ -145,7 +145,7 @@ def test_rank_slices_concatenate_to_the_global_batch(dp_size):
 def _load_fresh_copy(repo_copy, barrier, results):
     """One rank of a fresh checkout: import the copy's dataset.py and load the default data set, which the copy
     does not have yet. Puts the sizes it read (or its error) in results."""
-    spec = importlib.util.spec_from_file_location('dataset_of_copy', os.path.join(repo_copy, 'dataset.py'))
+    spec = importlib.util.spec_from_file_location('dataset_of_copy', os.path.join(repo_copy, 'common', 'dataset.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     barrier.wait()  # every rank arrives at once, as torchrun starts them
@@ -167,9 +167,7 @@ def test_ranks_of_a_fresh_checkout_prepare_the_data_once(tmp_path):
     for attempt in range(3):
         repo_copy = tmp_path / f'copy{attempt}'
         os.makedirs(repo_copy / 'data' / 'stdlib_char')
-        for name in os.listdir(REPO):  # model.py and the helper files it takes load_dataset from
-            if name.endswith('.py'):
-                shutil.copy(os.path.join(REPO, name), repo_copy)
+        shutil.copytree(os.path.join(REPO, 'common'), repo_copy / 'common')  # the helper files (load_dataset)
         shutil.copy(os.path.join(REPO, 'data', 'stdlib_char', 'prepare.py'), repo_copy / 'data' / 'stdlib_char')
         barrier, results = ctx.Barrier(4), ctx.Queue()
         ranks = [ctx.Process(target=_load_fresh_copy, args=(str(repo_copy), barrier, results)) for _ in range(4)]

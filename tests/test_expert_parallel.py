@@ -24,7 +24,7 @@ def _comms(rank, world_size):
     """Every setting's (ep, edp, dp) Comms on 4 ranks: ep=2 (two independent worlds of 2: ranks 0-1, 2-3),
     ep=4, and dp 2 x ep 2 (the script's own grid). Every rank makes every group, in the same order."""
     import torch.distributed as dist
-    from distributed import Comm
+    from common.distributed import Comm
     import expert_parallel as epm
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = Comm(pairs[rank // 2], 'ep')
@@ -34,8 +34,8 @@ def _comms(rank, world_size):
 
 def _cfg(out_dir, *extra):
     import expert_parallel as epm
-    from training import configure
-    from dataset import load_dataset
+    from common.training import configure
+    from common.dataset import load_dataset
     cfg = configure(epm.config, FLAGS + [f'--out_dir={out_dir}', *extra])
     return cfg, *load_dataset(cfg.dataset)
 
@@ -45,8 +45,8 @@ def _train_py(cfg, data, vocab_size):
     step's gradients (before AdamW) by name."""
     import train
     from model import GPT
-    from training import get_lr, model_config, set_lr
-    from dataset import micro_batches
+    from common.training import get_lr, model_config, set_lr
+    from common.dataset import micro_batches
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg, vocab_size))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), 'cpu')
@@ -73,8 +73,8 @@ def _run(model, optimizer, cfg, step, get_lr, set_lr):
 def _expert_parallel(cfg, data, vocab_size, comms):
     """expert_parallel.py's build and train_step, ITERS iterations: the losses and the first step's gradients."""
     import expert_parallel as epm
-    from training import get_lr, set_lr
-    from dataset import micro_batches
+    from common.training import get_lr, set_lr
+    from common.dataset import micro_batches
     ep, edp, dp = comms
     model, params, optimizer, *_ = epm.build(cfg, vocab_size, ep, dp.rank, dp.size)
     losses, grads = _run(model, optimizer, cfg, lambda it: epm.train_step(
@@ -133,7 +133,7 @@ def _same_as_torch(rank, world_size):
     """distributed.AllToAll (dispatch's, Ulysses') against torch.distributed.nn.functional.all_to_all_single: forward and backward."""
     import torch.distributed as dist
     import torch.distributed.nn.functional as dist_nn
-    from distributed import AllToAll, Comm
+    from common.distributed import AllToAll, Comm
     comm = Comm(None, 'ep')
     gen = torch.Generator().manual_seed(0)
     sizes = torch.randint(0, 4, (world_size, world_size), generator=gen)  # [src, dst] rows
@@ -155,9 +155,9 @@ def _measuring_calls(rank, world_size, out_dir, comms):
     from collections import Counter
     from unittest import mock
     import torch.distributed as dist
-    import distributed
+    from common import distributed
     import expert_parallel as epm
-    from dataset import micro_batches
+    from common.dataset import micro_batches
     cfg, data, vocab_size = _cfg(out_dir, '--measure_every=0')
     model, params, optimizer, *_ = epm.build(cfg, vocab_size, comms[0], rank, world_size)
     batches = micro_batches(data, cfg, 0, comms[2].rank, comms[2].size)
@@ -264,7 +264,7 @@ def test_the_script_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_p
         assert (r['param_bytes'], r['grad_bytes'], r['optim_bytes']) == (
             r['param_bytes_formula'], r['grad_bytes_formula'], r['optim_bytes_formula'])
     import planner  # the planner's expert-parallel row holds what each rank held
-    from dataset import load_dataset
+    from common.dataset import load_dataset
     gptconf = planner.gpt_config_from(None, FLAGS, load_dataset('stdlib_char')[1])
     plan = next(p for p in planner.estimate(gptconf, 2, 1, 4, 16, 1, 1, 1, 2, 0, False, 2) if p['ep'] == 2)
     assert all((r['param_bytes'], r['grad_bytes'], r['optim_bytes']) ==

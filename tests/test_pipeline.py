@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
                      train_losses, train_py_reference)
 
-import formulas
+from common import formulas
 
 LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
@@ -63,8 +63,8 @@ def _one_case(rank, world_size, p, schedule, layout):
     sequential model's loss and gradients, plus the executed order's checks."""
     import pipeline
     from model import GPT, GPTConfig
-    from distributed import process_grid
-    from measure import ScheduleClock
+    from common.distributed import process_grid
+    from common.measure import ScheduleClock
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleInterleavedZeroBubble)
     config = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, dropout=0.0, bias=False,
@@ -257,8 +257,8 @@ def _step_calls(rank, world_size):
     import time
     from types import SimpleNamespace
     import pipeline
-    from distributed import Comm, process_grid
-    from measure import ScheduleClock
+    from common.distributed import Comm, process_grid
+    from common.measure import ScheduleClock
     from model import GPT, GPTConfig
     calls, collectives = [], []
 
@@ -299,7 +299,7 @@ def _clipped_grads(rank, world_size, layout):
     is handed (an optimizer pre-hook reads them) beside the sequential model's after torch's clip_grad_norm_."""
     from types import SimpleNamespace
     import pipeline
-    from distributed import Comm, process_grid
+    from common.distributed import Comm, process_grid
     from model import GPT, GPTConfig
     torch.manual_seed(1337)
     full = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0, bias=False,
@@ -534,7 +534,7 @@ def test_timeline_shows_every_op_once_in_the_order_executed():
     """A stage's row from a known executed order, its ops from 1/1000 of a slot to many slots long (on the bench's
     shape a short B0 used to vanish and a long F2 show three times): every F and B appears exactly once, in the
     order executed; a long op continues with '-'; the waits (W) are not ops."""
-    import measure
+    from common import measure
     ops = [('F', 0, 0.0, 0.001), ('send/recv', 0, 0.001, 0.2), ('F', 1, 0.2, 0.2001), ('B', 0, 0.2001, 0.2002),
            ('F', 2, 0.2002, 0.9), ('B', 1, 0.9, 0.9001), ('F', 3, 0.9001, 0.91), ('B', 2, 0.95, 0.9501),
            ('B', 3, 0.9501, 1.0)]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as M
-import dataset
+from common import dataset
 from helpers import TINY, check, run_script
 
 

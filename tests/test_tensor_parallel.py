@@ -13,7 +13,7 @@ import torch
 from helpers import (TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, check, read_log, run_script,
                      spawn, train_losses, train_py_reference)
 
-import formulas
+from common import formulas
 
 # Both layouts, shapes that divide by tp = 1, 2, 4. LLaMA: grouped-query attention (8 heads, 4 KV heads), untied,
 # and a vocabulary of 97 so that the vocabulary split is uneven.
@@ -43,10 +43,10 @@ def _against_dense(rank, world_size):
     """For each layout, tp and sequence_parallel: the tp model vs the dense model on one batch; also what it
     sends and saves for backward, measured."""
     import torch.distributed as dist
-    import measure
+    from common import measure
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
-    from distributed import Comm
+    from common.distributed import Comm
     groups = {}
     for t in (1, 2, 4):  # every rank creates every group, in the same order
         made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, t)]
@@ -107,7 +107,7 @@ def _against_dtensor(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     import tensor_parallel as tpm
-    from distributed import Comm
+    from common.distributed import Comm
     mesh = init_device_mesh('cpu', (world_size,))
     g = Comm(None, 'tp')
     errors = {}
@@ -149,7 +149,7 @@ def _dropout_checks(rank, world_size):
     import torch.distributed as dist
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
-    from distributed import Comm
+    from common.distributed import Comm
     made = [dist.new_group(row.tolist()) for row in torch.arange(world_size).view(-1, 2)]
     tp = tpm.TensorParallel(Comm(made[rank // 2], 'tp'), False)
     config = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=16, vocab_size=32, dropout=0.5, bias=False)
@@ -179,8 +179,8 @@ def _measuring_calls(rank, world_size, out_dir):
     exists only to measure (barrier, all_gather_object, device synchronize, clock, saved-tensor hooks)."""
     from collections import Counter
     import torch.distributed as dist
-    import distributed
-    import measure
+    from common import distributed
+    from common import measure
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
     _, _, comms = distributed.process_grid(world_size, rank, dp=2, tp=2)
@@ -258,7 +258,7 @@ def test_a_sharded_model_refuses_the_dense_forward():
     """After shard_gpt, GPT.forward would give a loss over this rank's slice of the vocabulary: it raises."""
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
-    from distributed import Comm
+    from common.distributed import Comm
     model = GPT(GPTConfig(**LAYOUTS['gpt2']))
     tpm.shard_gpt(model, tpm.TensorParallel(Comm(None, 'tp')))
     with pytest.raises(RuntimeError, match='tp_forward'):

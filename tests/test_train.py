@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import model as M
-import checkpoints
-import dataset
-import training
+from common import checkpoints
+from common import dataset
+from common import training
 from helpers import REPO, TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses
 
 TRAIN = 'train.py'
@@ -268,7 +268,7 @@ def test_train_py_spells_out_the_shared_config():
     """train.py keeps nanoGPT's full config block; the other scripts take the same keys from
     training.TRAIN_DEFAULTS. The two must never drift apart."""
     import train
-    import training
+    from common import training
     declared = {k: train.config[k] for k in training.TRAIN_DEFAULTS}
     assert declared == training.TRAIN_DEFAULTS
     own = set(train.config) - set(training.TRAIN_DEFAULTS) - set(M.GPTConfig.__dataclass_fields__)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints
-import measure
+from common import checkpoints
+from common import measure
 from helpers import TINY, spawn, train_losses
 from test_multinode import assert_mfu_per_device
 

@@ -14,8 +14,8 @@ from helpers import (REPO, TINY, LoopbackFlood, assert_same_checkpoint, assert_s
                      spawn, train_losses, train_py_reference)
 
 import consolidate
-import deepspeed_config
-import formulas
+from common import deepspeed_config
+from common import formulas
 import zero
 
 # 8 layers so a block is a small part of the model (the stage-2/3 "never a full gradient" check means something);
@@ -133,7 +133,7 @@ def vs_pytorch(rank, world_size):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     from model import GPT, GPTConfig, param_groups
-    from distributed import Comm
+    from common.distributed import Comm
     config = GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, vocab_size=64, bias=True)
     lr, betas, wd = 1e-2, (0.9, 0.99), 0.1
 
@@ -184,7 +184,7 @@ def vs_pytorch(rank, world_size):
 
 def full_params(z):
     """{name: full parameter} from every rank's fp32 master chunks (any stage)."""
-    from distributed import all_gather_single
+    from common.distributed import all_gather_single
     full = {}
     for b in z.buckets:
         if z.stage == 0:
@@ -255,7 +255,7 @@ def test_offload_copies_each_buckets_gradients_to_the_host_during_backward():
 
 def offload_copy_during_backward(rank, world_size):
     from model import GPT, GPTConfig
-    from distributed import Comm
+    from common.distributed import Comm
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, vocab_size=64))
     z = zero.Zero(model, 2, rank, world_size, 0.1, (0.9, 0.99), 1e-8, 700, torch.float32, Comm(None, 'dp'),
@@ -300,7 +300,7 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
 
 
 def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
-    from training import configure
+    from common.training import configure
     cfg = deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
                                                   os.path.join(REPO, 'config/ds_zero2.json'), 4)
     assert (cfg.stage, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.grad_clip, cfg.dtype) == \
@@ -341,7 +341,7 @@ def launch_ranks(args, world_size=2, timeout=90):
 ])
 def test_bad_config_one_line_nonzero_on_every_rank(monkeypatch, capsys, bad, message):
     """Checked before the process group exists, so each rank is run here, in turn, as torchrun would start it."""
-    from training import run_main
+    from common.training import run_main
     for rank in range(2):
         monkeypatch.setattr(os, 'environ', dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2'))
         monkeypatch.setattr(sys, 'argv', ['zero.py'] + TINY + ['--gradient_accumulation_steps=2'] + bad)
@@ -422,10 +422,10 @@ def measuring_calls(rank, world_size, out_dir):
     import contextlib
     from collections import Counter
     import torch.distributed as dist
-    import distributed
-    import reports
+    from common import distributed
+    from common import reports
     from model import GPT, GPTConfig
-    from training import configure
+    from common.training import configure
     from helpers import counting_patches, measuring_calls
     calls, seen = Counter(), {}
     patches = counting_patches(calls, [
@@ -480,7 +480,7 @@ def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
 def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     """--print_ds_config prints the DeepSpeed JSON of the run; reading it back gives the same run."""
     import json
-    from training import configure
+    from common.training import configure
     monkeypatch.setenv('WORLD_SIZE', '4')
     argv = ['--stage=3', '--dtype=bfloat16', '--batch_size=4', '--gradient_accumulation_steps=8', '--grad_clip=0.5',
             '--learning_rate=3e-4', '--beta2=0.95', '--weight_decay=0.05', '--adam_eps=1e-6']

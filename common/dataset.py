@@ -9,6 +9,8 @@ import os
 import numpy as np
 import torch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (data/ is beside common/)
+
 
 def prepare_once(data_dir, prepare):
     """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the
@@ -28,7 +30,7 @@ def load_dataset(dataset):
     """Memmaps of data/<dataset>/{train,val}.bin and the vocabulary size (from meta.pkl, else GPT-2's 50304).
     The default data set (stdlib_char) is built here on first use; any other missing one names its command."""
     import pickle
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    data_dir = os.path.join(REPO, 'data', dataset)
     if not os.path.exists(os.path.join(data_dir, 'train.bin')):
         prepare = os.path.join(data_dir, 'prepare.py')
         if dataset == 'stdlib_char' and os.path.exists(prepare):
@@ -84,7 +86,7 @@ def get_codec(dataset):
     """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl
     if it has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
     import pickle
-    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset or '', 'meta.pkl')
+    meta_path = os.path.join(REPO, 'data', dataset or '', 'meta.pkl')
     if dataset is not None and os.path.exists(meta_path):
         with open(meta_path, 'rb') as f:
             meta = pickle.load(f)

@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from measure import peak_memory_bytes
+from common.measure import peak_memory_bytes
 
 
 def is_master():

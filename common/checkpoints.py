@@ -13,9 +13,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from distributed import is_master
+from common.distributed import is_master
 from model import GPT, GPTConfig, is_gpt2, open_gpt2
-from training import model_config
+from common.training import model_config
 
 
 def trim_log(out_dir, iter_num):

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import distributed
-from dataset import EVAL_STREAM, get_batch, get_codec, micro_batch_rows
-from distributed import is_master
-from measure import StepProfiler, mfu, peak_flops_for, peak_memory_bytes
+from common import distributed
+from common.dataset import EVAL_STREAM, get_batch, get_codec, micro_batch_rows
+from common.distributed import is_master
+from common.measure import StepProfiler, mfu, peak_flops_for, peak_memory_bytes
 from model import GPTConfig
 
 
@@ -81,7 +81,8 @@ def config_defaults(script_globals):
 def config_help(defaults, script):
     """`python script --help`: every key the script takes, its default and the comment where it is declared
     (the script's own block, else TRAIN_DEFAULTS, else GPTConfig): the keys of the script's idea first."""
-    sources = [open(p).read() for p in (script, __file__, os.path.join(os.path.dirname(__file__), 'model.py'))
+    model_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'model.py')
+    sources = [open(p).read() for p in (script, __file__, model_py)
                if os.path.isfile(p)]
     said = lambda text, key: re.search(rf'^\s*{key}\s*(?::[^=\n]*)?=[^\n]*?#\s*(.*)$', text, re.M)
     lines = [f"usage: python {os.path.basename(script)} [config/file.py ...] [--key=value ...]  (torchrun "

@@ -16,10 +16,10 @@ import re
 
 import torch
 
-import formulas
+from common import formulas
 from model import GPT
-from training import configure, model_config
-from distributed import GRID_DIMS
+from common.training import configure, model_config
+from common.distributed import GRID_DIMS
 
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
 
@@ -281,7 +281,7 @@ def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixe
     """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision),
     as zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
     import zero  # (its config keys; the JSON is deepspeed_config.py's)
-    from deepspeed_config import deepspeed_config_of
+    from common.deepspeed_config import deepspeed_config_of
     cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
     ranks = row['dp'] * row['cp']
     cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
