@@ -263,7 +263,7 @@ def test_the_script_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_p
         assert r['all_to_all_bytes_by_kind']['dispatch'] == 2 * 2 * 4 * 16 * 2 * 16 * 4  # 2 micro x 2 layers
         assert (r['param_bytes'], r['grad_bytes'], r['optim_bytes']) == (
             r['param_bytes_formula'], r['grad_bytes_formula'], r['optim_bytes_formula'])
-    import planner  # the planner's expert-parallel row holds what each rank held
+    from common import planner  # the planner's expert-parallel row holds what each rank held
     from common.dataset import load_dataset
     gptconf = planner.gpt_config_from(None, FLAGS, load_dataset('stdlib_char')[1])
     plan = next(p for p in planner.estimate(gptconf, 2, 1, 4, 16, 1, 1, 1, 2, 0, False, 2) if p['ep'] == 2)
