@@ -1,18 +1,13 @@
 """
 The GPT, and only the GPT: GPT-2's layout by default (learned positions, LayerNorm, GELU MLP, tied
 embeddings), with LLaMA-style options (norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head for grouped-query
-attention, tie_embeddings=False) and a mixture of experts (n_expert) in the same classes; its initialization
-(also on the meta device, for the sharded scripts to fill their share with train.py's exact values); and
-Hugging Face's GPT-2, LLaMA and Mixtral weights in and out. The training scripts share the rest from
-training.py, checkpoints.py, distributed.py and measure.py.
+attention, tie_embeddings=False) and a mixture of experts (n_expert) in the same classes: its forward, its
+initialization, its AdamW groups, its FLOPs and generate. Hugging Face's weights in and out are common/hf.py;
+the same initialization on the meta device, for a rank that builds only its share, common/checkpoints.py.
 """
 
-import contextlib
-import json
 import math
-import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -88,7 +83,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
         self.eps = eps
 
-    # (what __init__ set: init_params replays it on a model built on the meta device)
+    # (what __init__ set: checkpoints.init_params replays it on a model built on the meta device)
     def reset_parameters(self):
         nn.init.ones_(self.weight)
         if self.bias is not None:
@@ -151,9 +146,6 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.rope = config.pos == 'rope'
         self.rope_theta = config.rope_theta
-        # the random stream the attention-probability dropout draws from; tensor parallelism gives each rank's
-        # heads their own (Megatron's model-parallel RNG), everything else shares the process's stream
-        self.dropout_rng = contextlib.nullcontext
 
     def forward(self, x):
         B, T, _ = x.size()
@@ -172,8 +164,7 @@ class CausalSelfAttention(nn.Module):
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         dropout = self.dropout if self.training else 0.0
-        with self.dropout_rng() if dropout > 0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
@@ -370,269 +361,6 @@ class GPT(nn.Module):
             idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)), dim=1)
         return idx
 
-    @classmethod
-    def from_hf(cls, hf_model, **overrides):
-        """A GPT whose logits match a Hugging Face GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM.
-        overrides sets GPTConfig fields that do not change the weights (dropout, activation_checkpointing).
-        GPT-2's GELU is its tanh approximation ('gelu_new'): gelu='tanh' here."""
-        hf_cfg, sd_hf = hf_model.config, hf_model.state_dict()
-        if hf_cfg.model_type == 'gpt2':
-            model = cls(gpt2_config(hf_cfg, **overrides))
-            pairs = ((name, ..., values) for name, values in gpt2_tensors(sd_hf.items(), model.config))
-        elif hf_cfg.model_type in ('llama', 'mixtral'):
-            model = cls(llama_config(hf_cfg, **overrides))
-            pairs = llama_pairs(sd_hf, model.config)
-        else:
-            raise ValueError(f"from_hf supports gpt2, llama and mixtral models, not {hf_cfg.model_type!r}")
-        sd = model.state_dict()
-        with torch.no_grad():
-            for mine, rows, theirs in pairs:
-                if mine in sd:  # (theirs None: a bias their model lacks, attention_bias xor mlp_bias: zero)
-                    sd[mine][rows].zero_() if theirs is None else sd[mine][rows].copy_(theirs)
-        return model
-
-    def to_hf(self):
-        """This GPT as a Hugging Face transformers model with the same logits (see model.to_hf)."""
-        return to_hf(self)
-
-    @classmethod
-    def from_pretrained(cls, name, **overrides):
-        """GPT-2's weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'), through transformers."""
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install "
-                             f"transformers")
-        return cls.from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
-
-
-GPT2_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-
-
-def gpt2_config(hf_cfg, **overrides):
-    """The GPTConfig of a Hugging Face GPT-2 config (a GPT2Config, or its config.json's fields)."""
-    return GPTConfig(block_size=hf_cfg.n_positions, vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer,
-                     n_head=hf_cfg.n_head, n_embd=hf_cfg.n_embd, norm_eps=hf_cfg.layer_norm_epsilon,
-                     n_hidden=getattr(hf_cfg, 'n_inner', None) or 4 * hf_cfg.n_embd,
-                     gelu='exact' if hf_cfg.activation_function == 'gelu' else 'tanh',
-                     tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', True)),
-                     **{'dropout': 0.0, 'bias': True, **overrides})
-
-
-def gpt2_tensors(hf_named, config):
-    """GPT-2's (name, tensor) pairs as this repo's: the names under transformer., the four Conv1D weights
-    (stored (in, out)) transposed, no causal-mask buffers, a tied head under its own name too."""
-    for k, values in hf_named:
-        if k.endswith(('.attn.masked_bias', '.attn.bias')):
-            continue  # causal-mask buffers, not weights (c_attn.bias is a weight: hence the dot)
-        name = k if k.startswith(('transformer.', 'lm_head.')) else 'transformer.' + k
-        yield name, values.t() if name.endswith(GPT2_CONV1D) else values
-        if name == 'transformer.wte.weight' and config.tie_embeddings:
-            yield 'lm_head.weight', values
-
-
-def is_gpt2(init_from):
-    """A GPT-2 to start from: a name ('gpt2', 'gpt2-medium', ...) or a save_pretrained directory."""
-    return init_from.startswith('gpt2') or os.path.isfile(os.path.join(init_from, 'config.json'))
-
-
-def open_gpt2(name, **overrides):
-    """A GPT-2's GPTConfig, and a function that yields its weights as this repo's (name, tensor) pairs one at
-    a time from its safetensors file, so a sharded script copies out its share of each and never holds the
-    whole. name: a local directory, or a Hugging Face hub name (huggingface_hub downloads it once, then reads
-    its cache)."""
-    if os.path.isdir(name):
-        config_path, weights_path = os.path.join(name, 'config.json'), os.path.join(name, 'model.safetensors')
-    else:
-        try:
-            from huggingface_hub import hf_hub_download
-        except ImportError:
-            raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install "
-                             f"transformers")
-        config_path, weights_path = (hf_hub_download(name, f) for f in ('config.json', 'model.safetensors'))
-    if not os.path.isfile(weights_path):
-        raise SystemExit(f"error: init_from={name}: no model.safetensors in it (save_pretrained writes one)")
-    with open(config_path) as f:
-        hf_cfg = SimpleNamespace(**json.load(f))
-    if getattr(hf_cfg, 'model_type', None) != 'gpt2':
-        raise SystemExit(f"error: init_from={name} is a {getattr(hf_cfg, 'model_type', None)!r} model; only "
-                         f"GPT-2 weights load here (a LLaMA goes through GPT.from_hf)")
-    config = gpt2_config(hf_cfg, **overrides)
-
-    def tensors():
-        from safetensors import safe_open
-        with safe_open(weights_path, framework='pt') as f:
-            yield from gpt2_tensors(((k, f.get_tensor(k)) for k in f.keys()), config)
-    return config, tensors
-
-
-def init_values(cfg, config, keep):
-    """The values of a model that init_model built on the meta device, handed to keep(name, values) one tensor
-    at a time: a GPT-2's from its file (init_from=gpt2, or a directory), else train.py's initialization."""
-    if is_gpt2(cfg.init_from):
-        load_params(open_gpt2(cfg.init_from)[1](), keep)
-    else:
-        init_params(config, cfg.seed, keep)
-
-
-@torch.no_grad()
-def init_params(config, seed, keep):
-    """train.py's initialization of GPT(config) after torch.manual_seed(seed), never holding the model: the
-    same random draws in the same order (the constructors' default inits, _init_weights, the scaled residual
-    projections), one module at a time into a scratch tensor, and keep(name, values) called with every
-    parameter's final values (a tied weight under both names) for the caller to copy out its rank's share.
-    The random stream ends where GPT(config) leaves it."""
-    torch.manual_seed(seed)
-    with torch.device('meta'):
-        skeleton = GPT(config)  # (on meta nothing is drawn: it gives the modules, their order and shapes)
-    leaves = [m for m in skeleton.modules() if hasattr(m, 'reset_parameters') and
-              next(m.parameters(), None) is not None and not any(True for _ in m.children())]
-    # each parameter by its identity in the skeleton (a tied weight is one, in two modules), before to_empty
-    # replaces them: its names, the (module, attribute) pairs that hold it, and the op that writes it last
-    names, holder, last_write = {}, {}, {}
-    for name, p in skeleton.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for i, module in enumerate(leaves):
-        for attr, p in module.named_parameters(recurse=False):  # _init_weights redraws Linear, Embedding
-            holder[(i, attr)] = id(p)
-            last_write[id(p)] = ('init' if isinstance(module, (nn.Linear, nn.Embedding)) else 'construct', i)
-    scaled = [(id(p), p.shape) for name, p in skeleton.named_parameters() if name.endswith('c_proj.weight')]
-    last_write.update({pid: ('scale', pid) for pid, _ in scaled})
-
-    # one module's parameters at a time, drawn into one scratch buffer (reused: the allocator never fragments)
-    scratch = torch.empty(max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves))
-
-    def draw_on_cpu(i, draw, op):
-        module = leaves[i]
-        on_meta, offset = dict(module.named_parameters(recurse=False)), 0
-        for attr, p in on_meta.items():
-            module._parameters[attr] = nn.Parameter(scratch[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        draw(module)
-        for attr in on_meta:
-            if last_write[holder[(i, attr)]] == op:
-                for name in names[holder[(i, attr)]]:
-                    keep(name, module._parameters[attr].detach())
-        module._parameters.update(on_meta)  # back to shapes only
-
-    # the constructors' draws (nn.Linear's kaiming_uniform_, nn.Embedding's normal_)
-    for i in range(len(leaves)):
-        draw_on_cpu(i, lambda module: module.reset_parameters(), ('construct', i))
-    for i in range(len(leaves)):  # self.apply(self._init_weights): children before parents, leaves in order
-        draw_on_cpu(i, skeleton._init_weights, ('init', i))
-    for pid, shape in scaled:  # GPT-2's scaled residual projections
-        full = scratch[:math.prod(shape)].view(shape)
-        nn.init.normal_(full, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for name in names[pid]:
-            keep(name, full)
-
-
-def keep_own(model):
-    """For init_params: the parameters the (cut) model still holds take their values; the rest is dropped."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-
-    def keep(name, full):
-        if name in params:
-            params[name].data.copy_(full)
-    return keep
-
-
-def materialize(model, device):
-    """Storage on device for a model built on the meta device (values still to be written), in place: each
-    Parameter stays the same object (what a script holds still points at it; a tied weight stays tied)."""
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)  # (else to_empty makes new Parameters)
-    try:
-        model.to_empty(device=device)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
-    return model
-
-
-def llama_config(hf_cfg, **overrides):
-    """The GPTConfig of a Hugging Face Llama or Mixtral config."""
-    moe = dict(n_expert=hf_cfg.num_local_experts, n_expert_active=hf_cfg.num_experts_per_tok,
-               aux_loss_weight=hf_cfg.router_aux_loss_coef) if hf_cfg.model_type == 'mixtral' else {}
-    theta = getattr(hf_cfg, 'rope_theta', None) or hf_cfg.rope_parameters['rope_theta']  # (transformers 5)
-    bias = getattr(hf_cfg, 'attention_bias', False) or getattr(hf_cfg, 'mlp_bias', False)
-    return GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
-                     n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
-                     n_embd=hf_cfg.hidden_size, n_hidden=hf_cfg.intermediate_size, bias=bool(bias),
-                     n_kv_head=getattr(hf_cfg, 'num_key_value_heads', None) or hf_cfg.num_attention_heads,
-                     norm='rmsnorm', mlp='swiglu', pos='rope',
-                     tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', False)),
-                     norm_eps=hf_cfg.rms_norm_eps, rope_theta=float(theta),
-                     **{'dropout': 0.0, **moe, **overrides})
-
-
-def llama_pairs(sd_hf, config):
-    """The table between our tensors and a Hugging Face Llama's or Mixtral's, read one way by from_hf and the
-    other by to_hf: (our name, our rows, their tensor: a view into sd_hf, None where theirs has no such bias),
-    for every name either model may have (the reader skips those ours lacks)."""
-    theirs = dict(sd_hf)
-    theirs.setdefault('lm_head.weight', theirs['model.embed_tokens.weight'])  # tied: stored once
-    names = [('transformer.wte', 'model.embed_tokens'), ('transformer.ln_f', 'model.norm'), ('lm_head',) * 2]
-    q, kv = config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
-    for i in range(config.n_layer):
-        me, hf = f'transformer.h.{i}.', f'model.layers.{i}.'
-        names += [(me + a, hf + b) for a, b in (
-            ('attn.c_proj', 'self_attn.o_proj'), ('ln_1', 'input_layernorm'), ('mlp.c_fc', 'mlp.up_proj'),
-            ('ln_2', 'post_attention_layernorm'), ('mlp.c_gate', 'mlp.gate_proj'), ('mlp.router', 'mlp.gate'),
-            ('mlp.c_proj', 'mlp.down_proj'))]
-        for p, rows in zip('qkv', (slice(0, q), slice(q, q + kv), slice(q + kv, None))):  # c_attn: [q|k|v]
-            for w in ('weight', 'bias'):
-                yield f'{me}attn.c_attn.{w}', rows, theirs.get(f'{hf}self_attn.{p}_proj.{w}')
-        if config.is_moe(i):  # Mixtral's experts, fused (transformers 5): gate_up_proj (E, 2I, C) [gate; up]
-            gate_up, down = theirs[hf + 'mlp.experts.gate_up_proj'], theirs[hf + 'mlp.experts.down_proj']
-            for e in range(config.n_expert):
-                gate, up = gate_up[e].chunk(2)
-                for mine, t in (('c_gate', gate), ('c_fc', up), ('c_proj', down[e])):
-                    yield f'{me}mlp.experts.{e}.{mine}.weight', ..., t
-    for mine, hf in names:
-        for w in ('weight', 'bias'):
-            yield f'{mine}.{w}', ..., theirs.get(f'{hf}.{w}')
-
-
-def to_hf(model):
-    """The Hugging Face model with this GPT's weights and the same logits: GPT2LMHeadModel for the GPT-2
-    layout (learned positions, LayerNorm, GELU MLP; biases the model lacks are zeros there), LlamaForCausalLM
-    for the LLaMA layout (RoPE, RMSNorm, SwiGLU, grouped-query attention), MixtralForCausalLM for it with
-    experts. save_pretrained(DIR) then makes a directory that AutoModelForCausalLM.from_pretrained loads."""
-    try:
-        import transformers
-    except ImportError:
-        raise SystemExit("error: exporting to Hugging Face needs transformers: pip install transformers")
-    c, sd = model.config, {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    layout = (c.pos, c.norm, c.mlp)
-    mixtral = c.n_expert and c.moe_every == 1 and not c.n_shared_expert and not c.bias
-    if layout == ('learned', 'layernorm', 'gelu') and c.n_kv_head == c.n_head and not c.n_expert:
-        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-            n_head=c.n_head, n_inner=c.n_hidden, activation_function=('gelu', 'gelu_new')[c.gelu == 'tanh'],
-            layer_norm_epsilon=c.norm_eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-            tie_word_embeddings=c.tie_embeddings, bos_token_id=0, eos_token_id=0))
-        pairs = ((mine, ..., theirs) for mine, theirs in gpt2_tensors(hf.state_dict().items(), c))
-    elif layout == ('rope', 'rmsnorm', 'swiglu') and (mixtral or not c.n_expert):
-        common = dict(
-            vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_hidden, bos_token_id=0,
-            num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-            max_position_embeddings=c.block_size, rope_theta=c.rope_theta, attention_dropout=c.dropout,
-            rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, eos_token_id=0)
-        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_active,
-            router_aux_loss_coef=c.aux_loss_weight, **common)) if mixtral else transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(attention_bias=c.bias, mlp_bias=c.bias, **common))
-        pairs = llama_pairs(hf.state_dict(), c)
-    else:
-        raise ValueError(f"to_hf exports the GPT-2 layout (learned, layernorm, gelu; n_kv_head = n_head, "
-                         f"dense), LLaMA's (rope, rmsnorm, swiglu) or Mixtral's (LLaMA's, experts in every "
-                         f"block, none shared, no bias), not {c}")
-    with torch.no_grad():  # their tensors are views into hf's: writing them writes the model
-        for mine, rows, theirs in pairs:
-            if theirs is not None:  # (theirs has a bias this model lacks: zero, the same function)
-                theirs.copy_(sd[mine][rows]) if mine in sd else theirs.zero_()
-    return hf
-
 
 def param_groups(model, weight_decay):
     """AdamW's two parameter groups: decay for every parameter of 2 or more dims, no decay for the rest."""
@@ -640,10 +368,3 @@ def param_groups(model, weight_decay):
     return [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
             {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
 
-
-@torch.no_grad()
-def load_params(named_tensors, keep):
-    """A whole model's (name, tensor) pairs (a train.py checkpoint's, or a GPT-2's from open_gpt2) handed to
-    keep(name, values) one at a time, as init_params does: a sharded script copies out its share of each."""
-    for name, values in named_tensors:
-        keep(name, values)

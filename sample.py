@@ -56,7 +56,8 @@ def load_model(cfg):
               f"{checkpoint['best_val_loss']:.4f}, data set {checkpoint['config']['dataset']}")
         return model, checkpoint['config']['dataset']
     if cfg.init_from.startswith('gpt2'):
-        return GPT.from_pretrained(cfg.init_from), None
+        from common.hf import from_pretrained  # (needs transformers
+        return from_pretrained(cfg.init_from), None
     raise SystemExit(f"error: init_from must be 'resume' or a GPT-2 name, got {cfg.init_from!r}")
 
 
@@ -78,7 +79,8 @@ def main(argv):
     model, dataset = load_model(cfg)
     if cfg.export_hf:
         try:
-            hf_model = model.to_hf()
+            from common.hf import to_hf  # (needs transformers
+            hf_model = to_hf(model)
         except ValueError as e:  # a layout Hugging Face has no class for: one line, not a traceback
             raise SystemExit(f"error: --export_hf: {e}")
         hf_model.save_pretrained(cfg.export_hf)

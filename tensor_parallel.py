@@ -22,17 +22,18 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common import reports
-from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
-                         load_world, rng_state, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_values,
+                                joined_checkpoint, load_mmap, load_world, materialize, rng_state,
+                                seed_dropout, set_rng_state)
 from common.dataset import load_dataset, micro_batches
 from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
-                         finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
-                         world_size_from_env)
+                                finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
+                                world_size_from_env)
 from common.measure import WireMeter, first_block_saved_bytes, measured_step
-from model import GPTConfig, init_values, materialize
+from model import GPTConfig
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                      configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
-                      start_run, training_loop)
+                             configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
+                             start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -149,15 +150,30 @@ class TPRankDropout(nn.Module):
             return self.dropout(x)
 
 
+def heads_draw_their_own_dropout(attn, tp_rank):
+    """The attention probabilities' dropout drawn from this rank's own stream (its heads are its own); the
+    dropout after c_proj (attn.out_dropout) from the stream of the activations it drops, after it, in
+    model.py's order."""
+    attn.out_dropout, attn.resid_dropout, forward = attn.resid_dropout, nn.Identity(), attn.forward
+
+    def run(x):
+        if not attn.training:  # (no draw: model.py's attention draws nothing in eval either)
+            return attn.out_dropout(forward(x))
+        with tp_rank_rng(tp_rank):
+            y = forward(x)
+        return attn.out_dropout(y)
+    attn.forward = run
+
+
 def give_tp_ranks_their_dropout(model, tp):
     """Each rank's heads get their own dropout stream; with sequence parallelism, its sequence chunks too."""
     if tp.group.size == 1 or model.config.dropout == 0:
         return
     for block in model.transformer.h:
-        block.attn.dropout_rng = lambda: tp_rank_rng(tp.group.rank)
         if tp.sequence_parallel:
             block.attn.resid_dropout = TPRankDropout(block.attn.resid_dropout, tp.group.rank)
             block.mlp.dropout = TPRankDropout(block.mlp.dropout, tp.group.rank)
+        heads_draw_their_own_dropout(block.attn, tp.group.rank)
     if tp.sequence_parallel:
         model.transformer.drop = TPRankDropout(model.transformer.drop, tp.group.rank)
 

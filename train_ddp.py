@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate, get_lr,
-                      loss_function, outputs_line, print_sample, profiled, run_main, run_shape, set_lr,
-                      should_evaluate, should_save)
+from common.training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate,
+                             get_lr, loss_function, outputs_line, print_sample, profiled, run_main, run_shape,
+                             set_lr, should_evaluate, should_save)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
-                         train_checkpoint)
+                                train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
 from common.measure import StepProfiler
 

@@ -29,12 +29,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.formulas import fsdp_held_bytes_formula
-from model import init_values, load_params, materialize
-from common.training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows, outputs_line,
-                      print_sample, profiled, progress, run_main, run_shape, training_loop)
+from common.training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows,
+                             outputs_line, print_sample, profiled, progress, run_main, run_shape,
+                             training_loop)
 from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (gather_rng_states, init_model, joined_checkpoint, restore_rng,
-                         seed_dropout, train_checkpoint)
+from common.checkpoints import (gather_rng_states, init_model, init_values, joined_checkpoint, load_params,
+                                materialize, restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
 from common.measure import measured_step, print_measured
 

@@ -26,15 +26,16 @@ import torch
 import torch.nn as nn
 
 from common.deepspeed_config import apply_deepspeed_config, print_deepspeed_config
-from model import init_values, load_params, param_groups
+from model import param_groups
 from common.training import (autocast_context, check_batch, config_defaults, configure, get_lr, loss_function,
-                      outputs_line, print_sample, profiled, progress, refuse, run_main, run_shape, start_run,
-                      training_loop)
+                             outputs_line, print_sample, profiled, progress, refuse, run_main, run_shape,
+                             start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, joined_checkpoint, load_mmap,
-                         load_world, restore_rng, rng_state, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_values,
+                                joined_checkpoint, load_mmap, load_params, load_world, restore_rng, rng_state,
+                                seed_dropout, set_rng_state)
 from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of, sum_of_squares,
-                         world_size_from_env)
+                                world_size_from_env)
 from common.measure import measured_step
 from common import reports
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded

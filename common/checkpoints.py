@@ -7,15 +7,22 @@ resumes exactly.
 
 import contextlib
 import json
+import math
 import os
 import threading
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from common.distributed import is_master
-from model import GPT, GPTConfig, is_gpt2, open_gpt2
 from common.training import model_config
+from model import GPT, GPTConfig
+
+
+def is_gpt2(init_from):
+    """A GPT-2 to start from: a name ('gpt2', 'gpt2-medium', ...) or a save_pretrained directory."""
+    return init_from.startswith('gpt2') or os.path.isfile(os.path.join(init_from, 'config.json'))
 
 
 def trim_log(out_dir, iter_num):
@@ -108,12 +115,13 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         if is_master():
             trim_log(cfg.out_dir, iter_num)
     elif gpt2 and is_gpt2(cfg.init_from):
+        from common import hf  # (Hugging Face's files, and transformers, only here)
         overrides = dict(dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
         if meta:  # the shapes from its config; its weights come later, one tensor at a time (init_values)
             with on_meta:
-                model = GPT(open_gpt2(cfg.init_from, **overrides)[0])
+                model = GPT(hf.open_gpt2(cfg.init_from, **overrides)[0])
         else:
-            model = GPT.from_pretrained(cfg.init_from, **overrides)
+            model = hf.from_pretrained(cfg.init_from, **overrides)
     else:
         raise SystemExit(f"error: init_from must be 'scratch', 'resume'{' or a GPT-2 name' if gpt2 else ''}, "
                          f"got {cfg.init_from!r}")
@@ -216,6 +224,104 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
         return
     set_rng_state({'cpu': checkpoint['rng_state'], 'cuda': checkpoint.get('cuda_rng_state')})
     seed_dropout(seed, dp_rank, pp_rank)
+
+
+# -----------------------------------------------------------------------------
+# A model too large for one rank: built on the meta device (shapes, no memory), each rank gives storage to its
+# share alone and fills it with train.py's exact values (init_params replays the initialization a tensor at a
+# time), a GPT-2's, or a whole checkpoint's, each tensor handed over whole and cut by the rank's keep()
+
+def init_values(cfg, config, keep):
+    """The values of a model that init_model built on the meta device, handed to keep(name, values) one tensor
+    at a time: train.py's initialization, or a GPT-2's from its file (init_from=gpt2, or a directory)."""
+    if cfg.init_from == 'scratch':
+        init_params(config, cfg.seed, keep)
+    else:
+        from common.hf import open_gpt2
+        load_params(open_gpt2(cfg.init_from)[1](), keep)
+
+
+@torch.no_grad()
+def init_params(config, seed, keep):
+    """train.py's initialization of GPT(config) after torch.manual_seed(seed), never holding the model: the
+    same random draws in the same order (the constructors' default inits, _init_weights, the scaled residual
+    projections), one module at a time into a scratch tensor, and keep(name, values) called with every
+    parameter's final values (a tied weight under both names) for the caller to copy out its rank's share.
+    The random stream ends where GPT(config) leaves it."""
+    torch.manual_seed(seed)
+    with torch.device('meta'):
+        skeleton = GPT(config)  # (on meta nothing is drawn: it gives the modules, their order and shapes)
+    leaves = [m for m in skeleton.modules() if hasattr(m, 'reset_parameters') and
+              next(m.parameters(), None) is not None and not any(True for _ in m.children())]
+    # each parameter by its identity in the skeleton (a tied weight is one, in two modules), before to_empty
+    # replaces them: its names, the (module, attribute) pairs that hold it, and the op that writes it last
+    names, holder, last_write = {}, {}, {}
+    for name, p in skeleton.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for i, module in enumerate(leaves):
+        for attr, p in module.named_parameters(recurse=False):  # _init_weights redraws Linear, Embedding
+            holder[(i, attr)] = id(p)
+            last_write[id(p)] = ('init' if isinstance(module, (nn.Linear, nn.Embedding)) else 'construct', i)
+    scaled = [(id(p), p.shape) for name, p in skeleton.named_parameters() if name.endswith('c_proj.weight')]
+    last_write.update({pid: ('scale', pid) for pid, _ in scaled})
+
+    # one module's parameters at a time, drawn into one scratch buffer (reused: the allocator never fragments)
+    scratch = torch.empty(max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves))
+
+    def draw_on_cpu(i, draw, op):
+        module = leaves[i]
+        on_meta, offset = dict(module.named_parameters(recurse=False)), 0
+        for attr, p in on_meta.items():
+            module._parameters[attr] = nn.Parameter(scratch[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        draw(module)
+        for attr in on_meta:
+            if last_write[holder[(i, attr)]] == op:
+                for name in names[holder[(i, attr)]]:
+                    keep(name, module._parameters[attr].detach())
+        module._parameters.update(on_meta)  # back to shapes only
+
+    # the constructors' draws (nn.Linear's kaiming_uniform_, nn.Embedding's normal_)
+    for i in range(len(leaves)):
+        draw_on_cpu(i, lambda module: module.reset_parameters(), ('construct', i))
+    for i in range(len(leaves)):  # self.apply(self._init_weights): children before parents, leaves in order
+        draw_on_cpu(i, skeleton._init_weights, ('init', i))
+    for pid, shape in scaled:  # GPT-2's scaled residual projections
+        full = scratch[:math.prod(shape)].view(shape)
+        nn.init.normal_(full, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for name in names[pid]:
+            keep(name, full)
+
+
+def keep_own(model):
+    """For init_params: the parameters the (cut) model still holds take their values; the rest is dropped."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def keep(name, full):
+        if name in params:
+            params[name].data.copy_(full)
+    return keep
+
+
+def materialize(model, device):
+    """Storage on device for a model built on the meta device (values still to be written), in place: each
+    Parameter stays the same object (what a script holds still points at it; a tied weight stays tied)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # (else to_empty makes new Parameters)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    return model
+
+
+
+@torch.no_grad()
+def load_params(named_tensors, keep):
+    """A whole model's (name, tensor) pairs (a train.py checkpoint's, or a GPT-2's from open_gpt2) handed to
+    keep(name, values) one at a time, as init_params does: a sharded script copies out its share of each."""
+    for name, values in named_tensors:
+        keep(name, values)
 
 
 # -----------------------------------------------------------------------------

@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 from common.distributed import Comm, GRID_DIMS, is_master
 from common.formulas import (activation_bytes_formula, bubble_fraction_formula, comm_bytes_formula,
-                      cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
-                      model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
-                      peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
-                      tp_edge_comm_bytes_formula)
-from common.measure import (comm_report, NOT_MEASURED, print_measured, print_schedule_report, schedule_measurements,
-                     ScheduleClock, WireMeter)
+                             cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
+                             model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
+                             peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
+                             tp_edge_comm_bytes_formula)
+from common.measure import (comm_report, NOT_MEASURED, print_measured, print_schedule_report,
+                            schedule_measurements, ScheduleClock, WireMeter)
 from model import MoE
 from common.training import log_rank_rows, run_shape
 

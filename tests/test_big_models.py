@@ -1,6 +1,6 @@
 """Models bigger than one rank: zero.py, train_fsdp.py, tensor_parallel.py, pipeline.py and parallel_4d.py build
 train.py's GPT on the meta device, cut it there and give storage and train.py's values to their own part only
-(model.init_params replays the initialization one module at a time; model.load_params hands over a whole
+(checkpoints.init_params replays the initialization one module at a time; checkpoints.load_params hands over a whole
 memory-mapped checkpoint the same way). Shown on a 50M-parameter model (200 MB in fp32) cut by tensor parallelism, a
 pipeline and ZeRO-3, each in a fresh process: the peak resident memory rises by about its share of the model,
 where building it whole, or reading a whole checkpoint without the memory map (the controls, so that the
@@ -15,7 +15,8 @@ from helpers import REPO
 
 BUILD = r'''
 import sys, types, torch
-from model import GPT, GPTConfig, init_params, keep_own, materialize
+from common.checkpoints import init_params, keep_own, materialize
+from model import GPT, GPTConfig
 from common.measure import peak_resident_bytes
 import pipeline, tensor_parallel as tpm
 config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
@@ -39,7 +40,7 @@ else:
         pipeline.keep_stage(model, 1, 4)
         keep = keep_own(model)
     if way.startswith('zero3'):  # rank 3 of 8, ZeRO stage 3: its chunk of the weights, gradients and AdamW state
-        from model import load_params
+        from common.checkpoints import load_params
         from common.distributed import Comm
         from common.reports import held_bytes
         from zero import Zero
@@ -100,7 +101,7 @@ def test_a_whole_checkpoint_is_read_one_share_at_a_time(tmp_path):
 def test_gpt2_weights_are_read_one_tensor_at_a_time_by_the_sharded_scripts(tmp_path):
     """init_from=<a GPT-2 directory> (what save_pretrained writes, as the hub's): zero.py (stage 3, 2 ranks) and
     tensor_parallel.py (tp=2) build it on the meta device and read its safetensors file one tensor at a time
-    (model.open_gpt2), each rank keeping its share; their first evaluation equals train.py's, which loads the whole
+    (hf.open_gpt2), each rank keeping its share; their first evaluation equals train.py's, which loads the whole
     model through transformers."""
     transformers = pytest.importorskip('transformers', reason='GPT-2 weights come through Hugging Face transformers')
     from helpers import TINY, check, read_log, run_script
@@ -132,7 +133,8 @@ def zero3_peak_rise(rank, world_size):
     import torch
     from common.distributed import Comm
     from common.measure import peak_resident_bytes
-    from model import GPT, GPTConfig, init_params
+    from common.checkpoints import init_params
+    from model import GPT, GPTConfig
     from common.reports import held_bytes
     from zero import Zero, train_step
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from common.hf import from_hf, to_hf
 from model import GPT, GPTConfig
 
 V = 67
@@ -175,7 +176,7 @@ def test_from_hf_logits_match(kind):
         for p in hf.parameters():
             if p.dim() >= 2:
                 p.mul_(10)
-    ours = GPT.from_hf(hf).eval()
+    ours = from_hf(hf).eval()
     idx = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = hf(idx).logits
@@ -189,7 +190,7 @@ def test_from_hf_overrides_build_the_dropout_modules():
     transformers = pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=1,
                                                               n_head=2, bos_token_id=0, eos_token_id=0))
-    ours = GPT.from_hf(hf, dropout=0.1)
+    ours = from_hf(hf, dropout=0.1)
     ps = [m.p for m in ours.modules() if isinstance(m, torch.nn.Dropout)]
     assert ps and all(p == 0.1 for p in ps) and ours.transformer.h[0].attn.dropout == 0.1
 
@@ -211,8 +212,8 @@ def test_to_hf_round_trip_same_logits(layout):
         for p in ours.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
     idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(8))
-    hf = ours.to_hf().eval()
-    back = GPT.from_hf(hf).eval()
+    hf = to_hf(ours).eval()
+    back = from_hf(hf).eval()
     with torch.no_grad():
         want, theirs, again = ours(idx)[0], hf(idx).logits, back(idx)[0]
     tol = dict(rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -224,7 +225,7 @@ def test_to_hf_round_trip_same_logits(layout):
 def test_to_hf_rejects_a_layout_hugging_face_has_no_class_for():
     pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
     with pytest.raises(ValueError, match='GPT-2 layout'):
-        build(**dict(GPT2_LAYOUT, pos='rope')).to_hf()
+        to_hf(build(**dict(GPT2_LAYOUT, pos='rope')))
 
 
 @pytest.mark.parametrize('layout', ['gpt2', 'gpt2_bias', 'llama'] + list(MOE_LAYOUTS))
@@ -232,7 +233,7 @@ def test_init_params_replays_train_py_initialization_exactly(layout):
     """init_params draws what GPT(config) draws after torch.manual_seed(seed), one module at a time: every
     parameter (a tied weight under both names) bitwise equal, and the random stream left where GPT leaves it
     (the mixtures of experts too)."""
-    from model import init_params
+    from common.checkpoints import init_params
     extra = {'gpt2': {}, 'gpt2_bias': dict(bias=True),
              'llama': dict(pos='rope', norm='rmsnorm', mlp='swiglu', n_kv_head=2, tie_embeddings=False)}
     shape = dict(n_layer=2, n_head=4, block_size=16)
@@ -427,7 +428,7 @@ def test_from_hf_mixtral_logits_match():
         for p in hf.parameters():
             if p.dim() >= 2:
                 p.mul_(10)
-    ours = GPT.from_hf(hf).eval()
+    ours = from_hf(hf).eval()
     c = ours.config
     assert (c.n_expert, c.n_expert_active, c.moe_every, c.n_shared_expert) == (4, 2, 1, 0)
     idx = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(15))
@@ -444,13 +445,13 @@ def test_to_hf_mixtral_round_trip_same_logits():
         for p in ours.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
     idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(16))
-    hf = ours.to_hf().eval()
+    hf = to_hf(ours).eval()
     assert type(hf).__name__ == 'MixtralForCausalLM'
-    back = GPT.from_hf(hf).eval()
+    back = from_hf(hf).eval()
     with torch.no_grad():
         want, theirs, again = ours(idx)[0], hf(idx).logits, back(idx)[0]
     tol = dict(rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(theirs, want, **tol)
     torch.testing.assert_close(again, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="Mixtral's"):  # Mixtral has no shared expert
-        build(**dict(MOE_LAYOUTS['llama_moe'], n_shared_expert=1)).to_hf()
+        to_hf(build(**dict(MOE_LAYOUTS['llama_moe'], n_shared_expert=1)))

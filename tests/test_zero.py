@@ -440,7 +440,7 @@ def measuring_calls(rank, world_size, out_dir):
             model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=96))
         z = zero.Zero(model, stage, rank, world_size, 0.1, (0.9, 0.99), 1e-8, 700, torch.float32,
                       distributed.Comm(None, 'dp'), 'cpu', prefetch_blocks=1)
-        from model import init_params
+        from common.checkpoints import init_params
         init_params(model.config, 0, z.set_param_values)
         gen = torch.Generator().manual_seed(rank)
         batches = [(torch.randint(0, 96, (2, 16), generator=gen),) * 2 for _ in range(2)]
