@@ -29,13 +29,13 @@ import torch.nn.functional as F
 
 from model import GPT, apply_rope, rope_cos_sin
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, print_sample, profiled, refuse, refuse_moe,
-                             run_main, run_shape, start_run, training_loop)
+                             configure_adamw, measured_step, outputs_line, print_sample, profiled, refuse,
+                             refuse_moe, run_main, run_shape, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from common.distributed import (AllToAll, Comm, average_gradients, data_parallel_size, finish_distributed,
                                 process_grid, world_size_from_env)
-from common.measure import WaitClock, WireMeter, first_block_saved_bytes, measured_step
+from common.measure import WaitClock, WireMeter, first_block_saved_bytes
 from common import reports
 
 # -----------------------------------------------------------------------------

@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 from model import MoE, combine
 from common.training import (autocast_context, check_batch, config_defaults, configure, loss_function,
-                             model_config, outputs_line, print_sample, profiled, progress, run_main,
-                             run_shape, training_loop)
+                             measured_step, model_config, outputs_line, print_sample, profiled, progress,
+                             run_main, run_shape, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, init_model, init_params, joined_checkpoint, keep_own,
                                 load_mmap, load_world, materialize, rng_state, seed_dropout, set_rng_state)
 from common.distributed import (AllToAll, Comm, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, init_distributed, sum_of_squares, world_size_from_env)
-from common.measure import WireMeter, measured_step
+from common.measure import WireMeter
 from common import reports
 
 # -----------------------------------------------------------------------------

@@ -30,15 +30,14 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model,
                                 seed_dropout, set_rng_state)
 from common.dataset import load_dataset, micro_batches
 from common.distributed import Comm, data_parallel_size, finish_distributed, process_grid, world_size_from_env
-from common.measure import measured_step
 from model import GPTConfig
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
 from common import reports
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             get_lr, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
-                             start_run, training_loop)
+                             get_lr, measured_step, outputs_line, profiled, progress, refuse, refuse_moe,
+                             run_main, start_run, training_loop)
 from zero import Zero, unflatten_shards
 
 # -----------------------------------------------------------------------------

@@ -18,15 +18,15 @@ import torch
 import torch.distributed as dist
 
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, profiled, refuse, refuse_moe, run_main, start_run,
-                             training_loop)
+                             configure_adamw, measured_step, outputs_line, profiled, refuse, refuse_moe,
+                             run_main, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                                 init_params, joined_checkpoint, keep_own, load_mmap, load_world, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, process_grid, sum_of_squares, world_size_from_env)
-from common.measure import NOT_MEASURED, WireMeter, measured_step
+from common.measure import NOT_MEASURED, WireMeter
 from common import reports
 
 # -----------------------------------------------------------------------------

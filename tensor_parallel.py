@@ -29,11 +29,11 @@ from common.dataset import load_dataset, micro_batches
 from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
                                 world_size_from_env)
-from common.measure import WireMeter, first_block_saved_bytes, measured_step
+from common.measure import WireMeter, first_block_saved_bytes
 from model import GPTConfig
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
-                             start_run, training_loop)
+                             configure_adamw, measured_step, outputs_line, profiled, progress, refuse,
+                             refuse_moe, run_main, start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these

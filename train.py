@@ -15,10 +15,9 @@ import torch
 
 from common.training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr,
                              log_row, loss_function, outputs_line, print_sample, profiled, run_main,
-                             run_shape, set_lr, should_evaluate, should_save)
+                             run_shape, set_lr, should_evaluate, should_save, step_profiler)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
-from common.measure import StepProfiler
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -136,7 +135,7 @@ def main(argv):
 
     # training loop
     writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, 0, cfg.device)  # --profile=N: a trace per rank
+    profiler = step_profiler(cfg, 0)  # --profile=N: a trace per rank (None without)
     logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=1)
     while True:
         lr = get_lr(iter_num, cfg)
@@ -158,9 +157,11 @@ def main(argv):
         loss = train_step(model, optimizer, scaler, micro_batches(data, cfg, iter_num), ctx, cfg.grad_clip)
         logger.step(iter_num, loss, lr)
         log_moe(cfg.out_dir, iter_num, raw_model, logger.every)  # (a dense model logs nothing more)
-        profiler.step()
+        if profiler:
+            profiler.step()
         iter_num += 1
-    profiler.stop()
+    if profiler:
+        profiler.stop()
     writer.wait()
 
     if cfg.sample_at_end and not cfg.eval_only:

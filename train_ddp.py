@@ -21,12 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate,
                              get_lr, loss_function, outputs_line, print_sample, profiled, run_main, run_shape,
-                             set_lr, should_evaluate, should_save)
+                             set_lr, should_evaluate, should_save, step_profiler)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
                                 train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from common.measure import StepProfiler
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -118,7 +117,7 @@ def main(argv):
 
     # training loop
     writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, dp_rank, cfg.device)  # --profile=N: a trace per rank
+    profiler = step_profiler(cfg, dp_rank)  # --profile=N: a trace per rank (None without)
     logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp_size)
     while True:
         lr = get_lr(iter_num, cfg)
@@ -142,9 +141,11 @@ def main(argv):
         batches = micro_batches(data, cfg, iter_num, dp_rank, dp_size)
         loss = train_step(model, optimizer, scaler, batches, ctx, cfg.grad_clip, dp)
         logger.step(iter_num, loss, lr)
-        profiler.step()
+        if profiler:
+            profiler.step()
         iter_num += 1
-    profiler.stop()
+    if profiler:
+        profiler.stop()
     writer.wait()
     finish_distributed(cfg)
 

@@ -30,13 +30,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.formulas import fsdp_held_bytes_formula
 from common.training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows,
-                             outputs_line, print_sample, profiled, progress, run_main, run_shape,
-                             training_loop)
+                             measured_step, outputs_line, print_sample, profiled, progress, run_main,
+                             run_shape, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (gather_rng_states, init_model, init_values, joined_checkpoint, load_params,
                                 materialize, restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from common.measure import measured_step, print_measured
+from common.measure import print_measured
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------

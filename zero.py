@@ -36,8 +36,6 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model,
                                 seed_dropout, set_rng_state)
 from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of, sum_of_squares,
                                 world_size_from_env)
-from common.measure import measured_step
-from common import reports
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
 
 # -----------------------------------------------------------------------------
@@ -224,7 +222,6 @@ class Zero:
         self.last_micro_step = True  # stages 0-1 reduce only then (gradients accumulate locally); 2-3 at each
         self.next_bucket = 0         # buckets are reduced in order, so every rank issues the same collectives
         self.in_flight = []          # (work, full buffer, output, bucket) of reductions not yet waited for
-        self.sample = lambda: None  # a measured step's held-bytes sampler (nothing on any other step)
 
     def grad_ready(self, b, i, p):
         """post_accumulate_grad hook: p.grad now holds this micro-step's full gradient of p."""
@@ -234,7 +231,6 @@ class Zero:
         if self.stage >= 2:  # into the bucket's buffer, and freed at once: no full-size gradients outside it
             if b.filling is None:
                 b.filling = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-                self.sample()  # (a measured step: the peak, while the bucket before is still in flight)
             b.views(b.filling)[i].copy_(p.grad)
             p.grad = None
         # reduce in bucket order (a bucket may fill early; the collectives must match across ranks)
@@ -257,6 +253,17 @@ class Zero:
             if self.stage == 3:
                 end_backward(b)
         self.next_bucket = 0
+
+    def held(self):
+        """What this rank holds now, by kind (a measured step's observer reads it): the parameters (p, the
+        flat buffers, this rank's chunks), the gradients (p.grad, the buckets' buffers, those being reduced),
+        AdamW's state (the fp32 master chunks, the moments); with offload, the host's state and gradients."""
+        bs, offload = self.buckets, self.buckets[0].grad_host is not None
+        state = [t for key in self.STATE_KEYS for t in self.adam_state(key)]
+        return {'param': [p for b in bs for p in b.params] + [t for b in bs for t in (b.flat, b.shard)],
+                'grad': [p.grad for b in bs for p in b.params] + [t for b in bs for t in (b.grad_flat,
+                         b.grad_shard, b.filling)] + [t for _, full, out, _ in self.in_flight for t in (full, out)],
+                'host' if offload else 'optim': state + [b.grad_host for b in bs if offload]}
 
     def grads(self):
         """The gradients this rank updates with: stage 0 the full ones, else its chunks (offload: on host)."""
@@ -435,13 +442,6 @@ def consolidate(out_dir):
     return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
 
 
-def iteration(zero, model, batches, ctx, cfg, it, first_iter, dp):
-    """train_step; measured and reported (reports.py) only on a step measure.measured_step names."""
-    run_step = lambda: train_step(zero, model, batches, ctx, cfg.grad_clip, get_lr(it, cfg), dp)
-    measured = measured_step(it, first_iter, cfg.measure_every)
-    return reports.measured_zero_step(zero, dp, cfg, it, run_step) if measured else run_step()
-
-
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
@@ -470,10 +470,10 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     model, zero, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
     compiled = torch.compile(model) if cfg.compile else model
-    first_iter, writer = iter_num, CheckpointWriter()
+    writer = CheckpointWriter()
 
-    step = lambda it: iteration(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx, cfg, it,
-                                first_iter, dp)
+    step = lambda it: train_step(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx,
+                                 cfg.grad_clip, get_lr(it, cfg), dp)
 
     def save(it, best):  # every rank its own shard, written in the background
         writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(model.config),
@@ -483,7 +483,8 @@ def main(argv):
 
     run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_function(compiled, ctx), dp=dp,
                           data=data, step=step, save=save, n_devices=world_size, rank=rank,
-                          flops_per_token=model.flops_per_token(cfg.block_size))
+                          flops_per_token=model.flops_per_token(cfg.block_size),
+                          kind='zero', zero=zero, comms=[dp])  # (what a measured step's observer reads)
     training_loop(cfg, run, iter_num, best_val_loss)  # (every rank evaluates: stage 3's forward gathers)
     writer.wait()
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (stage 3 gathers); rank 0 prints

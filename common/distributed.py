@@ -14,7 +14,6 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from common.measure import peak_memory_bytes
 
 
 def is_master():
@@ -188,6 +187,26 @@ def clip_grad_norm(grads, local_sq, max_norm, comms=()):
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
     return norm
+
+
+def peak_memory_bytes(device):
+    """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on
+    CPU."""
+    if device.startswith('cuda'):
+        return torch.cuda.max_memory_allocated(device)
+    return peak_resident_bytes()
+
+
+def peak_resident_bytes():
+    """This process's peak resident set: Linux's VmHWM, which starts afresh at exec (getrusage's ru_maxrss
+    keeps the parent's resident set from before the exec, so a child of a big process would report the
+    parent's)."""
+    try:
+        with open('/proc/self/status') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == 'darwin' else 1024)
 
 
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down

@@ -19,45 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-# Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core
-# peak where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word,
-# so 'L4' is not found inside 'L40S'.
-PEAK_FLOPS = {
-    'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
-    'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
-    'A100': {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12},
-    'L40S': {'bfloat16': 362e12, 'float16': 362e12, 'float32': 183e12},
-    'A10G': {'bfloat16': 70e12, 'float16': 70e12, 'float32': 35e12},
-    'L4': {'bfloat16': 121e12, 'float16': 121e12, 'float32': 60e12},
-    'RTX 4090': {'bfloat16': 165e12, 'float16': 165e12, 'float32': 83e12},
-    'RTX 3090': {'bfloat16': 71e12, 'float16': 71e12, 'float32': 36e12},
-    'V100': {'float16': 125e12, 'float32': 15.7e12},  # no bf16, no TF32
-    'T4': {'float16': 65e12, 'float32': 8.1e12},
-}
-
-
-def peak_flops_for(device, dtype, override=None, device_name=None):
-    """The peak FLOP/s of one device that MFU divides by: the peak_flops config key if set, else the table,
-    else None (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
-    if override:
-        return override
-    if device.startswith('cuda') or device_name:
-        name = device_name or torch.cuda.get_device_name(device)
-        for key, by_dtype in PEAK_FLOPS.items():
-            if re.search(rf'(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])', name):
-                return by_dtype.get(dtype)
-    return None
-
-
-def mfu(flops_per_token, tokens_per_sec, n_devices, peak_flops):
-    """Model FLOPs utilisation per device: the whole model's training FLOPs per token times the tokens per
-    second of the whole run (every rank together), over n_devices devices' peak. None where the peak is
-    unknown."""
-    if not peak_flops:
-        return None
-    return flops_per_token * tokens_per_sec / (n_devices * peak_flops)
-
-
 def saved_bytes_counter(model):
     """Measured activations: saved_tensors_hooks that note every distinct storage autograd keeps for backward,
     the model's parameters left out. Use `with hooks:` around a forward; sum(seen.values()) is the bytes held.
@@ -72,26 +33,6 @@ def saved_bytes_counter(model):
         return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
-
-
-def peak_memory_bytes(device):
-    """Peak memory of this process: the CUDA allocator's high-water mark on GPU, the peak resident set on
-    CPU."""
-    if device.startswith('cuda'):
-        return torch.cuda.max_memory_allocated(device)
-    return peak_resident_bytes()
-
-
-def peak_resident_bytes():
-    """This process's peak resident set: Linux's VmHWM, which starts afresh at exec (getrusage's ru_maxrss
-    keeps the parent's resident set from before the exec, so a child of a big process would report the
-    parent's)."""
-    try:
-        with open('/proc/self/status') as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
-    except (OSError, StopIteration):
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == 'darwin' else 1024)
 
 
 class StepProfiler:
@@ -199,12 +140,6 @@ class WireMeter:
 # Measured steps and their report. Measuring costs time (a barrier to line the ranks up, a device synchronize
 # before reading a clock, an all-gather of the numbers), so a script measures only the steps this names and
 # runs the algorithm alone on every other one.
-
-def measured_step(iter_num, first_iter, every=0):
-    """Whether iteration iter_num is measured: the run's first, and every `every`-th (--measure_every; 0: none
-    after the first)."""
-    return iter_num == first_iter or (every > 0 and iter_num % every == 0)
-
 
 def _cell(value):
     if value is None:

@@ -36,40 +36,14 @@ def storage_bytes(tensors, skip=()):
     return total, seen
 
 
-def held_bytes(zero):
-    """Bytes of the tensors this rank holds now, by kind (a storage shared by views counts once)."""
-    bs = zero.buckets
-    params, param_ids = storage_bytes([p for b in bs for p in b.params] +
-                                      [t for b in bs for t in (b.flat, b.shard)])
-    grads, _ = storage_bytes([p.grad for b in bs for p in b.params] +
-                             [t for b in bs for t in (b.grad_flat, b.grad_shard, b.filling)] +
-                             [t for _, full, out, _ in zero.in_flight for t in (full, out)])
-    state = [t for key in ('master', 'exp_avg', 'exp_avg_sq') for t in zero.adam_state(key)]
-    if bs[0].grad_host is not None:  # offload: the optimizer state and a copy of the gradients, on the host
-        host, _ = storage_bytes(state + [b.grad_host for b in bs])
-        return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': 0, 'host_bytes': host}
-    optim, _ = storage_bytes(state, skip=param_ids)  # fp32 stages 0-2: the master is the flat buffer
-    return {'param_bytes': params, 'grad_bytes': grads, 'optim_bytes': optim, 'host_bytes': 0}
-
-
-def measured_zero_step(zero, comm, cfg, iter_num, run_step):
-    """run_step() measured: the bytes held, sampled at every collective and gradient bucket (the peak) and
-    after the step (at rest); the bytes sent, counted by the Comm and by this rank's own sockets. Its loss."""
-    peak, wire = Counter(), WireMeter()
-
-    def sample():
-        for k, v in held_bytes(zero).items():
-            peak[k] = max(peak[k], v)
-    comm.clear()
-    zero.sample = comm.observe = sample
-    wire.start()
-    loss = run_step()
-    wire_bytes = wire.stop()
-    zero.sample, comm.observe = (lambda: None), None
-    at_rest = held_bytes(zero)
-    sample()
-    zero_step(zero, comm, cfg, iter_num, at_rest, peak, wire_bytes, wire.why_not)
-    return loss
+def held_bytes(held):
+    """Bytes of what a rank holds, by kind ({'param': tensors, 'grad': ..., 'optim': ..., 'host': ...}, what a
+    strategy's held() returns): each distinct storage once (views of one buffer count once), in the first kind
+    that holds it (in fp32 ZeRO's master chunk is a view of its flat parameter buffer)."""
+    out, seen = {}, set()
+    for kind in ('param', 'grad', 'optim', 'host'):
+        out[kind + '_bytes'], seen = storage_bytes(held.get(kind, ()), seen)
+    return out
 
 
 def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
@@ -267,7 +241,7 @@ def report_4d(stage, zero, comms, wire, cfg, coords, iter_num, rank):
     formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
     sent = comm_report(comms)
     row = {'rank': rank, 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
-           'numel': zero.numel, **held_bytes(zero), **{k + '_formula': v for k, v in formula.items()},
+           'numel': zero.numel, **held_bytes(zero.held()), **{k + '_formula': v for k, v in formula.items()},
            'peak_activation_bytes': clock.peak_held_bytes,
            'collective_bytes_by_kind': sent['collective_bytes'],
            'collective_bytes': sum(sent['collective_bytes'].values()), 'wire_bytes': wire_bytes,

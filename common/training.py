@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from common import distributed
 from common.dataset import EVAL_STREAM, get_batch, get_codec, micro_batch_rows
-from common.distributed import is_master
-from common.measure import StepProfiler, mfu, peak_flops_for, peak_memory_bytes
+from common.distributed import is_master, peak_memory_bytes
 from model import GPTConfig
 
 
@@ -159,6 +158,51 @@ def model_config(cfg, vocab_size):
         return GPTConfig(**args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+
+
+# Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core
+# peak where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word,
+# so 'L4' is not found inside 'L40S'.
+PEAK_FLOPS = {
+    'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    'A100': {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12},
+    'L40S': {'bfloat16': 362e12, 'float16': 362e12, 'float32': 183e12},
+    'A10G': {'bfloat16': 70e12, 'float16': 70e12, 'float32': 35e12},
+    'L4': {'bfloat16': 121e12, 'float16': 121e12, 'float32': 60e12},
+    'RTX 4090': {'bfloat16': 165e12, 'float16': 165e12, 'float32': 83e12},
+    'RTX 3090': {'bfloat16': 71e12, 'float16': 71e12, 'float32': 36e12},
+    'V100': {'float16': 125e12, 'float32': 15.7e12},  # no bf16, no TF32
+    'T4': {'float16': 65e12, 'float32': 8.1e12},
+}
+
+
+def peak_flops_for(device, dtype, override=None, device_name=None):
+    """The peak FLOP/s of one device that MFU divides by: the peak_flops config key if set, else the table,
+    else None (a CPU's peak is not known here: set --peak_flops to see MFU on one)."""
+    if override:
+        return override
+    if device.startswith('cuda') or device_name:
+        name = device_name or torch.cuda.get_device_name(device)
+        for key, by_dtype in PEAK_FLOPS.items():
+            if re.search(rf'(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])', name):
+                return by_dtype.get(dtype)
+    return None
+
+
+def mfu(flops_per_token, tokens_per_sec, n_devices, peak_flops):
+    """Model FLOPs utilisation per device: the whole model's training FLOPs per token times the tokens per
+    second of the whole run (every rank together), over n_devices devices' peak. None where the peak is
+    unknown."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_sec / (n_devices * peak_flops)
+
+
+def measured_step(iter_num, first_iter, every=0):
+    """Whether iteration iter_num is measured: the run's first, and every `every`-th (--measure_every; 0: none
+    after the first)."""
+    return iter_num == first_iter or (every > 0 and iter_num % every == 0)
 
 
 def get_lr(it, cfg):
@@ -347,15 +391,34 @@ class StepLogger:
                                        'peak_mem_bytes': peak_memory_bytes(self.cfg.device)})
 
 
+def run_step(run, cfg, iter_num, first_iter):
+    """One iteration, run.step(iter_num). On a step that measured_step names, an observer (common/observe.py,
+    imported only then) is attached around it: it reads what the strategy holds and sends (run.kind says which
+    parts of run it reads) and prints the report. Every other step runs the algorithm alone."""
+    if getattr(run, 'kind', None) is None or not measured_step(iter_num, first_iter, cfg.measure_every):
+        return run.step(iter_num)
+    from common import observe
+    return observe.measured_step(run, cfg, iter_num)
+
+
+def step_profiler(cfg, rank):
+    """--profile=N: N steps under torch.profiler, a trace per rank (common/measure.py's StepProfiler, imported
+    only then); None without."""
+    if not cfg.profile:
+        return None
+    from common.measure import StepProfiler
+    return StepProfiler(cfg.profile, cfg.out_dir, rank, cfg.device)
+
+
 def training_loop(cfg, run, iter_num, best_val_loss):
     """train.py's loop, for every other script: set the LR, evaluate and checkpoint every eval_interval, one
     train step, its log line, until max_iters. What differs from script to script comes in `run`, a namespace
     of: model, optimizer (a torch optimizer whose LR it sets, or None), loss_of(x, y) (evaluation), dp (the
     data-parallel Comm that shares the evaluation, or None), data, step(iter_num) -> the mean loss (one
-    iteration), save(iter_num, best_val_loss), flops_per_token, n_devices, rank. Returns (iter_num,
-    best_val_loss) when it stops."""
-    profiler = StepProfiler(cfg.profile, cfg.out_dir, run.rank, cfg.device)  # --profile=N: a trace per rank
-    logger = StepLogger(cfg, run.flops_per_token, run.n_devices)
+    iteration), save(iter_num, best_val_loss), flops_per_token, n_devices, rank; and for the measured steps
+    (run_step) kind and what that kind's observer reads. Returns (iter_num, best_val_loss) when it stops."""
+    profiler = step_profiler(cfg, run.rank)  # --profile=N: a trace per rank
+    logger, first_iter = StepLogger(cfg, run.flops_per_token, run.n_devices), iter_num
     while True:
         lr = get_lr(iter_num, cfg)
         if run.optimizer is not None:  # (a script with an optimizer of its own takes get_lr in its step)
@@ -369,10 +432,12 @@ def training_loop(cfg, run, iter_num, best_val_loss):
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
-        logger.step(iter_num, run.step(iter_num), lr)  # one iteration, then its log line
-        profiler.step()
+        logger.step(iter_num, run_step(run, cfg, iter_num, first_iter), lr)  # one iteration, its log line
+        if profiler:
+            profiler.step()
         iter_num += 1
-    profiler.stop()
+    if profiler:
+        profiler.stop()
     return iter_num, best_val_loss
 
 

@@ -17,7 +17,7 @@ BUILD = r'''
 import sys, types, torch
 from common.checkpoints import init_params, keep_own, materialize
 from model import GPT, GPTConfig
-from common.measure import peak_resident_bytes
+from common.distributed import peak_resident_bytes
 import pipeline, tensor_parallel as tpm
 config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
 tiny = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=8)
@@ -53,7 +53,7 @@ else:
     else:
         materialize(model, 'cpu')
         init_params(config, 0, keep)
-held = (sum(held_bytes(zero).values()) if way.startswith('zero3') else
+held = (sum(held_bytes(zero.held()).values()) if way.startswith('zero3') else
         sum(p.numel() * p.element_size() for p in model.parameters()))
 rise = peak_resident_bytes() - before
 print(held, rise)
@@ -132,7 +132,7 @@ def zero3_peak_rise(rank, world_size):
 
     import torch
     from common.distributed import Comm
-    from common.measure import peak_resident_bytes
+    from common.distributed import peak_resident_bytes
     from common.checkpoints import init_params
     from model import GPT, GPTConfig
     from common.reports import held_bytes
@@ -156,10 +156,12 @@ def zero3_peak_rise(rank, world_size):
     model, zero, batches = build(GPTConfig(n_layer=4, n_head=6, n_embd=384, block_size=16, vocab_size=96))
     peak = {}
 
-    def sample():
-        for k, v in held_bytes(zero).items():
+    def sample(*_):
+        for k, v in held_bytes(zero.held()).items():
             peak[k] = max(peak.get(k, 0), v)
-    zero.sample = comm.observe = sample  # as reports.measured_zero_step samples: at each collective, gradient bucket
+    comm.observe = sample  # as observe.observe_zero samples: at each collective, after each gradient taken
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(sample)
     for _ in range(2):
         train_step(zero, model, batches, nullcontext(), 1.0, 1e-3, comm)
     sample()

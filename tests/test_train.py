@@ -224,7 +224,7 @@ def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulatio
     data, vocab = dataset.load_dataset('stdlib_char')
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab)).eval()
-    cfg = M.SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
+    cfg = training.SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
                             seed=7, block_size=16, device='cpu')
     got = {'train': 0.0, 'val': 0.0}
     for rank in range(dp_size):

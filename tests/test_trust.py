@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common import checkpoints
-from common import measure
+from common import training
 from helpers import TINY, spawn, train_losses
 from test_multinode import assert_mfu_per_device
 
@@ -75,13 +75,13 @@ def test_each_data_parallel_rank_draws_its_own_masks():
     ('Tesla T4', 'bfloat16', None), ('NVIDIA GeForce RTX 4090', 'float16', 165e12),
     ('Some Future GPU', 'bfloat16', None)])
 def test_peak_flops_table_matches_whole_names(name, dtype, peak):
-    assert measure.peak_flops_for('cuda:0', dtype, device_name=name) == peak
-    assert measure.peak_flops_for('cpu', dtype) is None and measure.peak_flops_for('cpu', dtype, override=5e12) == 5e12
+    assert training.peak_flops_for('cuda:0', dtype, device_name=name) == peak
+    assert training.peak_flops_for('cpu', dtype) is None and training.peak_flops_for('cpu', dtype, override=5e12) == 5e12
 
 
 def test_mfu_divides_by_every_device():
-    assert measure.mfu(6e9, 1000.0, 8, 1e15) == pytest.approx(6e9 * 1000 / (8 * 1e15))
-    assert measure.mfu(6e9, 1000.0, 8, None) is None
+    assert training.mfu(6e9, 1000.0, 8, 1e15) == pytest.approx(6e9 * 1000 / (8 * 1e15))
+    assert training.mfu(6e9, 1000.0, 8, None) is None
 
 
 def test_checkpoint_writer_returns_before_the_disk_and_raises_its_errors(tmp_path, monkeypatch):

@@ -425,7 +425,8 @@ def measuring_calls(rank, world_size, out_dir):
     from common import distributed
     from common import reports
     from model import GPT, GPTConfig
-    from common.training import configure
+    from types import SimpleNamespace
+    from common.training import configure, get_lr, run_step
     from helpers import counting_patches, measuring_calls
     calls, seen = Counter(), {}
     patches = counting_patches(calls, [
@@ -449,7 +450,10 @@ def measuring_calls(rank, world_size, out_dir):
             with contextlib.ExitStack() as stack:
                 for p in patches:
                     stack.enter_context(p)
-                zero.iteration(z, model, batches, contextlib.nullcontext(), cfg, iter_num, 0, z.comm)
+                step = lambda it: zero.train_step(z, model, batches, contextlib.nullcontext(), cfg.grad_clip,
+                                                  get_lr(it, cfg), z.comm)
+                run_step(SimpleNamespace(kind='zero', zero=z, comms=[z.comm], model=model, step=step), cfg,
+                         iter_num, 0)  # as the loop runs a step: measured (observed) at iter 0, the first
             seen[(stage, iter_num)] = dict(calls)
     return seen
 

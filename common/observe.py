@@ -1,0 +1,66 @@
+"""
+The measured step's observer: the one seam between the training loop and what is measured. On a step that
+training.measured_step names (the run's first, every --measure_every-th), training.run_step hands the step to
+measured_step here instead of running it alone. The observer for the script's kind (run.kind) attaches its
+meters to the public parts the script put in `run` (its Comms, what its engine says it holds, its model's
+modules, its pipeline stage), runs the step, takes them off and hands the numbers to the script's table in
+reports.py. The idea files name nothing of this, and on every other step none of it exists.
+
+What each kind reads: zero: run.zero (Zero.held: the tensors it holds) and run.comms; tensor_parallel: the
+model's first block (the bytes it saves for backward) and run.tp; pipeline and parallel_4d: run.stage, whose
+ops it times (stage.observer); context_parallel: run.cp (its Comm, timed) and the model's attention layers;
+expert_parallel: run.optimizer (the gradients it is handed); fsdp: the model and run.optimizer.
+"""
+
+import contextlib
+from collections import Counter
+
+from common import reports
+from common.measure import WireMeter
+
+
+def measured_step(run, cfg, iter_num):
+    """run.step(iter_num), observed by its kind's observer; returns the step's loss."""
+    return OBSERVERS[run.kind](run, cfg, iter_num)
+
+
+@contextlib.contextmanager
+def counting(comms, at_each_call=None):
+    """The step's bytes: every Comm's counts from zero (counted at our calls), and what this rank's own sockets
+    send (WireMeter: measured), from before the step to after it. at_each_call(): called as each collective is
+    posted (to sample what the rank holds then). Yields the meter; its .sent is set at the end."""
+    for comm in comms:
+        comm.clear()
+        comm.observe = at_each_call
+    wire = WireMeter()
+    wire.start()
+    try:
+        yield wire
+    finally:
+        for comm in comms:
+            comm.observe = None
+    wire.sent = wire.stop()
+
+
+def observe_zero(run, cfg, iter_num):
+    """zero.py: the bytes this rank holds (Zero.held), sampled as each collective is posted and after each
+    gradient is taken (the step's peak) and at rest after the step, beside the ZeRO formula; the bytes sent."""
+    zero, peak = run.zero, Counter()
+
+    def sample(*_):
+        for kind, value in reports.held_bytes(zero.held()).items():
+            peak[kind] = max(peak[kind], value)
+    hooks = [p.register_post_accumulate_grad_hook(sample) for p in run.model.parameters()]
+    try:
+        with counting(run.comms, sample) as wire:
+            loss = run.step(iter_num)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    at_rest = reports.held_bytes(zero.held())
+    sample()
+    reports.zero_step(zero, run.comms[0], cfg, iter_num, at_rest, peak, wire.sent, wire.why_not)
+    return loss
+
+
+OBSERVERS = {'zero': observe_zero}
