@@ -29,11 +29,10 @@ from common.dataset import load_dataset, micro_batches
 from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
                                 world_size_from_env)
-from common.measure import WireMeter, first_block_saved_bytes
 from model import GPTConfig
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, measured_step, outputs_line, profiled, progress, refuse,
-                             refuse_moe, run_main, start_run, training_loop)
+                             configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
+                             start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -457,26 +456,6 @@ def check_config(cfg, world_size):
     check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py
 
 
-# -----------------------------------------------------------------------------
-# Measured beside the formulas, on the steps measure.measured_step names (the first, every --measure_every-th)
-
-@contextlib.contextmanager
-def measuring(iter_num, first_iter, cfg, model, layout, tp, dp, ctx, x):
-    """Around train_step: a step that measured_step names is measured and reported (reports.py); every other
-    step runs the algorithm alone (no barrier, no extra forward)."""
-    if not measured_step(iter_num, first_iter, cfg.measure_every):
-        yield
-        return
-    devices = [torch.device(cfg.device).index or 0] if cfg.device.startswith('cuda') else []
-    with ctx, torch.random.fork_rng(devices=devices):  # its dropout draws must not move the run's streams
-        activation_bytes = first_block_saved_bytes(model, x)
-    wire, params = WireMeter(), sum(p.numel() * p.element_size() for p, _ in layout.values())
-    tp.group.clear(), dp.clear(), wire.start()  # the step's bytes only
-    yield
-    reports.tensor_parallel_step(iter_num, cfg, model.config, params, tp, dp, activation_bytes, wire.stop(),
-                                 wire.why_not)
-
-
 def main(argv):
     cfg = configure(config, argv)
     check_config(cfg, world_size_from_env())
@@ -488,23 +467,23 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     model, layout, optimizer, iter_num, best_val_loss, flops = build_sharded(cfg, vocab_size, tp, dp.rank,
                                                                              world_size, rank)
-    writer, first_iter = CheckpointWriter(), iter_num  # each rank writes its own checkpoint in the background
+    writer = CheckpointWriter()  # each rank writes its own checkpoint in the background
 
     def loss_of(x, y):
         with ctx:
             return tp_forward(model, x, y, tp)[1]
 
-    def step(it):  # one iteration; measured (measuring) only on the steps measured_step names
+    def step(it):  # one iteration
         batches = micro_batches(data, cfg, it, dp.rank, dp.size)
-        with measuring(it, first_iter, cfg, model, layout, tp, dp, ctx, batches[0][0]):
-            return train_step(model, optimizer, batches, ctx, cfg.grad_clip, tp, dp, layout)
+        return train_step(model, optimizer, batches, ctx, cfg.grad_clip, tp, dp, layout)
 
     def save(it, best):
         writer.save(rank_checkpoint(model, layout, optimizer, cfg, world_size, it, best),
                     rank_ckpt_path(cfg.out_dir, rank))
     training_loop(cfg, SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_of, dp=dp, data=data,
                                        step=step, save=save, flops_per_token=flops, n_devices=world_size,
-                                       rank=rank), iter_num, best_val_loss)
+                                       rank=rank, kind='tensor_parallel', tp=tp, comms=[tp.group, dp]),
+                  iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_rank*.pt (each rank's slices: resume; python consolidate.py "

@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 
-def saved_bytes_counter(model):
-    """Measured activations: saved_tensors_hooks that note every distinct storage autograd keeps for backward,
-    the model's parameters left out. Use `with hooks:` around a forward; sum(seen.values()) is the bytes held.
-    Returns (hooks, seen: {storage: bytes})."""
+def saved_bytes_counter(model, noting=lambda: True):
+    """Measured activations: saved_tensors_hooks that note every distinct storage autograd keeps for backward
+    (while noting() says so), the model's parameters left out. Use `with hooks:` around a forward;
+    sum(seen.values()) is the bytes held. Returns (hooks, seen: {storage: bytes})."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in params and noting():
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -373,16 +373,30 @@ class NotMeasured:
 NOT_MEASURED = NotMeasured()
 
 
-def first_block_saved_bytes(model, idx):
-    """Bytes one layer saves for backward, measured: the storages autograd keeps (saved_tensors_hooks) while
-    the first block runs on idx's embedding, as the block sees it in a run (the model's own embedding: with
-    sequence parallelism, this rank's chunk of the sequence)."""
-    hooks, seen = saved_bytes_counter(model)
-    with torch.enable_grad():
-        x = model.transformer.wte(idx).detach().requires_grad_()
+@contextlib.contextmanager
+def first_block_saved_bytes(model):
+    """Bytes one layer saves for backward, measured in the running step: the storages autograd keeps from the
+    first block's first forward (its first micro-batch, as the block sees it: with sequence parallelism this
+    rank's chunk of the sequence, with context parallelism its tokens). saved_tensors_hooks around the whole
+    step (outermost, as activation checkpointing's own must stay inside them) note what is saved while the
+    block's forward hooks say it runs. Yields a namespace whose .bytes is set at the end."""
+    block, state, result = model.transformer.h[0], {'inside': False, 'done': False}, SimpleNamespace(bytes=0)
+
+    def enter(*_):
+        state['inside'] = not state['done']
+
+    def leave(*_):
+        state['done'] = state['done'] or state['inside']
+        state['inside'] = False
+    handles = [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    hooks, seen = saved_bytes_counter(model, lambda: state['inside'])
+    try:
         with hooks:
-            model.run_block(model.transformer.h[0], x)
-    return sum(seen.values())
+            yield result
+    finally:
+        for handle in handles:
+            handle.remove()
+    result.bytes = sum(seen.values())
 
 
 class WaitClock:

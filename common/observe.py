@@ -16,7 +16,7 @@ import contextlib
 from collections import Counter
 
 from common import reports
-from common.measure import WireMeter
+from common.measure import WireMeter, first_block_saved_bytes
 
 
 def measured_step(run, cfg, iter_num):
@@ -63,4 +63,16 @@ def observe_zero(run, cfg, iter_num):
     return loss
 
 
-OBSERVERS = {'zero': observe_zero}
+def observe_tensor_parallel(run, cfg, iter_num):
+    """tensor_parallel.py: the bytes one layer keeps for backward (the first block, in the step's first
+    micro-batch) and this rank's parameter bytes, beside this code's count and Megatron's; the tp and dp
+    traffic (run.tp: the TensorParallel whose group it counts)."""
+    with first_block_saved_bytes(run.model) as saved, counting(run.comms) as wire:
+        loss = run.step(iter_num)
+    params = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    reports.tensor_parallel_step(iter_num, cfg, run.model.config, params, run.tp, run.comms[1], saved.bytes,
+                                 wire.sent, wire.why_not)
+    return loss
+
+
+OBSERVERS = {'zero': observe_zero, 'tensor_parallel': observe_tensor_parallel}

@@ -73,7 +73,8 @@ def _against_dense(rank, world_size):
                 model.zero_grad(set_to_none=True)
                 param_layout = tpm.shard_gpt(model, tp)
                 tp.group.clear()
-                logits, loss = tpm.tp_forward(model, idx, targets, tp)
+                with measure.first_block_saved_bytes(model) as saved:  # (its first block's, in this forward)
+                    logits, loss = tpm.tp_forward(model, idx, targets, tp)
                 loss.backward()
                 comm = sum(tp.group.wire_bytes_formula.values())  # counted at the calls, ring bytes
                 tpm.sync_tp_grads(param_layout, tp)
@@ -93,7 +94,7 @@ def _against_dense(rank, world_size):
                     param_bytes=sum(p.numel() * 4 for p in model.parameters()),
                     param_bytes_formula=formulas.param_bytes_formula(config, t),
                     dense_param_bytes=sum(p.numel() * 4 for p in dense.parameters()),
-                    activation_bytes=measure.first_block_saved_bytes(model, idx),
+                    activation_bytes=saved.bytes,
                     activation_bytes_formula=formulas.saved_bytes_formula(config, 16, 2, t, sp))
     return results
 
@@ -181,6 +182,7 @@ def _measuring_calls(rank, world_size, out_dir):
     import torch.distributed as dist
     from common import distributed
     from common import measure
+    from common.training import run_step
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
     _, _, comms = distributed.process_grid(world_size, rank, dp=2, tp=2)
@@ -192,6 +194,8 @@ def _measuring_calls(rank, world_size, out_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = SimpleNamespace(measure_every=0, device='cpu', block_size=16, batch_size=2, dtype='float32',
                           sequence_parallel=True, gradient_accumulation_steps=4, out_dir=out_dir)
+    step = lambda it: tpm.train_step(model, optimizer, batches, contextlib.nullcontext(), 1.0, tp, dp, layout)
+    run = SimpleNamespace(kind='tensor_parallel', model=model, tp=tp, comms=[tp.group, dp], step=step)
     gen = torch.Generator().manual_seed(rank // 2)  # the tp ranks of a replica share its batches
     batches = [(torch.randint(0, 96, (2, 16), generator=gen), torch.randint(0, 96, (2, 16), generator=gen))
                for _ in range(2)]
@@ -207,8 +211,7 @@ def _measuring_calls(rank, world_size, out_dir):
         with contextlib.ExitStack() as stack:
             for p in patches:
                 stack.enter_context(p)
-            with tpm.measuring(iter_num, 0, cfg, model, layout, tp, dp, contextlib.nullcontext(), batches[0][0]):
-                tpm.train_step(model, optimizer, batches, contextlib.nullcontext(), 1.0, tp, dp, layout)
+            run_step(run, cfg, iter_num, 0)  # as the loop runs a step: observed at iter 0, the run's first
         seen[iter_num] = dict(calls)
     return seen
 
