@@ -36,8 +36,8 @@ from common import reports
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             get_lr, measured_step, outputs_line, profiled, progress, refuse, refuse_moe,
-                             run_main, start_run, training_loop)
+                             get_lr, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
+                             start_run, training_loop)
 from zero import Zero, unflatten_shards
 
 # -----------------------------------------------------------------------------
@@ -173,23 +173,15 @@ def main(argv):
     reports.print_grid_4d(grid, coords, comms, rank, cfg, model.get_num_params())
     stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
     zero, embed = build_zero(model, cfg, comms['dp_cp'], coords, checkpoint), comms['embed']
-    weights, first_iter, writer = clip_weights(model, layout, tp, embed, stage), iter_num, CheckpointWriter()
-    sending = [comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d]]  # a step's groups (not dp)
-
-    def step(it):  # one iteration; a measured one also reports what each rank holds and sends
-        batches = micro_batches(data, cfg, it, coords['dp'], dp_size)
-        if not measured_step(it, first_iter, cfg.measure_every):
-            return train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
-        wire = reports.start_measuring_4d(stage, sending)
-        loss = train_step(stage, zero, batches, cfg, tp, layout, embed, weights, get_lr(it, cfg))
-        reports.report_4d(stage, zero, sending, wire, cfg, coords, it, rank)
-        return loss
-
+    weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter()
+    step = lambda it: train_step(stage, zero, micro_batches(data, cfg, it, coords['dp'], dp_size), cfg, tp,
+                                 layout, embed, weights, get_lr(it, cfg))
     save = lambda it, best: writer.save(rank_checkpoint(model, zero, layout, coords, cfg, world_size, it,
                                                         best), rank_file(cfg.out_dir, rank))
     run = SimpleNamespace(model=model, optimizer=None, loss_of=partial(grid_loss, stage, cp), step=step,
                           save=save, dp=comms['dp'], data=data, flops_per_token=flops, n_devices=world_size,
-                          rank=rank)
+                          rank=rank, kind='parallel_4d', stage=stage, zero=zero, coords=coords,
+                          comms=[comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d]])
     training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
     if rank == 0:

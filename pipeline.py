@@ -18,15 +18,14 @@ import torch
 import torch.distributed as dist
 
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, measured_step, outputs_line, profiled, refuse, refuse_moe,
-                             run_main, start_run, training_loop)
+                             configure_adamw, outputs_line, profiled, refuse, refuse_moe, run_main, start_run,
+                             training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                                 init_params, joined_checkpoint, keep_own, load_mmap, load_world, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, process_grid, sum_of_squares, world_size_from_env)
-from common.measure import NOT_MEASURED, WireMeter
 from common import reports
 
 # -----------------------------------------------------------------------------
@@ -102,8 +101,8 @@ def keep_stage(model, stage, pp_size, virtual_stages=1):
 
 
 class Stage:
-    """One pipeline stage: its part of the model, its neighbours, what it holds. clock: a measured step's
-    ScheduleClock (what ran when, the bytes held), NOT_MEASURED on every other step."""
+    """One pipeline stage: its part of the model, its neighbours, what it holds. observer: a measured step's
+    (see timed), None on every other step."""
 
     def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
         self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
@@ -113,9 +112,16 @@ class Stage:
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
         self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
-        self.clock, self.loss_sum = NOT_MEASURED, torch.zeros((), device=device)  # (the last stage's losses)
+        self.observer, self.loss_sum = None, torch.zeros((), device=device)  # (the last stage's losses)
         self.held = {}           # microbatch (and chunk) -> what its backward needs; its graph is alive
         self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
+
+
+def timed(stage, op, key=None):
+    """Each op of the schedule: F, B or W of a microbatch (key), a send/recv, the whole schedule. A measured
+    step's observer (stage.observer, attached by the training loop) records when it ran and what the stage
+    holds after it: the schedule's timeline. Every other step runs the op alone."""
+    return stage.observer.op(op, key) if stage.observer is not None else contextlib.nullcontext()
 
 
 # -----------------------------------------------------------------------------
@@ -124,7 +130,7 @@ class Stage:
 def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
     """Post this stage's sends and receives together (one batch_isend_irecv), wait for the receives; a send
     is waited for at the next exchange, overlapping the compute between. Returns (from_prev, from_next)."""
-    with stage.clock.op('send/recv'):
+    with timed(stage, 'send/recv'):
         finish_sends(stage)  # the previous exchange's: their peers have posted the matching receives by now
         # tag 0: activations, tag 1: gradients (on a ring of two stages both go to one peer)
         sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
@@ -137,7 +143,6 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
         for w in recv_works:
             w.wait()
         stage.pending_sends += [(w, t) for w, (t, _, _) in zip(send_works, sends)]
-    stage.clock.peak('pending_sends', len(stage.pending_sends))
     return from_prev, from_next
 
 
@@ -176,7 +181,7 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0, split=False):
     weight module's output, where W starts); returns what to send on (the fp32 residual stream)."""
     model, microbatch = stage.model, i[0] if isinstance(i, tuple) else i
     first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
-    with stage.clock.op('F', i), stage.clock.holding(i), stage.ctx, module_outputs(model, split) as outputs:
+    with timed(stage, 'F', i), stage.ctx, module_outputs(model, split) as outputs:
         if first:
             x, h = None, stage.embed(idx[microbatch])
         else:
@@ -203,9 +208,8 @@ def module_outputs(model, keep):
 
 def backward_step(stage, i, grad_output, chunk=0):
     """B of microbatch i: backpropagate from its loss or its output's gradient; return its input's."""
-    with stage.clock.op('B', i):
+    with timed(stage, 'B', i):
         x, out, _ = stage.held.pop(i)
-        stage.clock.released(i)
         torch.autograd.backward(out, grad_output)  # (out the loss: the schedules receive no gradient for it)
     return None if stage.is_first and chunk == 0 else x.grad
 
@@ -215,7 +219,7 @@ def backward_input_step(stage, i, grad_output):
     weight, autograd skips the weights' matmuls, and gives on its way each weight module's output gradient,
     kept with the graph (retain_graph) for W. A weight used outside its module (parallel_4d.py's vocabulary-
     parallel embedding) gets its gradient here."""
-    with stage.clock.op('B', i):
+    with timed(stage, 'B', i):
         x, out, outputs = stage.held[i]
         own = {p for module, _ in outputs for p in module.parameters(recurse=False)}
         rest = [p for p in stage.model.parameters() if p.requires_grad and p not in own]
@@ -233,11 +237,10 @@ def backward_weight_step(stage, i):
     """zb1's W of microbatch i: each weight module's gradients, by a short backward from its output (with the
     gradient B kept) to its own weights: the matmuls B skipped, the same operations on the same values as a
     whole backward, so the same gradients. Then the microbatch's activations go."""
-    with stage.clock.op('W', i):
+    with timed(stage, 'W', i):
         for (module, y), dy in stage.held.pop(i):
             if dy is not None:
                 torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
-        stage.clock.released(i)
 
 
 # -----------------------------------------------------------------------------
@@ -356,11 +359,10 @@ SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1
 
 
 def run_schedule(stage, name, m, x, y, loss_scale):
-    """Split the micro-step's batch into m microbatches and run the schedule (timed on a measured step)."""
-    stage.clock.start()
-    SCHEDULES[name](stage, m, list(x.chunk(m)), list(y.chunk(m)), loss_scale)
-    finish_sends(stage)
-    stage.clock.stop()
+    """Split the micro-step's batch into m microbatches and run the schedule."""
+    with timed(stage, 'schedule'):
+        SCHEDULES[name](stage, m, list(x.chunk(m)), list(y.chunk(m)), loss_scale)
+        finish_sends(stage)
 
 
 @torch.no_grad()
@@ -473,21 +475,14 @@ def main(argv):
     rank, world_size = start_run(cfg)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
-    comms, wire, writer = [c for c in (dp, stage.comm, embed) if c], WireMeter(), CheckpointWriter()
-
-    def step(it):  # one iteration; a measured one (the run's first, iter_num, every measure_every-th) timed
-        batches = micro_batches(data, cfg, it, dp.rank, dp.size)
-        if not measured_step(it, iter_num, cfg.measure_every):
-            return train_step(stage, optimizer, batches, cfg, dp, embed)
-        reports.start_measuring_pipeline(stage, comms, wire)
-        loss = train_step(stage, optimizer, batches, cfg, dp, embed)
-        reports.report_pipeline(stage, cfg, comms, wire, it, rank, dp.rank)
-        return loss
-
+    writer = CheckpointWriter()
+    step = lambda it: train_step(stage, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), cfg, dp,
+                                 embed)
     training_loop(cfg, SimpleNamespace(
         model=stage.model, optimizer=optimizer, loss_of=lambda x, y: forward_loss(stage, x, y), dp=dp,
         data=data, step=step, save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg),
-        flops_per_token=flops, n_devices=world_size, rank=rank), iter_num, best_val_loss)
+        flops_per_token=flops, n_devices=world_size, rank=rank,
+        kind='pipeline', stage=stage, comms=[c for c in (dp, stage.comm, embed) if c]), iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (resume; python consolidate.py {cfg.out_dir}: one "

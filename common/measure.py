@@ -193,7 +193,7 @@ def schedule_measurements(clock, comms, wire, sent_p2p):
             'activation_bytes_per_microbatch': clock.microbatch_bytes,
             'peak_pending_sends': clock.peaks.get('pending_sends', 0), 'p2p_bytes_per_step': sent_p2p,
             'collective_bytes': sum(sent['collective_bytes'].values()),
-            'collective_bytes_by_kind': sent['collective_bytes'], 'wire_bytes': wire.stop(),
+            'collective_bytes_by_kind': sent['collective_bytes'], 'wire_bytes': wire.sent,
             'wire_bytes_note': wire.why_not, 'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
             'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
 
@@ -286,16 +286,19 @@ def print_schedule_report(title, stages, formulas, trace, clock):
 
 
 class ScheduleClock:
-    """A measured step's record of the schedules one rank runs. op(name, key) around each op stamps its start
-    and end on the device's clock (CUDA events on a GPU, where kernels run after the host has moved on; the
-    host clock on a CPU); holding(key) around a forward counts the bytes autograd saves for its backward
-    (saved_bytes_counter) until released(key); peak(name, value) keeps a maximum. start() and stop() bracket
-    one schedule: the ranks of comm start it together (a barrier), its length is the slowest rank's (a MAX
-    all-reduce), and it leaves (records in seconds from its start, its length) in self.schedules. One
-    synchronize per schedule, at stop()."""
+    """A measured step's observer of one pipeline stage (pipeline.py sets it as stage.observer and hands it
+    every op through pipeline.timed). op(name, key) stamps each op's start and end on the device's clock (CUDA
+    events on a GPU, where kernels run after the host has moved on; the host clock on a CPU). Around an F it
+    counts the bytes autograd saves for the microbatch (saved_bytes_counter), held until an op leaves the key
+    out of stage.held (B, or zb1's W); after a send/recv it notes the sends still pending. Around a whole
+    schedule ('schedule') the ranks of comm start together (a barrier), its length is the slowest rank's (a
+    MAX all-reduce), and it leaves (records in seconds from its start, its length) in self.schedules. One
+    synchronize per schedule. comm: the stage's pp group, in a Comm of its own (what it sends is measuring's,
+    counted apart from the algorithm's)."""
 
-    def __init__(self, device, comm, model):
-        self.device, self.cuda, self.comm, self.model = device, device.startswith('cuda'), comm, model
+    def __init__(self, stage, comm):
+        self.stage, self.comm, self.device = stage, comm, stage.device
+        self.cuda = self.device.startswith('cuda')
         self.name = 'CUDA events' if self.cuda else 'host clock'
         self.records, self.schedules, self.peaks, self.held_bytes = [], [], {}, {}
         self.peak_held = self.peak_held_bytes = self.microbatch_bytes = 0
@@ -310,20 +313,25 @@ class ScheduleClock:
     def seconds(self, start, end):
         return start.elapsed_time(end) / 1000 if self.cuda else end - start
 
-    def start(self):
-        if self.comm.size > 1:
-            dist.barrier(group=self.comm.group)
-        self.records, self.t0 = [], self.mark()
-
     @contextlib.contextmanager
     def op(self, name, key=None):
+        if name == 'schedule':
+            self.start()
+            yield
+            self.stop()
+            return
         start = self.mark()
-        yield
+        with self.holding(key) if name == 'F' else contextlib.nullcontext():
+            yield
         self.records.append((name, key, start, self.mark()))
+        if name in ('B', 'W') and key not in self.stage.held:
+            self.held_bytes.pop(key, None)  # released: its activations are gone
+        if name == 'send/recv':
+            self.peaks['pending_sends'] = max(self.peaks.get('pending_sends', 0), len(self.stage.pending_sends))
 
     @contextlib.contextmanager
     def holding(self, key):
-        hooks, saved = saved_bytes_counter(self.model)
+        hooks, saved = saved_bytes_counter(self.stage.model)
         with hooks:
             yield
         self.held_bytes[key] = sum(saved.values())
@@ -331,11 +339,10 @@ class ScheduleClock:
         self.peak_held = max(self.peak_held, len(self.held_bytes))
         self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held_bytes.values()))
 
-    def released(self, key):
-        self.held_bytes.pop(key)
-
-    def peak(self, name, value):
-        self.peaks[name] = max(self.peaks.get(name, 0), value)
+    def start(self):
+        if self.comm.size > 1:
+            dist.barrier(group=self.comm.group)
+        self.records, self.t0 = [], self.mark()
 
     def stop(self):
         end = self.mark()
@@ -346,31 +353,6 @@ class ScheduleClock:
         seconds = [(op, key, self.seconds(self.t0, a), self.seconds(self.t0, b)) for op, key, a,
                    b in self.records]
         self.schedules.append((seconds, float(total)))
-
-
-class NotMeasured:
-    """The clock of a step that is not measured: ScheduleClock's calls, each doing nothing."""
-    nothing = contextlib.nullcontext()
-
-    def start(self):
-        pass
-
-    stop = start
-
-    def op(self, name, key=None):
-        return self.nothing
-
-    def holding(self, key):
-        return self.nothing
-
-    def released(self, key):
-        pass
-
-    def peak(self, name, value):
-        pass
-
-
-NOT_MEASURED = NotMeasured()
 
 
 @contextlib.contextmanager

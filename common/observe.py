@@ -16,7 +16,8 @@ import contextlib
 from collections import Counter
 
 from common import reports
-from common.measure import WireMeter, first_block_saved_bytes
+from common.distributed import Comm
+from common.measure import ScheduleClock, WireMeter, first_block_saved_bytes
 
 
 def measured_step(run, cfg, iter_num):
@@ -75,4 +76,36 @@ def observe_tensor_parallel(run, cfg, iter_num):
     return loss
 
 
-OBSERVERS = {'zero': observe_zero, 'tensor_parallel': observe_tensor_parallel}
+@contextlib.contextmanager
+def timing_schedules(stage):
+    """The stage's ops timed for one step (stage.observer: a ScheduleClock, the schedule's timeline). Its
+    barrier and MAX all-reduce go through a Comm of their own over the pp group: they measure, so the
+    algorithm's counts leave them out."""
+    clock = ScheduleClock(stage, Comm(stage.comm.group, 'pp clock', alone=stage.comm.size == 1))
+    stage.observer = clock
+    try:
+        yield clock
+    finally:
+        stage.observer = None
+
+
+def observe_pipeline(run, cfg, iter_num):
+    """pipeline.py: each stage's schedule timed op by op (the timeline, the bubble), the microbatches and
+    activation bytes it held, the bytes it sent, beside the formulas."""
+    with counting(run.comms) as wire, timing_schedules(run.stage) as clock:
+        loss = run.step(iter_num)
+    reports.report_pipeline(run.stage, clock, cfg, run.comms, wire, iter_num, run.rank, run.dp.rank)
+    return loss
+
+
+def observe_4d(run, cfg, iter_num):
+    """parallel_4d.py: the grid's stage timed as pipeline.py's is; each rank's model states (its ZeRO-1
+    engine's held tensors), activations at the schedules' peak and bytes sent along every dimension."""
+    with counting(run.comms) as wire, timing_schedules(run.stage) as clock:
+        loss = run.step(iter_num)
+    reports.report_4d(clock, run.zero, run.comms, wire, cfg, run.coords, iter_num, run.rank)
+    return loss
+
+
+OBSERVERS = {'zero': observe_zero, 'tensor_parallel': observe_tensor_parallel, 'pipeline': observe_pipeline,
+             'parallel_4d': observe_4d}

@@ -17,8 +17,7 @@ from common.formulas import (activation_bytes_formula, bubble_fraction_formula, 
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
                              peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
                              tp_edge_comm_bytes_formula)
-from common.measure import (comm_report, NOT_MEASURED, print_measured, print_schedule_report,
-                            schedule_measurements, ScheduleClock, WireMeter)
+from common.measure import comm_report, print_measured, print_schedule_report, schedule_measurements
 from model import MoE
 from common.training import log_rank_rows, run_shape
 
@@ -161,23 +160,11 @@ def tensor_parallel_shape(cfg, world_size, n_params, rank):
 # -----------------------------------------------------------------------------
 # pipeline.py: the grid, each stage's schedule timed, its bubble and its traffic
 
-def start_measuring_pipeline(stage, comms, wire):
-    """A measured step: the counts from zero, the clock on, the bytes on the wire. The clock's barrier and MAX
-    all-reduce go through a Comm of their own over the pp group: they measure, so the algorithm's counts
-    (comms) leave them out."""
-    for comm in comms:
-        comm.clear()
-    wire.start()
-    clock_comm = Comm(stage.comm.group, 'pp clock', alone=stage.comm.size == 1)
-    stage.clock = ScheduleClock(stage.device, clock_comm, stage.model)
-
-
-def report_pipeline(stage, cfg, comms, wire, iter_num, rank, dp_rank):
+def report_pipeline(stage, clock, cfg, comms, wire, iter_num, rank, dp_rank):
     """Each rank's numbers beside the formulas (formulas.py: the bubble, the microbatches held, the bytes
-    sent), a log row each; rank 0 prints dp replica 0's stages."""
-    clock, m, p, v, s = stage.clock, cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
+    sent), a log row each; rank 0 prints dp replica 0's stages. clock: the stage's ScheduleClock."""
+    m, p, v, s = cfg.n_microbatches, cfg.pp, cfg.virtual_stages, stage.index
     zb1 = cfg.schedule == 'zb1'
-    stage.clock = NOT_MEASURED
     held = peak_microbatches_formula(cfg.schedule, p, m, s, v)
     b, h = cfg.batch_size // m, stage.model.config.n_embd
     p2p = p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, s, v)
@@ -226,18 +213,11 @@ def print_grid_4d(grid, coords, comms, rank, cfg, n_params):
     log_rank_rows(cfg.out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
 
 
-def start_measuring_4d(stage, comms):
-    """A measured step: the grid's stage is a pipeline stage, measured as pipeline.py's is; its wire meter."""
-    wire = WireMeter()
-    start_measuring_pipeline(stage, comms, wire)
-    return wire
-
-
-def report_4d(stage, zero, comms, wire, cfg, coords, iter_num, rank):
+def report_4d(clock, zero, comms, wire, cfg, coords, iter_num, rank):
     """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its
-    stage held at a schedule's peak, and the bytes it sent (counted, the ring formula by dimension, its own
-    sockets): one log row per rank, one table."""
-    wire_bytes, clock, stage.clock = wire.stop(), stage.clock, NOT_MEASURED
+    stage held at a schedule's peak (clock: its ScheduleClock), and the bytes it sent (counted, the ring
+    formula by dimension, its own sockets): one log row per rank, one table."""
+    wire_bytes = wire.sent
     formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
     sent = comm_report(comms)
     row = {'rank': rank, 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},

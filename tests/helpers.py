@@ -252,28 +252,25 @@ def measuring_calls():
 
 def measuring_calls_per_step(rank, world_size, module, argv):
     """In each spawned rank: module.main(argv) as a user runs it, with every call that exists only to measure
-    (measuring_calls) counted inside each step the training loop runs (the script's own step: train_step, and
-    on a measured step its report too). Returns one {label: count} per step, in order."""
+    (measuring_calls) counted inside each step the training loop runs (training.run_step: the script's own
+    step, and on a measured step the observer around it and its report). Returns one {label: count} per step,
+    in order."""
     import contextlib
     import importlib
     from collections import Counter
     from unittest import mock
+    from common import training
     script, calls, per_step = importlib.import_module(module), Counter(), []
-    loop = script.training_loop
+    run_step = training.run_step
 
-    def counting_loop(cfg, run, *args):
-        step = run.step
-
-        def counted_step(it):
-            calls.clear()
-            loss = step(it)
-            per_step.append({k: v for k, v in calls.items() if not k.startswith('comm ')})
-            return loss
-        run.step = counted_step
-        return loop(cfg, run, *args)
+    def counted_step(*args):
+        calls.clear()
+        loss = run_step(*args)
+        per_step.append({k: v for k, v in calls.items() if not k.startswith('comm ')})
+        return loss
     with contextlib.ExitStack() as stack:
-        for p in counting_patches(calls, measuring_calls()) + [mock.patch.object(script, 'training_loop',
-                                                                                 counting_loop)]:
+        for p in counting_patches(calls, measuring_calls()) + [mock.patch.object(training, 'run_step',
+                                                                                 counted_step)]:
             stack.enter_context(p)
         script.main(argv)
     return per_step

@@ -91,22 +91,22 @@ def _one_case(rank, world_size, p, schedule, layout):
     chunks = pipeline.keep_stage(model, stage, p, v)
     st = pipeline.Stage(model, chunks, stage, p, grid[dp_rank, :, 0, 0], (8 // M, 16, 16), 'cpu',
                         torch.autocast('cpu', enabled=False), comms['pp'])
-    st.clock = ScheduleClock('cpu', comms['pp'], model)  # a measured step: what ran when, the bytes held
+    st.observer = ScheduleClock(st, comms['pp'])  # a measured step: what ran when, the bytes held
     pipeline.run_schedule(st, schedule, M, x, y, 1.0 / M)
     _sync_tied(model, st, embed_group)
     mine = {n: p_.grad for n, p_ in model.named_parameters()}
     out['grad_err'] = max(_rel_err(mine[n], ref_grads[n]) for n in mine)
     out['n_grads'] = len(mine)
     out['loss_err'] = _rel_err(st.loss_sum, ref_loss.detach()) if st.is_last else 0.0
-    ops = [(op, i) for op, i, _, _ in st.clock.schedules[-1][0] if op in 'FBW']
+    ops = [(op, i) for op, i, _, _ in st.observer.schedules[-1][0] if op in 'FBW']
     keys = [(i, c) for i in range(M) for c in range(v)] if v > 1 else list(range(M))
     kinds = 'FBW' if schedule == 'zb1' else 'FB'
     out['each_op_once'] = sorted(ops) == sorted([(o, i) for o in kinds for i in keys])
     out['b_after_f'] = all(ops.index(('F', i)) < ops.index(('B', i)) for i in keys)
     out['w_after_b'] = all(ops.index(('B', i)) < ops.index(('W', i)) for i in keys) if schedule == 'zb1' else True
-    out['peak_held'] = st.clock.peak_held
-    out['peak_held_bytes'], out['microbatch_bytes'] = st.clock.peak_held_bytes, st.clock.microbatch_bytes
-    out['peak_pending_sends'] = st.clock.peaks['pending_sends']
+    out['peak_held'] = st.observer.peak_held
+    out['peak_held_bytes'], out['microbatch_bytes'] = st.observer.peak_held_bytes, st.observer.microbatch_bytes
+    out['peak_pending_sends'] = st.observer.peaks['pending_sends']
     # ZB-H1 holds a microbatch until its W, r backwards after its B on stage r: p on every stage (1F1B's stage 0)
     out['peak_held_formula'] = p if schedule == 'zb1' else formulas.peak_microbatches_formula(schedule, p, M, stage, v)
     out['ops'] = ops
@@ -285,9 +285,8 @@ def _step_calls(rank, world_size):
     batches = [(torch.randint(0, 32, (4, 16), generator=g), torch.randint(0, 32, (4, 16), generator=g))
                for _ in range(2)]
     out = []
-    for clock in (None, ScheduleClock('cpu', comms['pp'], model)):
-        if clock is not None:
-            st.clock = clock
+    for clock in (None, ScheduleClock(st, comms['pp'])):
+        st.observer = clock
         calls.clear(), collectives.clear()
         pipeline.train_step(st, optimizer, batches, cfg, comms['dp'], embed)
         out.append((list(calls), list(collectives)))
