@@ -29,14 +29,12 @@ import torch.nn.functional as F
 
 from model import GPT, apply_rope, rope_cos_sin
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, measured_step, outputs_line, print_sample, profiled, refuse,
-                             refuse_moe, run_main, run_shape, start_run, training_loop)
+                             configure_adamw, outputs_line, print_sample, profiled, refuse, refuse_moe,
+                             run_main, run_shape, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from common.distributed import (AllToAll, Comm, average_gradients, data_parallel_size, finish_distributed,
                                 process_grid, world_size_from_env)
-from common.measure import WaitClock, WireMeter, first_block_saved_bytes
-from common import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -357,25 +355,6 @@ def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_pat
                                      vars(model.config), iter_num, best_val_loss, vars(cfg)), ckpt_path)
 
 
-# Measured steps (the first, and every measure_every-th): train_step itself untouched, clocked from outside
-
-def measured_train_step(model, optimizer, batches, ctx, cfg, cp, dp_cp, iter_num):
-    """train_step, measured: the bytes the first block keeps for backward, the bytes sent (counted at the
-    calls, the formula, this rank's sockets), the attention layers' time (WaitClock). Rank 0 prints all."""
-    x = batches[0][0]
-    cp.positions = zigzag_positions(x.size(1), cp.group.size, cp.group.rank, x.device)
-    with ctx:
-        activation_bytes = first_block_saved_bytes(model, x[:, cp.positions])  # this rank's tokens
-    comm, wire = cp.group, WireMeter()
-    comm.clear(), dp_cp.clear(), wire.start()
-    cp.group = clock = WaitClock(comm, model)
-    loss = train_step(model, optimizer, batches, ctx, cfg.grad_clip, cp, dp_cp)
-    cp.group, wire_bytes, _ = comm, wire.stop(), [h.remove() for h in clock.hooks]
-    reports.report_context_parallel(cfg, model.config, cp.attention, comm, dp_cp, iter_num,
-                                    activation_bytes, wire_bytes, wire.why_not, clock)
-    return loss
-
-
 def main(argv):
     cfg = configure(config, argv)
     check_config(cfg, world_size_from_env())
@@ -385,19 +364,14 @@ def main(argv):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')  # train.py's: the weights are whole on every rank
     model, optimizer, cp, dp, dp_cp, iter_num, best_val_loss = build_cp(cfg, vocab_size, rank, world_size,
                                                                         ckpt_path)
-    writer, first_iter = CheckpointWriter(), iter_num  # rank 0 writes the checkpoint in the background
-
-    def step(it):  # one iteration: measured on the first and every measure_every-th, else train_step alone
-        batches = micro_batches(data, cfg, it, dp.rank, dp.size)
-        if measured_step(it, first_iter, cfg.measure_every):
-            return measured_train_step(model, optimizer, batches, ctx, cfg, cp, dp_cp, it)
-        return train_step(model, optimizer, batches, ctx, cfg.grad_clip, cp, dp_cp)
-
+    writer = CheckpointWriter()  # rank 0 writes the checkpoint in the background
+    step = lambda it: train_step(model, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), ctx,
+                                 cfg.grad_clip, cp, dp_cp)
     training_loop(cfg, SimpleNamespace(
         model=model, optimizer=optimizer, loss_of=functools.partial(mean_loss, model, ctx, cp), dp=dp,
         data=data, step=step, flops_per_token=model.flops_per_token(cfg.block_size), n_devices=world_size,
-        rank=rank, save=lambda it, best: save(writer, model, optimizer, dp_cp, cfg, it, best, ckpt_path)),
-        iter_num, best_val_loss)
+        rank=rank, save=lambda it, best: save(writer, model, optimizer, dp_cp, cfg, it, best, ckpt_path),
+        kind='context_parallel', cp=cp, comms=[cp.group, dp_cp]), iter_num, best_val_loss)
     writer.wait()
     finish_distributed(cfg)
     if rank == 0 and cfg.sample_at_end and not cfg.eval_only:  # a plain GPT with the same weights

@@ -17,7 +17,7 @@ from collections import Counter
 
 from common import reports
 from common.distributed import Comm
-from common.measure import ScheduleClock, WireMeter, first_block_saved_bytes
+from common.measure import ScheduleClock, WaitClock, WireMeter, first_block_saved_bytes
 
 
 def measured_step(run, cfg, iter_num):
@@ -107,5 +107,23 @@ def observe_4d(run, cfg, iter_num):
     return loss
 
 
+def observe_context_parallel(run, cfg, iter_num):
+    """context_parallel.py: the bytes one layer keeps for backward (this rank's tokens), the bytes the
+    attention sends, and the attention layers' time split into computing and waiting on the cp group: for the
+    step a WaitClock stands in for run.cp.group (the ContextParallel's Comm) and times every wait on it."""
+    cp, comm = run.cp, run.cp.group
+    with first_block_saved_bytes(run.model) as saved, counting(run.comms) as wire:
+        cp.group = clock = WaitClock(comm, run.model)
+        try:
+            loss = run.step(iter_num)
+        finally:
+            cp.group = comm
+            for hook in clock.hooks:
+                hook.remove()
+    reports.report_context_parallel(cfg, run.model.config, cp.attention, comm, run.comms[1], iter_num,
+                                    saved.bytes, wire.sent, wire.why_not, clock)
+    return loss
+
+
 OBSERVERS = {'zero': observe_zero, 'tensor_parallel': observe_tensor_parallel, 'pipeline': observe_pipeline,
-             'parallel_4d': observe_4d}
+             'parallel_4d': observe_4d, 'context_parallel': observe_context_parallel}

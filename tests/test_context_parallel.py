@@ -99,6 +99,7 @@ def _measuring_calls(group):
     import context_parallel as cpm
     from model import GPT, GPTConfig
     from common.distributed import Comm
+    from common.training import run_step
     out = {}
     for attention in ('ring', 'ulysses'):
         cp, dp_cp = cpm.ContextParallel(Comm(group, 'cp'), attention), Comm(None, 'dp_cp')
@@ -109,7 +110,7 @@ def _measuring_calls(group):
         gen = torch.Generator().manual_seed(dist.get_rank())
         batches = [(torch.randint(0, 40, (2, 16), generator=gen), torch.randint(0, 40, (2, 16), generator=gen))]
         cfg = SimpleNamespace(block_size=16, batch_size=2, dtype='float32', gradient_accumulation_steps=2,
-                              grad_clip=1.0, out_dir=tempfile.mkdtemp())
+                              grad_clip=1.0, out_dir=tempfile.mkdtemp(), measure_every=0)
         for measured in (False, True):
             calls = {}
 
@@ -129,10 +130,9 @@ def _measuring_calls(group):
                     mock.patch.object(dist, 'batch_isend_irecv', recording('batch_isend_irecv',
                                                                            dist.batch_isend_irecv)):
                 cp.group.clear(), dp_cp.clear()
-                if measured:
-                    cpm.measured_train_step(model, optimizer, batches, contextlib.nullcontext(), cfg, cp, dp_cp, 0)
-                else:
-                    cpm.train_step(model, optimizer, batches, contextlib.nullcontext(), 1.0, cp, dp_cp)
+                step = lambda it: cpm.train_step(model, optimizer, batches, contextlib.nullcontext(), 1.0, cp, dp_cp)
+                run = SimpleNamespace(kind='context_parallel', model=model, cp=cp, comms=[cp.group, dp_cp], step=step)
+                run_step(run, cfg, 0 if measured else 1, 0)  # as the loop runs it: observed at iter 0, the first
             out[('calls', attention, measured)] = dict(calls, kinds=sorted(cp.group.collective_bytes)
                                                        + sorted(dp_cp.collective_bytes))
     return out
