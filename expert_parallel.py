@@ -17,7 +17,6 @@ The same model and loss curve in one process: python train.py --n_expert=4 --n_e
 --gradient_accumulation_steps=4 (this script's default: every rank takes whole micro-batches of the batch).
 """
 
-import contextlib
 import os
 from types import SimpleNamespace
 
@@ -26,15 +25,13 @@ import torch.distributed as dist
 
 from model import MoE, combine
 from common.training import (autocast_context, check_batch, config_defaults, configure, loss_function,
-                             measured_step, model_config, outputs_line, print_sample, profiled, progress,
-                             run_main, run_shape, training_loop)
+                             model_config, outputs_line, print_sample, profiled, progress, run_main,
+                             run_shape, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, init_model, init_params, joined_checkpoint, keep_own,
                                 load_mmap, load_world, materialize, rng_state, seed_dropout, set_rng_state)
 from common.distributed import (AllToAll, Comm, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, init_distributed, sum_of_squares, world_size_from_env)
-from common.measure import WireMeter
-from common import reports
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -256,30 +253,6 @@ def check_config(cfg, world_size):
                          f"train.py")
 
 
-# -----------------------------------------------------------------------------
-# Measured beside the formulas, on the steps measure.measured_step names (the first, every --measure_every-th)
-
-@contextlib.contextmanager
-def measuring(iter_num, first_iter, cfg, model, optimizer, comms):
-    """The seam between a step and its measuring, a context around train_step: on a measured step the counts
-    start from zero, the wire meter runs, AdamW's step pre-hook sees the gradients held; every other step
-    runs the algorithm alone."""
-    if not measured_step(iter_num, first_iter, cfg.measure_every):
-        yield
-        return
-    for comm in comms:
-        comm.clear()
-    seen, wire = {}, WireMeter()
-    hook = optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=reports.nbytes(
-        p.grad for p in model.parameters() if p.grad is not None)))
-    wire.start()
-    yield
-    wire_bytes = wire.stop()
-    hook.remove()
-    reports.report_expert_parallel(iter_num, cfg, model, optimizer, comms, dict(seen, wire_bytes=wire_bytes),
-                                   wire.why_not)
-
-
 def main(argv):
     cfg = configure(config, argv)
     check_config(cfg, world_size_from_env())
@@ -292,19 +265,16 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     model, params, optimizer, iter_num, best_val_loss, flops = build(cfg, vocab_size, comms[0], rank,
                                                                      world_size)
-    writer, first_iter, dp = CheckpointWriter(), iter_num, comms[2]
-
-    def step(it):  # one iteration; measured (measuring) only on the steps measured_step names
-        batches = micro_batches(data, cfg, it, dp.rank, dp.size)
-        with measuring(it, first_iter, cfg, model, optimizer, comms):
-            return train_step(model, optimizer, batches, ctx, cfg.grad_clip, params, comms)
+    writer, dp = CheckpointWriter(), comms[2]
+    step = lambda it: train_step(model, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), ctx,
+                                 cfg.grad_clip, params, comms)
 
     def save(it, best):
         writer.save(rank_checkpoint(model, optimizer, cfg, world_size, it, best),
                     rank_file(cfg.out_dir, rank))
     run = SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_function(model, ctx), dp=dp,
                           data=data, step=step, save=save, flops_per_token=flops, n_devices=world_size,
-                          rank=rank)
+                          rank=rank, kind='expert_parallel', comms=list(comms))
     training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates: each forward dispatches to the others

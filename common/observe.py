@@ -125,5 +125,22 @@ def observe_context_parallel(run, cfg, iter_num):
     return loss
 
 
+def observe_expert_parallel(run, cfg, iter_num):
+    """expert_parallel.py: the tokens each expert and each rank got, the all-to-alls' bytes (counted, and the
+    uniform-routing formula), each rank's model states (its gradients read as AdamW is handed them)."""
+    seen = {}
+    hook = run.optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=reports.nbytes(
+        p.grad for p in run.model.parameters() if p.grad is not None)))
+    try:
+        with counting(run.comms) as wire:
+            loss = run.step(iter_num)
+    finally:
+        hook.remove()
+    reports.report_expert_parallel(iter_num, cfg, run.model, run.optimizer, run.comms,
+                                   dict(seen, wire_bytes=wire.sent), wire.why_not)
+    return loss
+
+
 OBSERVERS = {'zero': observe_zero, 'tensor_parallel': observe_tensor_parallel, 'pipeline': observe_pipeline,
-             'parallel_4d': observe_4d, 'context_parallel': observe_context_parallel}
+             'parallel_4d': observe_4d, 'context_parallel': observe_context_parallel,
+             'expert_parallel': observe_expert_parallel}
