@@ -482,7 +482,8 @@ def main(argv):
         model=stage.model, optimizer=optimizer, loss_of=lambda x, y: forward_loss(stage, x, y), dp=dp,
         data=data, step=step, save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg),
         flops_per_token=flops, n_devices=world_size, rank=rank,
-        kind='pipeline', stage=stage, comms=[c for c in (dp, stage.comm, embed) if c]), iter_num, best_val_loss)
+        kind='pipeline', stage=stage, comms=[c for c in (dp, stage.comm, embed) if c]),
+        iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_stage*.pt (resume; python consolidate.py {cfg.out_dir}: one "

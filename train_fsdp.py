@@ -26,17 +26,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
-from common.formulas import fsdp_held_bytes_formula
-from common.training import (autocast_context, check_batch, config_defaults, configure, log_rank_rows,
-                             measured_step, outputs_line, print_sample, profiled, progress, run_main,
-                             run_shape, training_loop)
+from common.training import (autocast_context, check_batch, config_defaults, configure, outputs_line,
+                             print_sample, profiled, progress, run_main, run_shape, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (gather_rng_states, init_model, init_values, joined_checkpoint, load_params,
                                 materialize, restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
-from common.measure import print_measured
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------
@@ -74,10 +71,10 @@ def keep_shards(model):
     return keep
 
 
-def train_step(model, optimizer, batches, ctx, grad_clip, dp, after_backward=None):
+def train_step(model, optimizer, batches, ctx, grad_clip, dp):
     """train.py's iteration on this rank's micro-batches: FSDP2 gathers each block's parameters around its
-    forward and backward and reduce-scatters the gradients in the last micro-step's backward. after_backward()
-    runs after each backward on a measured step. Returns the mean loss over the global batch."""
+    forward and backward and reduce-scatters the gradients in the last micro-step's backward. Returns the
+    mean loss over the global batch."""
     loss_sum = 0.0
     for micro_step, (x, y) in enumerate(batches):
         # reduce-scatter in the last micro-step's backward only; before it the gradients add up locally
@@ -88,8 +85,6 @@ def train_step(model, optimizer, batches, ctx, grad_clip, dp, after_backward=Non
             loss = loss / len(batches)  # the gradient is the mean over the whole batch (FSDP averages ranks)
         loss_sum += loss.detach()
         loss.backward()
-        if after_backward is not None:
-            after_backward()
     if grad_clip != 0.0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the norm of all ranks' shards
     optimizer.step()
@@ -200,63 +195,6 @@ def consolidate(out_dir):
     return joined_checkpoint(model_sd, states, extras, extras['rng_states'], extras['config'])
 
 
-# -----------------------------------------------------------------------------
-# The report of a measured step: the bytes each rank holds in its shards, beside the formula
-
-
-def nbytes(tensors):
-    """Bytes of this rank's part of the tensors (a DTensor's local shard)."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-    return sum(t.numel() * t.element_size() for t in local)
-
-
-def grad_bytes_now(model):
-    """Measured: every gradient byte this rank holds right now: the sharded gradients, and the full-size
-    (unsharded) gradients that FSDP2 keeps while set_requires_gradient_sync(False) accumulates micro-steps
-    locally. Those live in FSDP's own parameter records (a private attribute, read only here); None where this
-    torch version keeps them elsewhere."""
-    total = nbytes(p.grad for p in model.parameters())
-    for module in model.modules():
-        state = getattr(module, '_get_fsdp_state', lambda: None)()
-        group = getattr(state, '_fsdp_param_group', None)
-        for fsdp_param in getattr(group, 'fsdp_params', []):
-            try:
-                unsharded = getattr(getattr(fsdp_param, '_unsharded_param', None), 'grad', None)
-                total += nbytes([unsharded, fsdp_param.unsharded_accumulated_grad])
-            except AttributeError:
-                return None
-    return total
-
-
-def gradient_meter(model):
-    """A measured step's after_backward, and what it saw: the most gradient bytes this rank held after any
-    micro-step's backward, and after the last one (the reduce-scattered shards it keeps)."""
-    seen = {'peak_grad_bytes': 0, 'grad_bytes': 0}
-
-    def after_backward():
-        now, peak = grad_bytes_now(model), seen['peak_grad_bytes']
-        seen['peak_grad_bytes'] = None if now is None or peak is None else max(peak, now)
-        seen['grad_bytes'] = nbytes(p.grad for p in model.parameters())
-    return after_backward, seen
-
-
-def report_held_bytes(cfg, iter_num, model, optimizer, grads, micro_steps):
-    """Each rank's bytes (its shards after the step), measured, and the formula: a log row each, one table."""
-    numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
-    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
-    measured = dict(grads, param_bytes=nbytes(model.parameters()), optim_bytes=nbytes(moments))
-    formula = fsdp_held_bytes_formula(numel, dist.get_world_size(), micro_steps)
-    row = {'iter': iter_num, 'rank': dist.get_rank(), 'numel': numel, 'micro_steps': micro_steps}
-    for key, value in measured.items():
-        row[key], row[key + '_formula'] = value, formula[key]
-    rows = log_rank_rows(cfg.out_dir, row)
-    if dist.get_rank() == 0:
-        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of the "
-                       f"gradients over {micro_steps} micro-steps: 4Ψ unsharded)",
-                       [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
-                        for r in rows for k in measured])
-
-
 def main(argv):
     cfg = configure(config, argv)
     if cfg.dtype not in ('float32', 'bfloat16'):
@@ -271,21 +209,13 @@ def main(argv):
     ctx = autocast_context(cfg.device.split(':')[0], 'float32')  # no autocast: the MixedPrecisionPolicy casts
     data, vocab_size = load_dataset(cfg.dataset)
     model, optimizer, iter_num, best_val_loss = build_fsdp(cfg, vocab_size, dp_rank, dp_size)
-    compiled, dp, first_iter = torch.compile(model) if cfg.compile else model, Comm(None, 'dp'), iter_num
-
-    def step(it):  # one iteration; a measured one also reports what each rank holds
-        batches = micro_batches(data, cfg, it, dp_rank, dp_size)
-        if not measured_step(it, first_iter, cfg.measure_every):
-            return train_step(compiled, optimizer, batches, ctx, cfg.grad_clip, dp)
-        after_backward, grads = gradient_meter(model)
-        loss = train_step(compiled, optimizer, batches, ctx, cfg.grad_clip, dp, after_backward)
-        report_held_bytes(cfg, it, model, optimizer, grads, len(batches))
-        return loss
-
+    compiled, dp = torch.compile(model) if cfg.compile else model, Comm(None, 'dp')
+    step = lambda it: train_step(compiled, optimizer, micro_batches(data, cfg, it, dp_rank, dp_size), ctx,
+                                 cfg.grad_clip, dp)
     save = lambda it, best: save_sharded(model, optimizer, gather_rng_states(dp), it, best, cfg)
     run = SimpleNamespace(model=compiled, optimizer=optimizer, loss_of=lambda x, y: compiled(x, y)[1], dp=dp,
                           data=data, step=step, save=save, n_devices=dp_size, rank=dp_rank,
-                          flops_per_token=model.flops_per_token(cfg.block_size))
+                          flops_per_token=model.flops_per_token(cfg.block_size), kind='fsdp')
     training_loop(cfg, run, iter_num, best_val_loss)
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (each forward gathers the shards)
         print_sample(model, cfg, ctx, show=dp_rank == 0)

@@ -260,9 +260,10 @@ class Zero:
         AdamW's state (the fp32 master chunks, the moments); with offload, the host's state and gradients."""
         bs, offload = self.buckets, self.buckets[0].grad_host is not None
         state = [t for key in self.STATE_KEYS for t in self.adam_state(key)]
+        reducing = [t for _, full, out, _ in self.in_flight for t in (full, out)]
         return {'param': [p for b in bs for p in b.params] + [t for b in bs for t in (b.flat, b.shard)],
-                'grad': [p.grad for b in bs for p in b.params] + [t for b in bs for t in (b.grad_flat,
-                         b.grad_shard, b.filling)] + [t for _, full, out, _ in self.in_flight for t in (full, out)],
+                'grad': [p.grad for b in bs for p in b.params] + reducing +
+                        [t for b in bs for t in (b.grad_flat, b.grad_shard, b.filling)],
                 'host' if offload else 'optim': state + [b.grad_host for b in bs if offload]}
 
     def grads(self):

@@ -35,6 +35,43 @@ def saved_bytes_counter(model, noting=lambda: True):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
 
 
+def nbytes(tensors):
+    """Bytes of the tensors this rank holds (a DTensor's: its local shard's)."""
+    local = [t.to_local() if hasattr(t, 'to_local') else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def storage_bytes(tensors, skip=()):
+    """Bytes of the distinct storages behind tensors (views of one buffer count once; a DTensor: its local
+    shard's), and the storages seen (skip: ones already counted elsewhere)."""
+    seen, total = set(skip), 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, 'to_local') else t
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total, seen
+
+
+def fsdp_grad_bytes(model):
+    """Every gradient byte an FSDP2 rank holds right now: the sharded gradients, and the full-size (unsharded)
+    gradients that FSDP2 keeps while set_requires_gradient_sync(False) accumulates micro-steps locally (each
+    storage once: once a group is gathered again, its parameter's .grad and the accumulated gradient are one
+    tensor). Those live in FSDP's own parameter records (a private attribute, read only here); None where this
+    torch version keeps them elsewhere."""
+    grads = [p.grad for p in model.parameters()]
+    for module in model.modules():
+        state = getattr(module, '_get_fsdp_state', lambda: None)()
+        group = getattr(state, '_fsdp_param_group', None)
+        for fsdp_param in getattr(group, 'fsdp_params', []):
+            try:
+                unsharded = getattr(getattr(fsdp_param, '_unsharded_param', None), 'grad', None)
+                grads += [unsharded, fsdp_param.unsharded_accumulated_grad]
+            except AttributeError:
+                return None
+    return storage_bytes(grads)[0]
+
+
 class StepProfiler:
     """--profile=N: N training steps (after one warm-up step) under torch.profiler, written per rank as a
     Chrome/Perfetto trace, out_dir/trace_rank{r}.json: kernels, collectives and waits on one time axis (open
@@ -327,7 +364,8 @@ class ScheduleClock:
         if name in ('B', 'W') and key not in self.stage.held:
             self.held_bytes.pop(key, None)  # released: its activations are gone
         if name == 'send/recv':
-            self.peaks['pending_sends'] = max(self.peaks.get('pending_sends', 0), len(self.stage.pending_sends))
+            pending = len(self.stage.pending_sends)
+            self.peaks['pending_sends'] = max(self.peaks.get('pending_sends', 0), pending)
 
     @contextlib.contextmanager
     def holding(self, key):

@@ -17,7 +17,8 @@ from collections import Counter
 
 from common import reports
 from common.distributed import Comm
-from common.measure import ScheduleClock, WaitClock, WireMeter, first_block_saved_bytes
+from common.measure import (ScheduleClock, WaitClock, WireMeter, first_block_saved_bytes, fsdp_grad_bytes,
+                            nbytes)
 
 
 def measured_step(run, cfg, iter_num):
@@ -27,9 +28,9 @@ def measured_step(run, cfg, iter_num):
 
 @contextlib.contextmanager
 def counting(comms, at_each_call=None):
-    """The step's bytes: every Comm's counts from zero (counted at our calls), and what this rank's own sockets
-    send (WireMeter: measured), from before the step to after it. at_each_call(): called as each collective is
-    posted (to sample what the rank holds then). Yields the meter; its .sent is set at the end."""
+    """The step's bytes: every Comm's counts from zero (counted at our calls), and what this rank's own
+    sockets send (WireMeter: measured), from before the step to after it. at_each_call(): called as each
+    collective is posted (to sample what the rank holds then). Yields the meter; its .sent is set at the end."""
     for comm in comms:
         comm.clear()
         comm.observe = at_each_call
@@ -45,7 +46,8 @@ def counting(comms, at_each_call=None):
 
 def observe_zero(run, cfg, iter_num):
     """zero.py: the bytes this rank holds (Zero.held), sampled as each collective is posted and after each
-    gradient is taken (the step's peak) and at rest after the step, beside the ZeRO formula; the bytes sent."""
+    gradient is taken (the step's peak) and at rest after the step, beside the ZeRO formula; the bytes
+    sent."""
     zero, peak = run.zero, Counter()
 
     def sample(*_):
@@ -129,7 +131,7 @@ def observe_expert_parallel(run, cfg, iter_num):
     """expert_parallel.py: the tokens each expert and each rank got, the all-to-alls' bytes (counted, and the
     uniform-routing formula), each rank's model states (its gradients read as AdamW is handed them)."""
     seen = {}
-    hook = run.optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=reports.nbytes(
+    hook = run.optimizer.register_step_pre_hook(lambda *_: seen.update(grad_bytes=nbytes(
         p.grad for p in run.model.parameters() if p.grad is not None)))
     try:
         with counting(run.comms) as wire:
@@ -141,6 +143,30 @@ def observe_expert_parallel(run, cfg, iter_num):
     return loss
 
 
+def observe_fsdp(run, cfg, iter_num):
+    """train_fsdp.py: the bytes in each rank's shards beside ZeRO-3's formula, and the most gradient bytes it
+    held: sampled before each micro-step's forward (what the backward before it left: FSDP2 keeps unsharded
+    gradients while it accumulates without syncing) and as AdamW is handed the reduce-scattered shards."""
+    seen = {'peak_grad_bytes': 0, 'grad_bytes': 0}
+
+    def sample(*_):
+        now, peak = fsdp_grad_bytes(run.model), seen["peak_grad_bytes"]
+        seen['peak_grad_bytes'] = None if now is None or peak is None else max(peak, now)
+
+    def before_step(*_):
+        sample()
+        seen['grad_bytes'] = nbytes(p.grad for p in run.model.parameters())
+    hooks = [run.model.register_forward_pre_hook(sample), run.optimizer.register_step_pre_hook(before_step)]
+    try:
+        loss = run.step(iter_num)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    reports.report_fsdp(cfg, iter_num, run.model, run.optimizer, seen,
+                        cfg.gradient_accumulation_steps // run.n_devices)
+    return loss
+
+
 OBSERVERS = {'zero': observe_zero, 'tensor_parallel': observe_tensor_parallel, 'pipeline': observe_pipeline,
              'parallel_4d': observe_4d, 'context_parallel': observe_context_parallel,
-             'expert_parallel': observe_expert_parallel}
+             'expert_parallel': observe_expert_parallel, 'fsdp': observe_fsdp}

@@ -17,23 +17,15 @@ from common.formulas import (activation_bytes_formula, bubble_fraction_formula, 
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
                              peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
                              tp_edge_comm_bytes_formula)
-from common.measure import comm_report, print_measured, print_schedule_report, schedule_measurements
+from common.formulas import fsdp_held_bytes_formula
+from common.measure import (comm_report, nbytes, print_measured, print_schedule_report, schedule_measurements,
+                            storage_bytes)
 from model import MoE
 from common.training import log_rank_rows, run_shape
 
 
 # -----------------------------------------------------------------------------
 # zero.py: the bytes each rank holds (sampled through the step) and sends
-
-def storage_bytes(tensors, skip=()):
-    """Bytes of the distinct storages behind tensors (views of one buffer count once), and their ids."""
-    seen, total = set(skip), 0
-    for t in tensors:
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return total, seen
-
 
 def held_bytes(held):
     """Bytes of what a rank holds, by kind ({'param': tensors, 'grad': ..., 'optim': ..., 'host': ...}, what a
@@ -277,10 +269,6 @@ def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation
 # -----------------------------------------------------------------------------
 # expert_parallel.py: the load per expert and per rank, the all-to-all bytes, the model states
 
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why_not):
     """A log.jsonl row per rank; rank 0 prints the load of the last micro-batch (tokens per expert and per
     rank), and each rank's all-to-all bytes, wire bytes and model states, beside the formulas."""
@@ -334,3 +322,24 @@ def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why
                    ["all-to-all counted != modelled: the formula assumes the router spreads the slots "
                     "evenly; each rank's combine carries its experts' real load"]
                    + ([f"wire bytes {why_not}"] if why_not else []))
+
+
+# -----------------------------------------------------------------------------
+# train_fsdp.py: the bytes in each rank's shards
+
+def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps):
+    """Each rank's bytes (its shards after the step), measured, and the formula: a log row each, one table.
+    grads: {'peak_grad_bytes', 'grad_bytes'}, measured by the observer."""
+    numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
+    moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
+    measured = dict(grads, param_bytes=nbytes(model.parameters()), optim_bytes=nbytes(moments))
+    formula = fsdp_held_bytes_formula(numel, dist.get_world_size(), micro_steps)
+    row = {'iter': iter_num, 'rank': dist.get_rank(), 'numel': numel, 'micro_steps': micro_steps}
+    for key, value in measured.items():
+        row[key], row[key + '_formula'] = value, formula[key]
+    rows = log_rank_rows(cfg.out_dir, row)
+    if dist.get_rank() == 0:
+        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of the "
+                       f"gradients over {micro_steps} micro-steps: 4Ψ unsharded)",
+                       [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
+                        for r in rows for k in measured])
