@@ -33,8 +33,8 @@ from common.training import (autocast_context, check_batch, check_no_compile, co
                              run_main, run_shape, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
-from common.distributed import (AllToAll, Comm, average_gradients, data_parallel_size, finish_distributed,
-                                process_grid, world_size_from_env)
+from common.distributed import (AllToAll, Comm, along, average_gradients, data_parallel_size,
+                                finish_distributed, group_comm, process_grid, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -311,7 +311,7 @@ def mean_loss(model, ctx, cp, x, y):
 def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
     """The dp x cp grid; train.py's model and AdamW (ckpt_path's on resume, with this rank's random streams),
     its attention made context-parallel. Returns model, optimizer, cp, dp, dp_cp, iter_num, best_val_loss."""
-    _, _, comms = process_grid(world_size, rank, dp=world_size // cfg.cp, cp=cfg.cp)
+    grid, _, comms = process_grid(world_size, rank, dp=world_size // cfg.cp, cp=cfg.cp)
     cp, dp = ContextParallel(comms['cp'], cfg.cp_attention), comms['dp']
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path)
     model.to(cfg.device)
@@ -323,7 +323,8 @@ def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
     if checkpoint is not None:
         restore_rng(checkpoint, rank, world_size, cfg.seed, dp.rank)
     shard_sequence(model, cp)
-    return model, optimizer, cp, dp, Comm(None, 'dp_cp'), iter_num, best_val_loss
+    dp_cp = group_comm('dp_cp', along(grid, 'dp', 'cp'), rank)  # every rank holds all the weights
+    return model, optimizer, cp, dp, dp_cp, iter_num, best_val_loss
 
 
 def check_config(cfg, world_size):

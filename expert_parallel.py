@@ -21,7 +21,6 @@ import os
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from model import MoE, combine
 from common.training import (autocast_context, check_batch, config_defaults, configure, loss_function,
@@ -30,8 +29,9 @@ from common.training import (autocast_context, check_batch, config_defaults, con
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, init_model, init_params, joined_checkpoint, keep_own,
                                 load_mmap, load_world, materialize, rng_state, seed_dropout, set_rng_state)
-from common.distributed import (AllToAll, Comm, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, init_distributed, sum_of_squares, world_size_from_env)
+from common.distributed import (AllToAll, along, average_gradients, clip_grad_norm, data_parallel_size,
+                                finish_distributed, group_comm, init_distributed, process_grid,
+                                sum_of_squares, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -96,19 +96,15 @@ def expert_parallel_forward(moe, experts, ep, x, index, weights):
 
 
 def ep_comms(world_size, rank, ep_size):
-    """The groups, from the grid torch.arange(world).view(world/ep, ep): the ep group is this rank's row
-    (neighbouring ranks: the all-to-alls, the chattiest, stay within a node), the expert-data-parallel group
-    its column (the ranks that hold the same experts). Every rank makes every group (new_group is collective).
-    Returns (ep, edp, dp: the whole world, over which the dense gradients are averaged)."""
-    grid = torch.arange(world_size).view(-1, ep_size)
-    comms = {}
-    for name, lines in (('ep', grid.tolist()), ('edp', grid.t().tolist())):
-        for members in lines:
-            alone, whole = len(members) == 1, len(members) == world_size
-            group = None if alone or whole else dist.new_group(members)
-            if rank in members:
-                comms[name] = Comm(group, name, alone=alone)
-    return comms['ep'], comms['edp'], Comm(None, 'dp', alone=world_size == 1)
+    """The groups, from the data-parallel ranks (the whole world) cut into runs of ep: the ep group is this
+    rank's run (neighbouring ranks: the all-to-alls, the chattiest, stay within a node), the expert-data-
+    parallel group the ranks at its place in every run (they hold the same experts). Returns (ep, edp, dp: the
+    whole world, over which the dense gradients are averaged)."""
+    grid, _, comms = process_grid(world_size, rank, dp=world_size)
+    ranks = along(grid, 'dp')[0]
+    runs = [ranks[i:i + ep_size] for i in range(0, world_size, ep_size)]
+    return (group_comm('ep', runs, rank), group_comm('edp', [list(r) for r in zip(*runs)], rank),
+            comms['dp'])
 
 
 def cut_experts(model, ep):

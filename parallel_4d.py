@@ -22,22 +22,21 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_params,
                                 joined_checkpoint, load_mmap, load_world, materialize, rng_state,
                                 seed_dropout, set_rng_state)
 from common.dataset import load_dataset, micro_batches
-from common.distributed import Comm, data_parallel_size, finish_distributed, process_grid, world_size_from_env
+from common.distributed import (along, data_parallel_size, finish_distributed, group_comm, process_grid,
+                                world_size_from_env)
 from model import GPTConfig
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
-from common import reports
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
                              shard_gpt, sync_tp_grads, tp_embed, tp_head)
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             get_lr, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
-                             start_run, training_loop)
+                             get_lr, outputs_line, print_grid, profiled, progress, refuse, refuse_moe,
+                             run_main, run_shape, start_run, training_loop)
 from zero import Zero, unflatten_shards
 
 # -----------------------------------------------------------------------------
@@ -60,19 +59,6 @@ bucket_size = 100_000           # dp (ZeRO-1): elements per flat bucket
 adam_eps = 1e-8                 # AdamW's epsilon
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
-
-
-def dp_cp_comm(grid, rank):
-    """The ranks that hold the same weights (same pp and tp coordinates), every dp and cp rank of them: their
-    gradients are averaged together, and ZeRO-1 shards the optimizer state over them."""
-    comm = None
-    for pp_rank in range(grid.size(1)):
-        for tp_rank in range(grid.size(3)):
-            members = grid[:, pp_rank, :, tp_rank].flatten().tolist()
-            group = dist.new_group(members) if len(members) < grid.numel() else None
-            if rank in members:
-                comm = Comm(group, 'dp_cp', alone=len(members) == 1)
-    return comm
 
 
 def build_stage(model, cfg, grid, coords, comms, checkpoint):
@@ -164,13 +150,20 @@ def main(argv):
     dp_size = check_config(cfg, world_size_from_env())
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    comms.update(dp_cp=dp_cp_comm(grid, rank), embed=embed_comm(grid, rank, cfg.tie_embeddings))
+    # the ranks holding the same weights (every dp and cp rank of a pp and tp coordinate): their gradients are
+    # averaged together, and ZeRO-1 shards the optimizer state over them; and the tied embedding's two stages
+    comms.update(dp_cp=group_comm('dp_cp', along(grid, 'dp', 'cp'), rank),
+                 embed=embed_comm(grid, rank, cfg.tie_embeddings))
     data, vocab_size = load_dataset(cfg.dataset)
     # train.py's GPT on the meta device: build_stage cuts it along the grid and materializes this rank's part
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
                                                             gpt2=False, meta=True)
     flops = model.flops_per_token(cfg.block_size)  # of the whole model, before it is cut
-    reports.print_grid_4d(grid, coords, comms, rank, cfg, model.get_num_params())
+    print_grid(grid, coords, comms, rank, out_dir=cfg.out_dir)
+    if rank == 0:
+        dp, pp, cp, tp = grid.shape
+        print(run_shape(f"world {world_size} = dp {dp} x pp {pp} x cp {cp} x tp {tp}", cfg,
+                        model.get_num_params()))
     stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
     zero, embed = build_zero(model, cfg, comms['dp_cp'], coords, checkpoint), comms['embed']
     weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter()

@@ -15,18 +15,17 @@ import os
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, profiled, refuse, refuse_moe, run_main, start_run,
-                             training_loop)
+                             configure_adamw, outputs_line, print_grid, profiled, refuse, refuse_moe,
+                             run_main, run_shape, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                                 init_params, joined_checkpoint, keep_own, load_mmap, load_world, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
-from common.distributed import (Comm, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, process_grid, sum_of_squares, world_size_from_env)
-from common import reports
+from common.distributed import (along, average_gradients, clip_grad_norm, data_parallel_size,
+                                finish_distributed, group_comm, process_grid, sum_of_squares,
+                                world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -75,13 +74,11 @@ def check_schedule(cfg):
 
 
 def embed_comm(grid, rank, tied):
-    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline (else None)."""
+    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline (else None), the
+    two that hold the one weight (the embedding, the head)."""
     if not tied or grid.size(1) == 1:
         return None
-    groups = {}  # every rank makes every group (new_group is collective), and keeps its own
-    for row in grid.movedim(1, -1).reshape(-1, grid.size(1)).tolist():  # a row: one pipeline's ranks
-        groups[row[0]] = groups[row[-1]] = dist.new_group([row[0], row[-1]])
-    return Comm(groups[rank], 'embed') if rank in groups else None
+    return group_comm('embed', [[pipe[0], pipe[-1]] for pipe in along(grid, 'pp')], rank)
 
 
 def keep_stage(model, stage, pp_size, virtual_stages=1):
@@ -425,7 +422,12 @@ def build(cfg, rank, world_size, vocab_size):
     else:
         init_params(model.config, cfg.seed, keep_own(model))
         seed_dropout(cfg.seed, dp.rank, pp_comm.rank)
-    reports.print_pipeline_grid(grid, cfg, model.config.n_layer, n_params, rank)
+    print_grid(grid, coords, {'dp': dp, 'pp': pp_comm, 'embed': embed}, rank, dims=('dp', 'pp'))
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} "
+                        f"blocks per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over "
+                        f"{cfg.n_microbatches} microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg,
+                        n_params))
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device,
                   autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype), pp_comm)

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import reports
 from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_values,
                                 joined_checkpoint, load_mmap, load_world, materialize, rng_state,
                                 seed_dropout, set_rng_state)
@@ -31,8 +30,8 @@ from common.distributed import (all_gather_seq, average_gradients, clip_grad_nor
                                 world_size_from_env)
 from model import GPTConfig
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, profiled, progress, refuse, refuse_moe, run_main,
-                             start_run, training_loop)
+                             configure_adamw, outputs_line, print_grid, profiled, progress, refuse,
+                             refuse_moe, run_main, run_shape, start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -390,7 +389,9 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
     """train.py's GPT on meta, this rank's slices alone given storage and values; its AdamW."""
     ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
-    reports.tensor_parallel_shape(cfg, world_size, model.get_num_params(), rank)
+    if rank == 0:
+        print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}"
+                        + ' with sequence parallelism' * cfg.sequence_parallel, cfg, model.get_num_params()))
     flops_per_token = model.flops_per_token(cfg.block_size)  # the whole model's, at the run's sequence length
     layout = shard_gpt(model, tp)  # on the meta device: this rank's slices, shapes only
     give_tp_ranks_their_dropout(model, tp)
@@ -462,7 +463,7 @@ def main(argv):
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.tp, tp=cfg.tp)
     tp, dp = TensorParallel(comms['tp'], cfg.sequence_parallel), comms['dp']
-    reports.tensor_parallel_grid(grid, coords, rank)
+    print_grid(grid, coords, {'dp': dp, 'tp': tp.group}, rank, dims=('dp', 'tp'))
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
     model, layout, optimizer, iter_num, best_val_loss, flops = build_sharded(cfg, vocab_size, tp, dp.rank,

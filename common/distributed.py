@@ -7,6 +7,7 @@ reduce_scatter_of) with glibc's allocator setting that ZeRO-3 needs (return_free
 """
 
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -284,27 +285,36 @@ def data_parallel_size(world_size, **degrees):
 def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
     """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank
     is ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group,
-    which talks the most, is neighbouring ranks (one node's GPUs). A dimension's groups are the ranks that
-    differ only in that coordinate. Every rank creates every group in the same order (new_group is
-    collective). Returns (grid, {dim: this rank's coordinate}, {dim: Comm of this rank's group along dim})."""
-    sizes = dict(dp=dp, pp=pp, cp=cp, tp=tp)
+    which talks the most, is neighbouring ranks (one node's GPUs). Returns (grid, {dim: this rank's
+    coordinate}, {dim: the Comm of its group along dim}); a script adds the groups of its own (group_comm)."""
     if dp * pp * cp * tp != world_size:
         raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x "
                          f"{tp}")
     grid = torch.arange(world_size).view(dp, pp, cp, tp)
     coords = dict(zip(GRID_DIMS, (int(i) for i in (grid == rank).nonzero()[0])))
-    comms = {}
-    for d, dim in enumerate(GRID_DIMS):
-        if sizes[dim] == 1:
-            comms[dim] = Comm(None, dim, alone=True)
-        elif sizes[dim] == world_size:
-            comms[dim] = Comm(None, dim)  # the whole world: its default group
-        else:
-            for members in grid.movedim(d, -1).reshape(-1, sizes[dim]).tolist():
-                group = dist.new_group(members)
-                if rank in members:
-                    comms[dim] = Comm(group, dim)
-    return grid, coords, comms
+    return grid, coords, {dim: group_comm(dim, along(grid, dim), rank) for dim in GRID_DIMS}
+
+
+def along(grid, *dims):
+    """The groups of ranks along dims: for each choice of the other coordinates, the ranks that differ only in
+    dims, in grid order. along(grid, 'tp'): the tp groups; along(grid, 'dp', 'cp'): the ranks holding the
+    same weights under data and context parallelism."""
+    moved = grid.permute(*[i for i, d in enumerate(GRID_DIMS) if d not in dims],
+                         *[GRID_DIMS.index(d) for d in dims])
+    return moved.reshape(-1, math.prod(grid.size(GRID_DIMS.index(d)) for d in dims)).tolist()
+
+
+def group_comm(name, groups, rank):
+    """The one place where process groups are made: groups, lists of global ranks, each made a group (every
+    rank makes every one, in the same order: new_group is collective); returns the Comm of the one this rank
+    is in (None if none). A group of one rank is a Comm alone; the whole world is the default group."""
+    comm = None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for members in groups:
+        group = dist.new_group(members) if 1 < len(members) < world else None
+        if rank in members:
+            comm = Comm(group, name, alone=len(members) == 1)
+    return comm
 
 
 def world_size_from_env():

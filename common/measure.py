@@ -8,7 +8,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import socket
 import statistics
 import sys

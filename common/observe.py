@@ -30,7 +30,7 @@ def measured_step(run, cfg, iter_num):
 def counting(comms, at_each_call=None):
     """The step's bytes: every Comm's counts from zero (counted at our calls), and what this rank's own
     sockets send (WireMeter: measured), from before the step to after it. at_each_call(): called as each
-    collective is posted (to sample what the rank holds then). Yields the meter; its .sent is set at the end."""
+    collective is posted (to sample what the rank holds then). Yields the meter; .sent is set at the end."""
     for comm in comms:
         comm.clear()
         comm.observe = at_each_call

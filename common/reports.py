@@ -6,12 +6,11 @@ measure; this file only lays their numbers out, one function per script.
 """
 
 import os
-from collections import Counter
 
 import torch
 import torch.distributed as dist
 
-from common.distributed import Comm, GRID_DIMS, is_master
+from common.distributed import GRID_DIMS, is_master
 from common.formulas import (activation_bytes_formula, bubble_fraction_formula, comm_bytes_formula,
                              cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
@@ -133,22 +132,6 @@ def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes
                    lines, notes)
 
 
-def tensor_parallel_grid(grid, coords, rank):
-    """The process grid, and this rank's place in it: its tp group (a row) and dp group (a column)."""
-    grid = grid.view(grid.size(0), -1)  # (dp, tp): pp and cp are 1 here
-    if rank == 0:
-        print(f"process grid (dp x tp) = torch.arange({grid.numel()}).view({grid.size(0)}, {grid.size(1)}):"
-              f"\n{grid}")
-    print(f"[rank {rank}] tp group {grid[coords['dp']].tolist()} (tp rank {coords['tp']}), "
-          f"dp group {grid[:, coords['tp']].tolist()} (dp rank {coords['dp']})", flush=True)
-
-
-def tensor_parallel_shape(cfg, world_size, n_params, rank):
-    """The run's shape (rank 0, once the model's size is known)."""
-    if rank == 0:
-        sp = ' with sequence parallelism' if cfg.sequence_parallel else ''
-        print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}{sp}", cfg, n_params))
-
 # -----------------------------------------------------------------------------
 # pipeline.py: the grid, each stage's schedule timed, its bubble and its traffic
 
@@ -177,33 +160,8 @@ def report_pipeline(stage, clock, cfg, comms, wire, iter_num, rank, dp_rank):
                               os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
 
 
-def print_pipeline_grid(grid, cfg, n_layer, n_params, rank):
-    """The dp x pp grid and the run's shape (rank 0, at the start)."""
-    if rank != 0:
-        return
-    world_size, dp = grid.numel(), grid.size(0)
-    print(f"process grid (dp={dp} x pp={cfg.pp}): pipelines are rows, stages are columns\n"
-          f"{grid.view(dp, cfg.pp)}\n" + run_shape(
-              f"world {world_size} = dp {dp} x pp {cfg.pp}, {n_layer // cfg.pp} blocks "
-              f"per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over {cfg.n_microbatches} "
-              f"microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg, n_params))
-
 # -----------------------------------------------------------------------------
 # parallel_4d.py: the grid and every dimension's traffic and state
-
-def print_grid_4d(grid, coords, comms, rank, cfg, n_params):
-    """Rank 0 prints the grid and the run; every rank prints (and logs) its coordinates and the global ranks
-    of each of its groups (comms: {dp, pp, cp, tp, dp_cp, embed (None: untied or pp=1)}): the ones it talks
-    to."""
-    if rank == 0:
-        dp, pp, cp, tp = grid.shape
-        print(f"process grid: torch.arange({grid.numel()}).view(dp={dp}, pp={pp}, cp={cp}, tp={tp})\n{grid}")
-        print(run_shape(f"world {grid.numel()} = dp {dp} x pp {pp} x cp {cp} x tp {tp}", cfg, n_params))
-    groups = {k: [c.global_rank(r) for r in range(c.size)] for k, c in comms.items() if c is not None}
-    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in GRID_DIMS) + '; groups: ' +
-          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
-    log_rank_rows(cfg.out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
-
 
 def report_4d(clock, zero, comms, wire, cfg, coords, iter_num, rank):
     """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its

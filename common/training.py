@@ -275,6 +275,21 @@ def run_shape(shape, cfg, n_params):
             f"{cfg.out_dir}/")
 
 
+def print_grid(grid, coords, comms, rank, dims=distributed.GRID_DIMS, out_dir=None):
+    """The process grid along dims (the script's), printed once by rank 0, then each rank's coordinates and
+    the global ranks of each of its groups (comms: name -> Comm, or None where the rank has no such group),
+    the ranks it talks to; with out_dir, each rank's also a row of log.jsonl."""
+    shape = {d: n for d, n in zip(distributed.GRID_DIMS, grid.shape) if d in dims}
+    if rank == 0:
+        print(f"process grid: torch.arange({grid.numel()}).view("
+              + ', '.join(f"{d}={n}" for d, n in shape.items()) + f")\n{grid.view(*shape.values())}")
+    groups = {k: [c.global_rank(r) for r in range(c.size)] for k, c in comms.items() if c is not None}
+    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in dims) + '; groups: ' +
+          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
+    if out_dir is not None:
+        log_rank_rows(out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
+
+
 def profiled(cfg):
     """The trace files of --profile, for outputs_line."""
     return ['trace_rank*.json (--profile: open at ui.perfetto.dev)'] if cfg.profile else []
