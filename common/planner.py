@@ -18,7 +18,7 @@ import torch
 
 from common import formulas
 from model import GPT
-from common.training import configure, model_config
+from common.training import config_defaults, configure, model_config
 from common.distributed import GRID_DIMS
 
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
@@ -52,9 +52,8 @@ def gpt_config_from(config_path, overrides, vocab_size):
     """The GPTConfig that `python train.py config_path overrides...` would build, with vocab_size given (it
     comes from the data set in a real run); else the one the config file names (config_vocab_size), else
     50304."""
-    import train
     vocab_size = vocab_size or config_vocab_size(config_path) or 50304
-    cfg = configure(train.config, ([config_path] if config_path else []) + list(overrides))
+    cfg = configure(config_defaults({}), ([config_path] if config_path else []) + list(overrides))
     return model_config(cfg, vocab_size)
 
 
@@ -279,10 +278,10 @@ def estimate_json(rows):
 
 def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixed_precision):
     """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision),
-    as zero.py writes it (zero.deepspeed_config_of) and reads it back (--deepspeed_config)."""
-    import zero  # (its config keys; the JSON is deepspeed_config.py's)
+    as zero.py writes it (deepspeed_config.deepspeed_config_of) and reads it back (--deepspeed_config)."""
     from common.deepspeed_config import deepspeed_config_of
-    cfg = configure(zero.config, ([config_path] if config_path else []) + list(overrides))
+    zero_keys = dict(stage=0, offload_optimizer=False, adam_eps=1e-8)  # (zero.py's own keys that it writes)
+    cfg = configure(config_defaults(zero_keys), ([config_path] if config_path else []) + list(overrides))
     ranks = row['dp'] * row['cp']
     cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
     cfg.batch_size, cfg.gradient_accumulation_steps = micro_batch, n_microbatches * ranks
