@@ -24,11 +24,11 @@ import torch
 
 from model import MoE, combine
 from common.training import (autocast_context, check_batch, config_defaults, configure, loss_function,
-                             model_config, outputs_line, print_sample, profiled, progress, run_main,
-                             run_shape, training_loop)
+                             model_config, outputs_line, print_sample, profiled, run_main, run_shape,
+                             training_loop)
 from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (CheckpointWriter, init_model, init_params, joined_checkpoint, keep_own,
-                                load_mmap, load_world, materialize, rng_state, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, held_pieces, init_model,
+                                init_params, keep_own, materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import (AllToAll, along, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, group_comm, init_distributed, process_grid,
                                 sum_of_squares, world_size_from_env)
@@ -161,8 +161,8 @@ def build(cfg, vocab_size, ep, rank, world_size):
     storage and then train.py's values (init_params, one tensor at a time: the experts of the other ranks
     are drawn and dropped, so the stream is train.py's) or this rank's checkpoint; AdamW over them.
     Returns (model, (dense, experts), optimizer, iter_num, best_val_loss, flops_per_token)."""
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
-                                                            gpt2=False, meta=True)
+    ckpt_path = rank_path(cfg.out_dir, RANK_FILE, rank)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {world_size} (ep {ep.size} x {world_size // ep.size} "
                         f"replicas of the experts)", cfg, model.get_num_params()))
@@ -189,32 +189,16 @@ def build(cfg, vocab_size, ep, rank, world_size):
 RANK_FILE = 'ckpt_ep_rank{}.pt'
 
 
-def rank_file(out_dir, rank):
-    return os.path.join(out_dir, RANK_FILE.format(rank))
-
-
-def rank_checkpoint(model, optimizer, cfg, world_size, iter_num, best_val_loss):
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'rng': rng_state(),
-            'param_order': [names[id(p)] for group in optimizer.param_groups for p in group['params']],
-            'ep': cfg.ep, 'world_size': world_size, 'model_args': vars(model.config), 'iter_num': iter_num,
-            'best_val_loss': best_val_loss, 'config': vars(cfg)}
-
-
-def consolidate(out_dir):
-    """The files of the first ep group (ranks 0 .. ep-1, which hold every expert once) joined into train.py's
-    checkpoint dict: each parameter and its AdamW state from the first rank that has it."""
-    ranks = load_world(out_dir, RANK_FILE, load_mmap(rank_file(out_dir, 0))['ep'])
-    model_sd, states = {}, {}
-    for i, r in enumerate(ranks):
-        progress(i + 1, len(ranks), f"consolidating {len(ranks)} expert-parallel ranks")
-        position = {name: j for j, name in enumerate(r['param_order'])}
-        for name, value in r['model'].items():
-            if name not in model_sd:
-                model_sd[name] = value
-                if position.get(name) in r['optimizer']['state']:
-                    states[name] = r['optimizer']['state'][position[name]]
-    return joined_checkpoint(model_sd, states, ranks[0], [ranks[0]['rng']], ranks[0]['config'])
+def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_val_loss):
+    """This rank's dense weights and experts (by their train.py names), AdamW state and dropout stream (every
+    rank a data-parallel rank); its pieces for consolidate.py: the first ep group (ranks 0 .. ep-1) holds
+    every expert once, rank 0 the dense weights."""
+    cut = lambda name, p: (name, p.shape, None) if rank == 0 or (rank < ep.size and '.mlp.experts.' in name) \
+        else None
+    return checkpoint_of(dict(model=model.state_dict(), optimizer=optimizer.state_dict()),
+                         held_pieces(model, optimizer, cut), (RANK_FILE, world_size),
+                         {'ep': cfg.ep, 'ranks': world_size}, rank, vars(model.config), iter_num,
+                         best_val_loss, vars(cfg))
 
 
 def check_config(cfg, world_size):
@@ -240,13 +224,7 @@ def check_config(cfg, world_size):
     if cfg.init_from not in ('scratch', 'resume'):
         raise SystemExit(f"error: init_from must be 'scratch' or 'resume', got {cfg.init_from!r} (GPT-2 is "
                          f"dense: nothing to split)")
-    saved = load_mmap(rank_file(cfg.out_dir, 0)) if cfg.init_from == 'resume' and \
-        os.path.exists(rank_file(cfg.out_dir, 0)) else None  # (a missing file: init_model says so)
-    if saved is not None and (saved['ep'], saved['world_size']) != (cfg.ep, world_size):
-        raise SystemExit(f"error: init_from=resume: the checkpoint was written with --ep={saved['ep']} on "
-                         f"{saved['world_size']} ranks, this run has --ep={cfg.ep} on {world_size}: resume "
-                         f"with the saved ones, or python consolidate.py {cfg.out_dir} makes one ckpt.pt for "
-                         f"train.py")
+    check_resume_grid(cfg, {'ep': cfg.ep, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0))
 
 
 def main(argv):
@@ -266,8 +244,8 @@ def main(argv):
                                  cfg.grad_clip, params, comms)
 
     def save(it, best):
-        writer.save(rank_checkpoint(model, optimizer, cfg, world_size, it, best),
-                    rank_file(cfg.out_dir, rank))
+        writer.save(rank_checkpoint(model, optimizer, comms[0], rank, cfg, world_size, it, best),
+                    rank_path(cfg.out_dir, RANK_FILE, rank))
     run = SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_function(model, ctx), dp=dp,
                           data=data, step=step, save=save, flops_per_token=flops, n_devices=world_size,
                           rank=rank, kind='expert_parallel', comms=list(comms))

@@ -24,20 +24,18 @@ from types import SimpleNamespace
 import torch
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
-from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_params,
-                                joined_checkpoint, load_mmap, load_world, materialize, rng_state,
-                                seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
+                                materialize, rank_path, seed_dropout, set_rng_state, whole_shapes)
 from common.dataset import load_dataset, micro_batches
 from common.distributed import (along, data_parallel_size, finish_distributed, group_comm, process_grid,
                                 world_size_from_env)
-from model import GPTConfig
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
-from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, join_slices, keep_slices, qkv_split,
-                             shard_gpt, sync_tp_grads, tp_embed, tp_head)
+from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, qkv_split, shard_gpt,
+                             slice_boxes, sync_tp_grads, tp_embed, tp_head)
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             get_lr, outputs_line, print_grid, profiled, progress, refuse, refuse_moe,
-                             run_main, run_shape, start_run, training_loop)
-from zero import Zero, unflatten_shards
+                             get_lr, outputs_line, print_grid, profiled, refuse, refuse_moe, run_main,
+                             run_shape, start_run, training_loop)
+from zero import Zero
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -156,8 +154,8 @@ def main(argv):
                  embed=embed_comm(grid, rank, cfg.tie_embeddings))
     data, vocab_size = load_dataset(cfg.dataset)
     # train.py's GPT on the meta device: build_stage cuts it along the grid and materializes this rank's part
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, rank_file(cfg.out_dir, rank),
-                                                            gpt2=False, meta=True)
+    ckpt_path = rank_path(cfg.out_dir, RANK_FILE, rank)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
     flops = model.flops_per_token(cfg.block_size)  # of the whole model, before it is cut
     print_grid(grid, coords, comms, rank, out_dir=cfg.out_dir)
     if rank == 0:
@@ -169,8 +167,8 @@ def main(argv):
     weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter()
     step = lambda it: train_step(stage, zero, micro_batches(data, cfg, it, coords['dp'], dp_size), cfg, tp,
                                  layout, embed, weights, get_lr(it, cfg))
-    save = lambda it, best: writer.save(rank_checkpoint(model, zero, layout, coords, cfg, world_size, it,
-                                                        best), rank_file(cfg.out_dir, rank))
+    save = lambda it, best: writer.save(rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, it,
+                                                        best), rank_path(cfg.out_dir, RANK_FILE, rank))
     run = SimpleNamespace(model=model, optimizer=None, loss_of=partial(grid_loss, stage, cp), step=step,
                           save=save, dp=comms['dp'], data=data, flops_per_token=flops, n_devices=world_size,
                           rank=rank, kind='parallel_4d', stage=stage, zero=zero, coords=coords,
@@ -211,7 +209,7 @@ def check_config(cfg, world_size):
     check_no_compile(cfg, 'parallel_4d.py')
     refuse_moe(cfg, 'parallel_4d.py', "its experts are not cut over the tp ranks, nor its stages' "
                "load-balancing losses added")
-    path = rank_file(cfg.out_dir, 0)
+    path = rank_path(cfg.out_dir, RANK_FILE, 0)
     refuse((cfg.init_from == 'resume' and not os.path.exists(path),
             f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"))
     check_resume_grid(cfg, run_grid(cfg, world_size), path)
@@ -219,11 +217,10 @@ def check_config(cfg, world_size):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: every rank its own file; consolidate undoes each cut in turn
+# Checkpoints: every rank its own file, and where its pieces sit in the whole model (consolidate.py)
 
 
-def rank_file(out_dir, rank):
-    return os.path.join(out_dir, f'ckpt_4d_rank{rank}.pt')
+RANK_FILE = 'ckpt_4d_rank{}.pt'
 
 
 def run_grid(cfg, world_size):
@@ -231,42 +228,20 @@ def run_grid(cfg, world_size):
     return dict(pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, ranks=world_size)
 
 
-def rank_checkpoint(model, zero, layout, coords, cfg, world_size, iter_num, best_val_loss):
-    """This rank's file: its part of the model, its ZeRO-1 chunk and random stream, where it sits on the grid,
-    and where each dense parameter's slice is here ({dense name: (local name, kind)}, for consolidate)."""
-    local_name = {id(p): n for n, p in model.named_parameters()}
-    dense_names = {dense: (local_name[id(p)], kind) for dense, (p, kind) in layout.items()
-                   if id(p) in local_name}
-    return {'model': model.state_dict(), 'zero': zero.state_dict(), 'rng': rng_state(), 'coords': coords,
-            'grid': run_grid(cfg, world_size), 'dense_names': dense_names, 'iter_num': iter_num,
-            'model_args': vars(model.config), 'best_val_loss': best_val_loss, 'config': vars(cfg)}
+def rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, iter_num, best_val_loss):
+    """This rank's file: its part of the model, its ZeRO-1 chunk and random stream, where it sits on the grid;
+    its pieces for consolidate.py: ZeRO-1's run of each tp slice (tensor_parallel.slice_boxes) of its stage's
+    parameters (both stages' copies of a tied embedding: the same values)."""
+    qkv, dense_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
+    shapes = whole_shapes(vars(model.config))
 
-
-def consolidate(out_dir):
-    """out_dir's files joined into train.py's checkpoint dict (consolidate.py): within each (pp, tp) group the
-    ZeRO-1 chunks of its dp x cp ranks are laid end to end, then the tp slices joined, the stages merged by
-    name."""
-    first = load_mmap(rank_file(out_dir, 0))
-    cfg = first['config']
-    ranks = load_world(out_dir, os.path.basename(rank_file('', '{}')), first['grid']['ranks'])
-    qkv_sizes = qkv_split(GPTConfig(**first['model_args']))
-    model_sd, states, step = {}, {}, first['zero']['step']
-    for pp_rank in range(cfg['pp']):
-        progress(pp_rank + 1, cfg['pp'], f"consolidating {len(ranks)} ranks, stage by stage")
-        parts = []  # per tp rank: ({'master' | 'exp_avg' | 'exp_avg_sq': {local name: tensor}}, its names)
-        for tp_rank in range(cfg['tp']):
-            group = sorted((r for r in ranks if (r['coords']['pp'], r['coords']['tp']) == (pp_rank, tp_rank)),
-                           key=lambda r: r['zero']['rank'])
-            parts.append((unflatten_shards([r['zero'] for r in group]), group[0]['dense_names']))
-        for dense, (_, kind) in parts[0][1].items():
-            # a tied embedding's second copy, on the last stage: the first stage's counts
-            if dense in model_sd:
-                continue
-            join = lambda key: join_slices([full[key][names[dense][0]] for full, names in parts], kind,
-                                           qkv_sizes)
-            model_sd[dense] = join('master')
-            states[dense] = {'step': step, 'exp_avg': join('exp_avg'), 'exp_avg_sq': join('exp_avg_sq')}
-    return joined_checkpoint(model_sd, states, first, [first['rng']], cfg)
+    def cut(name, p):
+        dense, kind = dense_of[id(p)]
+        return dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv)
+    replica = coords['dp'] if coords['pp'] == coords['cp'] == coords['tp'] == 0 else None  # (its stream)
+    return checkpoint_of({'model': model.state_dict(), 'zero': zero.state_dict(), 'coords': coords},
+                         zero.pieces(cut), (RANK_FILE, world_size), run_grid(cfg, world_size), replica,
+                         vars(model.config), iter_num, best_val_loss, vars(cfg))
 
 
 if __name__ == '__main__':

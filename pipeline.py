@@ -11,7 +11,6 @@ dp x pp). A measured step (the first, every --measure_every-th) prints the execu
 """
 
 import contextlib
-import os
 from types import SimpleNamespace
 
 import torch
@@ -20,9 +19,9 @@ from common.training import (autocast_context, check_batch, check_no_compile, co
                              configure_adamw, outputs_line, print_grid, profiled, refuse, refuse_moe,
                              run_main, run_shape, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
-                                init_params, joined_checkpoint, keep_own, load_mmap, load_world, materialize,
-                                restore_rng, seed_dropout, train_checkpoint)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, held_pieces,
+                                init_model, init_params, keep_own, materialize, rank_path, restore_rng,
+                                seed_dropout, train_checkpoint)
 from common.distributed import (along, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, group_comm, process_grid, sum_of_squares,
                                 world_size_from_env)
@@ -58,7 +57,7 @@ def validate(cfg, world_size):
             f"pipeline.py trains in float32 or bfloat16, not {cfg.dtype} (float16: one loss scale)"))
     check_no_compile(cfg, 'pipeline.py')
     refuse_moe(cfg, 'pipeline.py', "each stage's load-balancing loss would be left out of the loss")
-    check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, stage_ckpt_path(cfg.out_dir, 0))
+    check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, rank_path(cfg.out_dir, STAGE_FILE, 0))
 
 
 def check_schedule(cfg):
@@ -411,8 +410,8 @@ def build(cfg, rank, world_size, vocab_size):
     values (train.py's, or its checkpoint's); its dropout stream (per replica and stage) and AdamW."""
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
     dp, pp_comm, embed = comms['dp'], comms['pp'], embed_comm(grid, rank, cfg.tie_embeddings)
-    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, stage_ckpt_path(cfg.out_dir,
-                                                            pp_comm.rank), gpt2=False, meta=True)
+    ckpt_path = rank_path(cfg.out_dir, STAGE_FILE, pp_comm.rank)
+    model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token(cfg.block_size)  # (whole model)
     chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
     materialize(model, cfg.device)  # storage for this stage's part alone
@@ -440,35 +439,19 @@ def build(cfg, rank, world_size, vocab_size):
 STAGE_FILE = 'ckpt_stage{}.pt'
 
 
-def stage_ckpt_path(out_dir, stage):
-    return os.path.join(out_dir, STAGE_FILE.format(stage))
-
-
 def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
-    """This stage's part in train.py's format, every replica's dropout stream, the optimizer's names."""
+    """This stage's part in train.py's format (its parameters by their names in the whole model), every
+    replica's dropout stream, and its pieces for consolidate.py: its parameters whole (a tied head's is the
+    first stage's embedding). Data-parallel rank 0 writes it: the replicas hold the same."""
     rng_states = gather_rng_states(dp)
     if dp.rank == 0:
-        name_of = {id(p): n for n, p in stage.model.named_parameters()}
+        tied = stage.model.config.tie_embeddings
+        cut = lambda name, p: None if tied and name == 'lm_head.weight' else (name, p.shape, None)
         checkpoint = train_checkpoint(stage.model.state_dict(), optimizer.state_dict(), rng_states,
                                       vars(stage.model.config), iter_num, best_val_loss, vars(cfg))
-        checkpoint.update(param_names=[name_of[id(p)] for g in optimizer.param_groups for p in g['params']],
-                          stage=stage.index)
-        writer.save(checkpoint, stage_ckpt_path(cfg.out_dir, stage.index))
-
-
-def consolidate(out_dir):
-    """out_dir's stage files joined into train.py's checkpoint dict: the parameters merged by name (a tied
-    weight's two copies are equal: the first stage's is taken), AdamW's state by name."""
-    first, model_sd, states = load_mmap(stage_ckpt_path(out_dir, 0)), {}, {}
-    for ck in load_world(out_dir, STAGE_FILE, first['config']['pp']):
-        for name, values in ck['model'].items():
-            model_sd.setdefault(name, values)
-        for i, name in enumerate(ck['param_names']):
-            if name not in states and i in ck['optimizer']['state']:
-                states[name] = ck['optimizer']['state'][i]
-    if 'lm_head.weight' in states:  # (tied: AdamW knows the weight by its first name, train.py by both)
-        states.setdefault('transformer.wte.weight', states['lm_head.weight'])
-    return joined_checkpoint(model_sd, states, first, first['rng_states'], first['config'])
+        checkpoint.update(pieces=held_pieces(stage.model, optimizer, cut), files=(STAGE_FILE, cfg.pp),
+                          grid={'pp': cfg.pp, 'virtual_stages': cfg.virtual_stages}, dp_rank=None)
+        writer.save(checkpoint, rank_path(cfg.out_dir, STAGE_FILE, stage.index))
 
 
 def main(argv):

@@ -14,6 +14,7 @@ sequence. Each rank keeps its slice of train.py's seeded GPT: train.py's loss cu
 
 import contextlib
 import os
+from itertools import accumulate
 from types import SimpleNamespace
 
 import torch
@@ -21,17 +22,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_values,
-                                joined_checkpoint, load_mmap, load_world, materialize, rng_state,
-                                seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, held_pieces, init_model,
+                                init_values, materialize, rank_path, seed_dropout, set_rng_state,
+                                whole_shapes)
 from common.dataset import load_dataset, micro_batches
 from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
                                 world_size_from_env)
-from model import GPTConfig
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, print_grid, profiled, progress, refuse,
-                             refuse_moe, run_main, run_shape, start_run, training_loop)
+                             configure_adamw, outputs_line, print_grid, profiled, refuse, refuse_moe,
+                             run_main, run_shape, start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -184,25 +184,34 @@ def qkv_split(config):
     return [n * (config.n_embd // config.n_head) for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
 
 
+def slice_boxes(shape, kind, tp_group, qkv_sizes=None):
+    """Where this rank's slice of a dense tensor of that shape sits in it: [(box, first, last)], the slice's
+    rows first .. last-1 being the dense tensor's box (a (start, stop) per dimension). 'col': a run of its
+    rows (output features), 'row': a run of its columns (input features), 'qkv': a run of rows in each of q,
+    k and v (this rank's heads), 'replicated': all of it. Runs as torch.tensor_split cuts them."""
+    n, r, whole = tp_group.size, tp_group.rank, [(0, size) for size in shape]
+
+    def run(length, offset=0):  # the r-th of tensor_split's n runs of length (the first ones one longer)
+        short, longer = divmod(length, n)
+        start = offset + r * short + min(r, longer)
+        return start, start + short + (r < longer)
+    if kind == 'row':
+        return [(whole[:1] + [run(shape[1])] + whole[2:], 0, shape[0])]
+    if kind == 'replicated':
+        return [(whole, 0, shape[0])]
+    sizes, boxes, first = qkv_sizes if kind == 'qkv' else [shape[0]], [], 0
+    for offset, size in zip(accumulate([0] + sizes), sizes):
+        start, stop = run(size, offset)
+        boxes.append(([(start, stop)] + whole[1:], first, first + stop - start))
+        first += stop - start
+    return boxes
+
+
 def take_slice(full, kind, tp_group, qkv_sizes=None):
-    """This rank's part of a dense tensor. 'col': rows (output features), 'row': columns (input features),
-    'qkv': the rows of this rank's heads in each of q, k and v, 'replicated': all of it."""
-    n, r = tp_group.size, tp_group.rank
-    if kind in ('col', 'row'):
-        return torch.tensor_split(full, n, dim=0 if kind == 'col' else 1)[r]
-    if kind == 'qkv':
-        return torch.cat([torch.tensor_split(part, n, dim=0)[r] for part in full.split(qkv_sizes)])
-    return full
-
-
-def join_slices(slices, kind, qkv_sizes=None):
-    """The dense tensor from every rank's part (rank order): the inverse of take_slice."""
-    if kind in ('col', 'row'):
-        return torch.cat(slices, dim=0 if kind == 'col' else 1)
-    if kind == 'qkv':
-        parts = [s.split([size // len(slices) for size in qkv_sizes]) for s in slices]
-        return torch.cat([parts[r][i] for i in range(3) for r in range(len(slices))])
-    return slices[0]
+    """This rank's part of a dense tensor: its boxes (slice_boxes), their rows one after another."""
+    parts = [full[tuple(slice(*b) for b in box)] for box, _, _ in
+             slice_boxes(full.shape, kind, tp_group, qkv_sizes)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -387,7 +396,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
 
 def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
     """train.py's GPT on meta, this rank's slices alone given storage and values; its AdamW."""
-    ckpt_path = rank_ckpt_path(cfg.out_dir, rank)
+    ckpt_path = rank_path(cfg.out_dir, RANK_FILE, rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     if rank == 0:
         print(run_shape(f"world {world_size} = dp {world_size // cfg.tp} x tp {cfg.tp}"
@@ -407,36 +416,25 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
 
 
 # -----------------------------------------------------------------------------
-# The checkpoint: each rank saves its own slices, out_dir/ckpt_rank<r>.pt; consolidate joins them.
-def rank_ckpt_path(out_dir, rank):  # (rank '{}': the files' pattern, for load_world)
-    return os.path.join(out_dir, f'ckpt_rank{rank}.pt')
+# The checkpoint: each rank saves its own slices (out_dir/ckpt_rank<r>.pt) and where they sit in the dense
+# model, which consolidate.py reads to lay them in place
+
+RANK_FILE = 'ckpt_rank{}.pt'
 
 
-def rank_checkpoint(model, layout, optimizer, cfg, world_size, iter_num, best_val_loss):
-    """This rank's slices, AdamW state and streams, and where consolidate finds each dense parameter: {dense
-    name: (local name, kind)}, and the local names in the optimizer's order (its state_dict's numbering)."""
-    local = {id(p): n for n, p in model.named_parameters()}
-    return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'rng': rng_state(),
-            'layout': {dense: (local[id(p)], kind) for dense, (p, kind) in layout.items()},
-            'param_order': [local[id(p)] for group in optimizer.param_groups for p in group['params']],
-            'model_args': vars(model.config), 'grid': {'tp': cfg.tp, 'ranks': world_size},
-            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg)}
+def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter_num, best_val_loss):
+    """This rank's slices, AdamW state and streams; the pieces of data-parallel replica 0's ranks (the others
+    hold the same): each dense parameter's boxes (slice_boxes)."""
+    qkv, kind_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
+    shapes = whole_shapes(vars(model.config))
 
-
-def consolidate(out_dir):
-    """The slices of data-parallel replica 0's tp ranks, joined (join_slices) into train.py's checkpoint."""
-    tp_size = load_mmap(rank_ckpt_path(out_dir, 0))['config']['tp']
-    ranks = load_world(out_dir, rank_ckpt_path('', '{}'), tp_size)  # ranks 0 .. tp-1: dp replica 0
-    qkv = qkv_split(GPTConfig(**ranks[0]['model_args']))
-    first, model_sd, states = ranks[0], {}, {}
-    for i, (dense, (local, kind)) in enumerate(first['layout'].items()):
-        progress(i + 1, len(first['layout']), f"consolidating {len(ranks)} tensor-parallel ranks")
-        model_sd[dense] = join_slices([r['model'][local] for r in ranks], kind, qkv).clone()
-        saved = [r['optimizer']['state'].get(r['param_order'].index(local)) for r in ranks]
-        if saved[0] is not None:  # (AdamW has no state for a parameter that never had a gradient)
-            states[dense] = {k: v if k == 'step' else join_slices([s[k] for s in saved], kind, qkv)
-                             for k, v in saved[0].items()}
-    return joined_checkpoint(model_sd, states, first, [first['rng']], first['config'])
+    def cut(name, p):
+        dense, kind = kind_of[id(p)]
+        return None if dp_rank else (dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv))
+    return checkpoint_of(dict(model=model.state_dict(), optimizer=optimizer.state_dict()),
+                         held_pieces(model, optimizer, cut), (RANK_FILE, world_size),
+                         {'tp': cfg.tp, 'ranks': world_size}, None if tp.group.rank else dp_rank,
+                         vars(model.config), iter_num, best_val_loss, vars(cfg))
 
 
 def check_config(cfg, world_size):
@@ -444,7 +442,7 @@ def check_config(cfg, world_size):
     check_batch(cfg, data_parallel_size(world_size, tp=cfg.tp), world_size)  # (names the flag to change)
     check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
     refuse_moe(cfg, 'tensor_parallel.py', "its experts are not cut over the tp ranks")
-    n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_ckpt_path(cfg.out_dir, 0)
+    n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_path(cfg.out_dir, RANK_FILE, 0)
     refuse((cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
             f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),
            (cfg.sequence_parallel and cfg.block_size % cfg.tp,
@@ -479,8 +477,8 @@ def main(argv):
         return train_step(model, optimizer, batches, ctx, cfg.grad_clip, tp, dp, layout)
 
     def save(it, best):
-        writer.save(rank_checkpoint(model, layout, optimizer, cfg, world_size, it, best),
-                    rank_ckpt_path(cfg.out_dir, rank))
+        writer.save(rank_checkpoint(model, layout, optimizer, tp, dp.rank, cfg, world_size, it, best),
+                    rank_path(cfg.out_dir, RANK_FILE, rank))
     training_loop(cfg, SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_of, dp=dp, data=data,
                                        step=step, save=save, flops_per_token=flops, n_devices=world_size,
                                        rank=rank, kind='tensor_parallel', tp=tp, comms=[tp.group, dp]),

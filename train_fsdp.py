@@ -31,8 +31,8 @@ from torch.distributed.tensor import distribute_tensor
 from common.training import (autocast_context, check_batch, config_defaults, configure, outputs_line,
                              print_sample, profiled, progress, run_main, run_shape, training_loop)
 from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (gather_rng_states, init_model, init_values, joined_checkpoint, load_params,
-                                materialize, restore_rng, seed_dropout, train_checkpoint)
+from common.checkpoints import (gather_rng_states, init_model, init_values, load_params, materialize,
+                                restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
@@ -172,27 +172,6 @@ def load_whole_optimizer(optimizer, osd):
         cut = lambda v: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
         state[i] = {k: v if k == 'step' else cut(v) for k, v in moments.items()}
     optimizer.load_state_dict(dict(osd, state=state))
-
-
-def consolidate(out_dir):
-    """out_dir's sharded checkpoint -> train.py's checkpoint, offline (consolidate.py): every tensor read from
-    torch.distributed.checkpoint's files by itself, one at a time."""
-    path = os.path.join(out_dir, SHARDED)
-    extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    keys = [k for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)]
-    model_sd, states = {}, defaultdict(dict)
-    for i, key in enumerate(keys):  # 'model.<name>' or 'optimizer.state.<name>.<step | exp_avg | exp_avg_sq>'
-        progress(i + 1, len(keys), f"consolidating {path}")
-        meta = metadata[key]
-        tensor = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
-        dcp.load(tensor, checkpoint_id=path, no_dist=True)
-        if key.startswith('model.'):
-            model_sd[key[len('model.'):]] = tensor[key]
-        else:
-            name, moment = key[len('optimizer.state.'):].rsplit('.', 1)
-            states[name][moment] = tensor[key]
-    return joined_checkpoint(model_sd, states, extras, extras['rng_states'], extras['config'])
 
 
 def main(argv):

@@ -28,12 +28,11 @@ import torch.nn as nn
 from common.deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from model import param_groups
 from common.training import (autocast_context, check_batch, config_defaults, configure, get_lr, loss_function,
-                             outputs_line, print_sample, profiled, progress, refuse, run_main, run_shape,
-                             start_run, training_loop)
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape, start_run,
+                             training_loop)
 from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (CheckpointWriter, check_resume_grid, init_model, init_values,
-                                joined_checkpoint, load_mmap, load_params, load_world, restore_rng, rng_state,
-                                seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
+                                load_params, pieces_of, rank_path, restore_rng, seed_dropout, set_rng_state)
 from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of, sum_of_squares,
                                 world_size_from_env)
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
@@ -321,6 +320,21 @@ class Zero:
         if self.stage == 3 and b.shard is not b.master:
             b.copy_owned(i, values, b.shard)
 
+    def pieces(self, cut=None):
+        """Where this rank's chunks sit in the whole model, for consolidate.py: in each bucket a run of each
+        parameter's elements (checkpoints.pieces_of). Stage 0's buckets are whole on every rank: rank 0's.
+        cut(name, p): parallel_4d.py's (its parameters are tp slices), as checkpoints.held_pieces takes it."""
+        pieces = []
+        for k, b in enumerate(self.buckets if self.stage > 0 or self.rank == 0 else ()):
+            paths = {'param': ('zero', 'master', k), 'exp_avg': ('zero', 'exp_avg', k),
+                     'exp_avg_sq': ('zero', 'exp_avg_sq', k), 'step': ('zero', 'step')}
+            for i, (name, p) in enumerate(zip(b.names, b.params)):
+                where = cut(name, p) if cut else (name, b.shapes[i], None)
+                if where is not None:
+                    start, end, at = b.owned_part(i)
+                    pieces += pieces_of(*where[:2], paths, boxes=where[2], chunk=(at, start, end))
+        return pieces
+
     def adam_state(self, key):  # a checkpoint's: 'master' (fp32 weights), 'exp_avg', 'exp_avg_sq', 'step'
         return [b.master if key == 'master' else self.optimizer.state[b.master][key] for b in self.buckets]
 
@@ -387,14 +401,17 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
 
 
 # -----------------------------------------------------------------------------
-# The build, the checkpoint layout, the measured step (reports.py), main
+# The build, the checkpoint (every rank its own file: RANK_FILE), the config's checks, main
+
+RANK_FILE = 'zero_rank{}.pt'
+
 
 def build_zero(cfg, vocab_size, rank, world_size, dp):
     """train.py's GPT on the meta device; the buckets give storage to what this rank keeps, filled with
     train.py's values (or GPT-2's), this rank's shard, or its chunks of a memory-mapped train.py ckpt.pt."""
     full_file = os.path.join(cfg.out_dir, 'ckpt.pt')  # (every rank decides alike, from rank 0's shard)
-    from_shard = os.path.exists(shard_path(cfg.out_dir, 0)) or not os.path.exists(full_file)
-    ckpt_path = shard_path(cfg.out_dir, rank) if from_shard else full_file  # (a missing one: init_model says)
+    from_shard = os.path.exists(rank_path(cfg.out_dir, RANK_FILE, 0)) or not os.path.exists(full_file)
+    ckpt_path = rank_path(cfg.out_dir, RANK_FILE, rank) if from_shard else full_file  # (init_model: missing)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, meta=True)
     if rank == 0:
         print(run_shape(f'world {world_size} = dp (ZeRO-{cfg.stage})', cfg, model.get_num_params()))
@@ -414,41 +431,12 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
     return model, zero, iter_num, best_val_loss
 
 
-def shard_path(out_dir, rank):
-    return os.path.join(out_dir, f'zero_rank{rank}.pt')
-
-
-def unflatten_shards(shards):
-    """Every rank's Zero.state_dict(), in rank order -> {'master' | 'exp_avg' | 'exp_avg_sq': {name: tensor}}:
-    each bucket's chunks laid end to end (stage 0: every rank holds it all), cut back into its parameters."""
-    full, n_buckets = {}, len(shards[0]['layout'])
-    for k, key in enumerate(Zero.STATE_KEYS):
-        full[key] = {}
-        for i, layout in enumerate(shards[0]['layout']):
-            progress(k * n_buckets + i + 1, 3 * n_buckets, f"consolidating {len(shards)} shards (w, m, v)")
-            flat = shards[0][key][i] if shards[0]['stage'] == 0 else torch.cat([s[key][i] for s in shards])
-            parts = flat[:layout['numel']].split([math.prod(shape) for shape in layout['shapes']])
-            for name, shape, part in zip(layout['names'], layout['shapes'], parts):
-                full[key][name] = part.view(shape).clone()
-    return full
-
-
-def consolidate(out_dir):
-    """out_dir's shards joined into train.py's checkpoint dict (consolidate.py), every rank's RNG kept."""
-    first = load_mmap(shard_path(out_dir, 0))
-    shards = load_world(out_dir, os.path.basename(shard_path('', '{}')), first['zero']['world_size'])
-    full = unflatten_shards([s['zero'] for s in shards])
-    states = {n: {'step': first['zero']['step'], 'exp_avg': full['exp_avg'][n],
-                  'exp_avg_sq': full['exp_avg_sq'][n]} for n in full['master']}
-    return joined_checkpoint(full['master'], states, first, [s['rng'] for s in shards], first['config'])
-
-
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
     refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"))
     check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
-    check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, shard_path(cfg.out_dir, 0),
+    check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0),
                       then=" (and delete the zero_rank*.pt files)")  # (the same grid as save() writes)
     if cfg.print_ds_config:
         return cfg
@@ -477,10 +465,9 @@ def main(argv):
                                  cfg.grad_clip, get_lr(it, cfg), dp)
 
     def save(it, best):  # every rank its own shard, written in the background
-        writer.save({'zero': zero.state_dict(), 'rng': rng_state(), 'model_args': vars(model.config),
-                     'grid': {'stage': cfg.stage, 'ranks': world_size}, 'iter_num': it, 'best_val_loss': best,
-                     'config': vars(cfg)},
-                    shard_path(cfg.out_dir, rank))
+        writer.save(checkpoint_of({'zero': zero.state_dict()}, zero.pieces(), (RANK_FILE, world_size),
+                                    {'stage': cfg.stage, 'ranks': world_size}, rank, vars(model.config), it,
+                                    best, vars(cfg)), rank_path(cfg.out_dir, RANK_FILE, rank))
 
     run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_function(compiled, ctx), dp=dp,
                           data=data, step=step, save=save, n_devices=world_size, rank=rank,

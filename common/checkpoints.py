@@ -165,24 +165,6 @@ def train_checkpoint(model_sd, optimizer_sd, rng_states, model_args, iter_num, b
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
 
 
-def adamw_state_dict(model_args, state_by_name, cfg):
-    """torch AdamW's state_dict for train.py's model (configure_optimizers' groups and parameter order), from
-    the per-parameter states {name: {'step', 'exp_avg', 'exp_avg_sq'}} a consolidation has put back together.
-    The model is built on the meta device: its names and order, none of its memory."""
-    with torch.device('meta'):
-        dense = GPT(GPTConfig(**model_args))
-    optimizer = dense.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
-                                           (cfg['beta1'], cfg['beta2']),
-                                           'cpu')
-    name_of = {id(p): n for n, p in dense.named_parameters()}
-    order = [name_of[id(p)] for group in optimizer.param_groups for p in group['params']]
-    sd = optimizer.state_dict()
-    sd['state'] = {i: state_by_name[n] for i, n in enumerate(order) if n in state_by_name}
-    for group in sd['param_groups']:
-        group['eps'] = cfg.get('adam_eps', group['eps'])
-    return sd
-
-
 def rng_state():
     """This process's random streams: the CPU generator, and the current GPU's when there is one."""
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -353,33 +335,62 @@ def load_mmap(path):
     return torch.load(path, map_location='cpu', weights_only=False, mmap=True)
 
 
-def load_world(out_dir, pattern, count):
-    """The files pattern.format(r) for r < count, memory-mapped: all must exist and be from one iteration
-    (each file is written atomically, but a run stopped while saving can leave some ranks' files a save
-    behind)."""
-    paths = [os.path.join(out_dir, pattern.format(r)) for r in range(count)]
-    missing = [p for p in paths if not os.path.exists(p)]
-    if missing:
-        raise SystemExit(f"error: consolidate: {out_dir} holds a world of {count} but not "
-                         f"{', '.join(missing)}")
-    files = [load_mmap(p) for p in paths]
-    iters = sorted({f['iter_num'] for f in files})
-    if len(iters) != 1:
-        raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from "
-                         "different "
-                         f"iterations ({', '.join(map(str, iters))})")
-    return files
+def whole_shapes(model_args):
+    """{name: shape} of every parameter of the whole model (built on the meta device: no memory)."""
+    with torch.device('meta'):
+        return {name: p.shape for name, p in GPT(GPTConfig(**model_args)).named_parameters()}
 
 
-def joined_checkpoint(model_sd, state_by_name, first, rng_states, cfg):
-    """train.py's checkpoint from a consolidation's parts: the whole model's tensors, AdamW's state by
-    parameter name, the first file's model_args / iter_num / best_val_loss, every rank's random streams, the
-    run's config. A tied embedding is known to train.py by both its names; each parameter gets its own step
-    tensor (one shared by all would be advanced once per parameter per step)."""
-    if first['model_args'].get('tie_embeddings', True):
-        model_sd['lm_head.weight'] = model_sd['transformer.wte.weight']
-    state_by_name = {n: dict(s, step=torch.tensor(float(s['step']))) for n, s in state_by_name.items()}
-    cfg = dict(cfg, init_from='resume')
-    optimizer_sd = adamw_state_dict(first['model_args'], state_by_name, cfg)
-    return train_checkpoint(model_sd, optimizer_sd, rng_states, first['model_args'], first['iter_num'],
-                            first['best_val_loss'], cfg)
+def rank_path(out_dir, pattern, rank):
+    """A rank's own checkpoint file: pattern ('zero_rank{}.pt', 'ckpt_rank{}.pt', ...) with its rank."""
+    return os.path.join(out_dir, pattern.format(rank))
+
+
+def checkpoint_of(state, pieces, files, grid, dp_rank, model_args, iter_num, best_val_loss, cfg):
+    """One rank's checkpoint file: what the rank resumes from (state: its own tensors, in its script's form),
+    where they sit in the whole model (pieces: pieces_of's, which consolidate.py lays in place), files: the
+    world's (pattern, count), the grid it was cut on (a resume on another is refused), this rank's random
+    streams (dp_rank: the data-parallel rank whose stream they are, or None for a rank that shares its
+    replica's), and train.py's small fields."""
+    return {**state, 'pieces': pieces, 'files': files, 'grid': grid, 'rng': rng_state(), 'dp_rank': dp_rank,
+            'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': cfg}
+
+
+def held_pieces(model, optimizer, cut):
+    """pieces_of for each parameter this rank holds, in a file that keeps model.state_dict() as 'model' and
+    optimizer.state_dict() as 'optimizer' (AdamW's state numbered in param_groups' order). cut(name, p): None
+    (not declared here: another rank's copy is), or (its name in the whole model, its whole shape, boxes:
+    where its rows sit, None when it is whole)."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group['params'])}
+    pieces = []
+    for name, p in model.named_parameters():
+        where = cut(name, p)
+        if where is not None:
+            paths = {'param': ('model', name)}
+            if p in optimizer.state:  # (AdamW keeps no state for a parameter that never had a gradient)
+                paths.update({k: ('optimizer', 'state', index[id(p)], k)
+                              for k in ('exp_avg', 'exp_avg_sq', 'step')})
+            pieces += pieces_of(*where[:2], paths, boxes=where[2])
+    return pieces
+
+
+def pieces_of(name, shape, paths, boxes=None, chunk=None):
+    """Where this rank's part of whole parameter `name` (of shape) sits, for consolidate.py: a list of
+    (name, box, flat, rows, paths). paths: where the file keeps the part and its AdamW state ({'param': (key,
+    key, ...), 'exp_avg': ..., 'exp_avg_sq': ..., 'step': ...}). The part is the whole parameter, or (boxes,
+    tensor parallelism's cut: [(box, first, last)]) its rows first .. last-1 are the whole tensor's box (a
+    (start, stop) per dimension). Held as it is, or (chunk=(at, start, end), ZeRO's flat chunk) its flat
+    elements at .. at+end-start are elements start .. end of the 1-D tensor the paths name."""
+    boxes = boxes or [([(0, n) for n in shape], 0, shape[0])]
+    pieces = []
+    for box, first, last in boxes:
+        per_row = math.prod(stop - start for start, stop in box) // (last - first)
+        lo, hi = first * per_row, last * per_row  # the box's elements, in the part's flat order
+        if chunk is None:
+            pieces.append((name, box, None, (first, last), paths))
+            continue
+        at, start, end = chunk
+        a, b = max(lo, at), min(hi, at + end - start)
+        if a < b:
+            pieces.append((name, box, (a - lo, b - lo), (start + a - at, start + b - at), paths))
+    return pieces

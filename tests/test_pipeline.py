@@ -373,8 +373,6 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
     pargs = ARGS + ['--pp=2', '--schedule=1f1b', '--n_microbatches=2', f'--out_dir={pipe}']
     check(run_script('pipeline.py', pargs + ['--max_iters=3'], nproc=2))
     check(run_script('consolidate.py', [str(pipe), str(full)]))
-    import pipeline  # its own join of the stage files: consolidate.py's checkpoint, out_dir aside
-    _assert_same_checkpoint(pipeline.consolidate(pipe), torch.load(f'{full}/ckpt.pt', weights_only=False))
     check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=4))
     check(run_script('train.py', ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume']))
     want = train_losses(baseline)
@@ -392,23 +390,6 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
         assert r['compute_fraction'] + r['send_recv_fraction'] + r['other_fraction'] == pytest.approx(1)
         assert r['bubble_fraction'] == pytest.approx(1 - r['compute_fraction'])
         assert 0.0 <= r['bubble_fraction'] < 1.0 and r['bubble_fraction_formula'] == pytest.approx(1 / 3)
-
-
-def _assert_same_checkpoint(a, b):
-    """Two checkpoint dicts hold the same tensors and values (config's out_dir aside)."""
-    assert set(a) == set(b), (set(a) ^ set(b))
-    for key in a:
-        x, y = a[key], b[key]
-        if key == 'config':
-            x, y = dict(x, out_dir=None), dict(y, out_dir=None)
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x, y), key
-        elif isinstance(x, dict):
-            _assert_same_checkpoint(x, y)
-        elif isinstance(x, list) and x and isinstance(x[0], dict):
-            assert len(x) == len(y) and all(_assert_same_checkpoint(u, w) is None for u, w in zip(x, y)), key
-        else:
-            assert x == y, key
 
 
 def test_each_stage_measures_its_own_wire_bytes(tmp_path):

@@ -15,6 +15,7 @@ from helpers import (REPO, TINY, LoopbackFlood, assert_same_checkpoint, assert_s
 
 import consolidate
 from common import deepspeed_config
+from common.checkpoints import rank_path
 from common import formulas
 import zero
 
@@ -225,8 +226,8 @@ def test_shard_checkpoint_resume_is_identical(split_runs):
         whole, split = split_runs / f'whole{stage}', split_runs / f'split{stage}'
         assert train_losses(whole) == train_losses(split)
         for rank in range(2):
-            a = torch.load(zero.shard_path(whole, rank), weights_only=False)['zero']
-            b = torch.load(zero.shard_path(split, rank), weights_only=False)['zero']
+            a = torch.load(rank_path(whole, zero.RANK_FILE, rank), weights_only=False)['zero']
+            b = torch.load(rank_path(split, zero.RANK_FILE, rank), weights_only=False)['zero']
             assert a['step'] == b['step'] == 3
             for key in ('master', 'exp_avg', 'exp_avg_sq'):
                 assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (stage, rank, key)
@@ -507,7 +508,7 @@ def test_consolidate_bad_input_is_one_line(tmp_path):
     for directory, iters in ((tmp_path, [4]), (stale, [4, 2])):  # tmp_path: rank 1's shard missing
         directory.mkdir(exist_ok=True)
         for rank, iter_num in enumerate(iters):
-            torch.save({'zero': {'world_size': 2}, 'iter_num': iter_num}, directory / f'zero_rank{rank}.pt')
+            torch.save({'files': ('zero_rank{}.pt', 2), 'iter_num': iter_num}, directory / f'zero_rank{rank}.pt')
     for directory, message in ((tmp_path / 'empty', 'holds none'), (tmp_path, 'zero_rank1.pt'),
                                (stale, 'different iterations (2, 4)')):
         directory.mkdir(exist_ok=True)
