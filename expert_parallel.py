@@ -31,7 +31,7 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_
                                 init_params, keep_own, materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import (AllToAll, along, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, group_comm, init_distributed, process_grid,
-                                sum_of_squares, world_size_from_env)
+                                world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -147,9 +147,9 @@ def train_step(model, optimizer, batches, ctx, grad_clip, params, comms):
         loss.backward()
     sync_gradients(dense, experts, dp, edp)
     if grad_clip != 0.0:  # the whole model's norm: the ep group holds each expert once, the dense ep times
-        dense_grads, expert_grads = ([p.grad for p in ps if p.grad is not None] for ps in (dense, experts))
-        local_sq = sum_of_squares(expert_grads, loss_sum.device) + sum_of_squares(dense_grads) / ep.size
-        clip_grad_norm(dense_grads + expert_grads, local_sq, grad_clip, [ep])
+        counted = [(p.grad, 1 / ep.size) for p in dense if p.grad is not None] + \
+            [(p.grad, 1.0) for p in experts if p.grad is not None]
+        clip_grad_norm([g for g, _ in counted], grad_clip, [ep], counted)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dp.all_reduce(loss_sum, kind='scalars')

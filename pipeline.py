@@ -23,8 +23,7 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_
                                 init_model, init_params, keep_own, materialize, rank_path, restore_rng,
                                 seed_dropout, train_checkpoint)
 from common.distributed import (along, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, group_comm, process_grid, sum_of_squares,
-                                world_size_from_env)
+                                finish_distributed, group_comm, process_grid, world_size_from_env)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -395,8 +394,7 @@ def train_step(stage, optimizer, batches, cfg, dp, embed):
         embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
     if cfg.grad_clip != 0.0:  # the norm over every stage, a tied weight once (the last stage's copy left out)
         tied = model.lm_head.weight.grad if embed is not None and stage.is_last else None
-        sq = sum_of_squares([g for g in grads if g is not tied])
-        clip_grad_norm(grads, sq, cfg.grad_clip, [stage.comm])
+        clip_grad_norm(grads, cfg.grad_clip, [stage.comm], [(g, float(g is not tied)) for g in grads])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = stage.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp

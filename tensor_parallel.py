@@ -27,8 +27,7 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_
                                 whole_shapes)
 from common.dataset import load_dataset, micro_batches
 from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, process_grid, reduce_scatter_seq, sum_of_squares,
-                                world_size_from_env)
+                                finish_distributed, process_grid, reduce_scatter_seq, world_size_from_env)
 from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
                              configure_adamw, outputs_line, print_grid, profiled, refuse, refuse_moe,
                              run_main, run_shape, start_run, training_loop)
@@ -369,10 +368,9 @@ def sync_tp_grads(layout, tp):
 
 def clip_grads(layout, tp, max_norm):
     """clip_grad_norm_ over the whole model: summed over tp, each rank's slices + 1/tp of the replicated."""
-    grads = [(p.grad, kind == 'replicated') for p, kind in layout.values() if p.grad is not None]
-    split, replicated = [g for g, r in grads if not r], [g for g, r in grads if r]
-    share = sum_of_squares(split) + sum_of_squares(replicated) / tp.group.size
-    return clip_grad_norm(split + replicated, share, max_norm, [tp.group])
+    counted = [(p.grad, 1 / tp.group.size if kind == 'replicated' else 1.0) for p, kind in layout.values()
+               if p.grad is not None]
+    return clip_grad_norm([g for g, _ in counted], max_norm, [tp.group], counted)
 
 
 def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):

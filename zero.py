@@ -33,7 +33,7 @@ from common.training import (autocast_context, check_batch, config_defaults, con
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
                                 load_params, pieces_of, rank_path, restore_rng, seed_dropout, set_rng_state)
-from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of, sum_of_squares,
+from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of,
                                 world_size_from_env)
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
 
@@ -275,14 +275,14 @@ class Zero:
         an all-reduce of that scalar gives the global norm. parallel_4d.py sums on over other_comms (ranks
         holding other parts); weights {id(parameter): w} count a parameter several ranks hold w times."""
         grads = self.grads()
-        sq = sum_of_squares(grads, self.device)
-        for b, g in zip(self.buckets, grads):
+        counted = [(g, 1.0) for g in grads]  # (the padding is 0)
+        for b, g in zip(self.buckets, grads):  # a parameter weighed w (parallel_4d.py): w - 1 times more
             for j, p in enumerate(b.params):
-                if weights is not None and weights.get(id(p), 1.0) != 1.0:
+                if weights and weights.get(id(p), 1.0) != 1.0:
                     start, end, _ = b.owned_part(j)
-                    sq += (weights[id(p)] - 1.0) * sum_of_squares([g[start:max(start, end)]])
+                    counted.append((g[start:max(start, end)], weights[id(p)] - 1.0))
         comms = ([self.comm] if self.stage >= 1 else []) + list(other_comms)  # (stage 0: every rank has all)
-        return clip_grad_norm(grads, sq, max_norm, comms)
+        return clip_grad_norm(grads, max_norm, comms, counted)
 
     @torch.no_grad()
     def step(self, lr):

@@ -168,19 +168,16 @@ def average_gradients(params, comm, divisor=None, kind='all_reduce'):
             g.copy_(new.view_as(g))
 
 
-def sum_of_squares(grads, device=None):
-    """The sum of every squared entry of grads, in fp32 (a norm's square: the part these gradients add)."""
-    total = torch.zeros((), device=device or (grads[0].device if grads else None))
-    for g in grads:
-        total += g.float().pow(2).sum()
-    return total
-
-
-def clip_grad_norm(grads, local_sq, max_norm, comms=()):
-    """torch.nn.utils.clip_grad_norm_ for a model spread over ranks: local_sq is this rank's share of the
-    norm's square (each entry of the model counted once over all ranks: a copy that k ranks hold adds 1/k
-    of its squares on each, or 0 on all but one), summed over comms, the ranks holding the other parts; then
-    every gradient this rank holds is scaled by the same coefficient. Returns the global norm."""
+def clip_grad_norm(grads, max_norm, comms=(), counted=None):
+    """torch.nn.utils.clip_grad_norm_ for a model spread over ranks, the one written here for every script.
+    The norm's square is this rank's share, summed over comms (the ranks holding the other parts): the
+    squares of its entries, each entry of the model counted once over all ranks. counted: [(tensor, weight)]
+    (default: each of grads once): a copy that k ranks hold weighs 1/k on each, or 1 on one rank and 0 on the
+    others. Then every gradient this rank holds (grads) is scaled by the same coefficient. Returns the norm."""
+    local_sq = torch.zeros((), device=grads[0].device if grads else None)
+    for g, weight in [(g, 1.0) for g in grads] if counted is None else counted:
+        if weight:
+            local_sq += weight * g.float().pow(2).sum()  # (fp32)
     for comm in comms:
         comm.all_reduce(local_sq, kind='scalars')
     norm = local_sq.sqrt()
