@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, apply_rope, rope_cos_sin
-from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, print_sample, profiled, refuse, refuse_moe,
-                             run_main, run_shape, start_run, training_loop)
+from common.training import (autocast_context, config_defaults, configure, configure_adamw, moe_refusal,
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+                             shared_refusals, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from common.distributed import (AllToAll, Comm, along, average_gradients, data_parallel_size,
@@ -329,12 +329,12 @@ def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
-    check_batch(cfg, data_parallel_size(world_size, cp=cfg.cp), world_size)  # (names the flag to change)
-    check_no_compile(cfg, 'context_parallel.py')  # not wired in here: said rather than ignored
-    refuse_moe(cfg, 'context_parallel.py', "the load-balancing loss needs the routing statistics of whole "
-               "sequences, which the cp ranks split")
+    dp = data_parallel_size(world_size, cp=cfg.cp)  # (names the flag to change)
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
-    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
+    refuse(*shared_refusals(cfg, 'context_parallel.py', dp, world_size),
+           moe_refusal(cfg, 'context_parallel.py', "the load-balancing loss needs the routing statistics of "
+                       "whole sequences, which the cp ranks split"),
+           (cfg.cp_attention not in ('ring', 'ulysses'),
             f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
            (cfg.block_size % (2 * cfg.cp), f"block_size ({cfg.block_size}) must be divisible by 2 x cp = "
             f"{2 * cfg.cp}: each rank holds two equal chunks of every sequence (zig-zag)"),
@@ -342,9 +342,7 @@ def check_config(cfg, world_size):
             f"ulysses needs n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) divisible by cp={cfg.cp}: its "
             f"all-to-all gives each rank whole heads"),
            (cfg.dropout != 0.0, f"context_parallel.py needs dropout=0.0, got {cfg.dropout}: attention's "
-            f"dropout would have to be replayed block by block in the ring's backward"),
-           (cfg.dtype not in ('float32', 'bfloat16'),
-            f"context_parallel.py needs dtype float32 or bfloat16, got {cfg.dtype!r}"))
+            f"dropout would have to be replayed block by block in the ring's backward"))
 
 
 def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_path):

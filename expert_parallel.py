@@ -23,9 +23,9 @@ from types import SimpleNamespace
 import torch
 
 from model import MoE, combine
-from common.training import (autocast_context, check_batch, config_defaults, configure, loss_function,
-                             model_config, outputs_line, print_sample, profiled, run_main, run_shape,
-                             training_loop)
+from common.training import (autocast_context, config_defaults, configure, loss_function, model_config,
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+                             shared_refusals, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, held_pieces, init_model,
                                 init_params, keep_own, materialize, rank_path, seed_dropout, set_rng_state)
@@ -203,27 +203,18 @@ def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_
 
 def check_config(cfg, world_size):
     """Every bad input, before any work: one line naming the key, the same on every rank."""
-    if cfg.n_expert == 0:
-        raise SystemExit("error: n_expert=0: a dense model has no experts to split over ep ranks; pass "
-                         "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model "
-                         "with train_ddp.py")
-    if not any(model_config(cfg, 256).is_moe(i) for i in range(cfg.n_layer)):  # (the model's checks first)
-        raise SystemExit(f"error: moe_every ({cfg.moe_every}) > n_layer ({cfg.n_layer}): no MoE layer, "
-                         f"nothing to split")
-    data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world
-    if cfg.n_expert % cfg.ep:
-        raise SystemExit(f"error: n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep rank "
-                         f"holds n_expert/ep whole experts of every layer")
-    check_batch(cfg, world_size, world_size)  # every rank is a data-parallel rank
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: dtype must be float32 or bfloat16 for expert_parallel.py, got "
-                         f"{cfg.dtype!r} (float16's GradScaler would need its inf check shared by the ranks)")
-    if cfg.compile:
-        raise SystemExit("error: --compile=True is not supported by expert_parallel.py (the all-to-all's "
-                         "sizes come to the host every layer): pass --compile=False")
-    if cfg.init_from not in ('scratch', 'resume'):
-        raise SystemExit(f"error: init_from must be 'scratch' or 'resume', got {cfg.init_from!r} (GPT-2 is "
-                         f"dense: nothing to split)")
+    moe_layers = [i for i in range(cfg.n_layer) if model_config(cfg, 256).is_moe(i)]  # (the model's checks)
+    refuse((cfg.n_expert == 0, "n_expert=0: a dense model has no experts to split over ep ranks; pass "
+            "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model with "
+            "train_ddp.py"),
+           (not moe_layers, f"moe_every ({cfg.moe_every}) > n_layer ({cfg.n_layer}): no MoE layer, nothing "
+            "to split"))
+    data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world (the next checks divide by it)
+    refuse((cfg.n_expert % cfg.ep, f"n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep "
+            "rank holds n_expert/ep whole experts of every layer"),
+           *shared_refusals(cfg, 'expert_parallel.py', world_size, world_size),  # (every rank is a dp rank)
+           (cfg.init_from not in ('scratch', 'resume'), f"init_from must be 'scratch' or 'resume', got "
+            f"{cfg.init_from!r} (GPT-2 is dense: nothing to split)"))
     check_resume_grid(cfg, {'ep': cfg.ep, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0))
 
 

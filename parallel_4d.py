@@ -32,9 +32,9 @@ from common.distributed import (along, data_parallel_size, finish_distributed, g
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, qkv_split, shard_gpt,
                              slice_boxes, sync_tp_grads, tp_embed, tp_head)
-from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             get_lr, outputs_line, print_grid, profiled, refuse, refuse_moe, run_main,
-                             run_shape, start_run, training_loop)
+from common.training import (autocast_context, config_defaults, configure, get_lr, moe_refusal, outputs_line,
+                             print_grid, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
+                             training_loop)
 from zero import Zero
 
 # -----------------------------------------------------------------------------
@@ -184,13 +184,15 @@ def main(argv):
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank. Returns dp."""
     check_schedule(cfg)  # first: the checks below divide by n_microbatches and virtual_stages
-    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
-            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"))
     dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    check_batch(cfg, dp, world_size)
-    m, n_kv_head = cfg.n_microbatches, cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    m, n_kv_head, path = cfg.n_microbatches, cfg.n_kv_head or cfg.n_head, rank_path(cfg.out_dir, RANK_FILE, 0)
     heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
-    refuse((cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
+    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
+            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
+           *shared_refusals(cfg, 'parallel_4d.py', dp, world_size),
+           moe_refusal(cfg, 'parallel_4d.py', "its experts are not cut over the tp ranks, nor its stages' "
+                       "load-balancing losses added"),
+           (cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
             f"must be divisible by tp{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole "
             "heads"),
            (cfg.n_layer % (cfg.pp * cfg.virtual_stages), f"n_layer ({cfg.n_layer}) must be divisible by pp x "
@@ -204,13 +206,7 @@ def check_config(cfg, world_size):
            (cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel), "with cp > 1, dropout must be 0.0 "
             "and sequence_parallel False (the ring cannot replay dropout; sequence parallelism inside a cp "
             "chunk is not composed here)"),
-           (cfg.dtype not in ('float32', 'bfloat16'),
-            f"parallel_4d.py trains in float32 or bfloat16, got --dtype={cfg.dtype!r}"))
-    check_no_compile(cfg, 'parallel_4d.py')
-    refuse_moe(cfg, 'parallel_4d.py', "its experts are not cut over the tp ranks, nor its stages' "
-               "load-balancing losses added")
-    path = rank_path(cfg.out_dir, RANK_FILE, 0)
-    refuse((cfg.init_from == 'resume' and not os.path.exists(path),
+           (cfg.init_from == 'resume' and not os.path.exists(path),
             f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"))
     check_resume_grid(cfg, run_grid(cfg, world_size), path)
     return dp

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import torch
 
-from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, print_grid, profiled, refuse, refuse_moe,
-                             run_main, run_shape, start_run, training_loop)
+from common.training import (autocast_context, config_defaults, configure, configure_adamw, moe_refusal,
+                             outputs_line, print_grid, profiled, refuse, run_main, run_shape, shared_refusals,
+                             start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, held_pieces,
                                 init_model, init_params, keep_own, materialize, rank_path, restore_rng,
@@ -42,20 +42,17 @@ config = config_defaults(globals())
 
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank)."""
-    check_schedule(cfg)
+    check_schedule(cfg)  # first: the checks below divide by its keys
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
-    check_batch(cfg, data_parallel_size(world_size, pp=p), world_size)
-    refuse((cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
+    refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),
+           moe_refusal(cfg, 'pipeline.py', "each stage's load-balancing loss would be left out of the loss"),
+           (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
                                    f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
            (cfg.schedule in ('1f1b', 'zb1') and m < p,
             f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
            (cfg.schedule == 'interleaved' and m % p,
-            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
-           (cfg.dtype not in ('float32', 'bfloat16'),
-            f"pipeline.py trains in float32 or bfloat16, not {cfg.dtype} (float16: one loss scale)"))
-    check_no_compile(cfg, 'pipeline.py')
-    refuse_moe(cfg, 'pipeline.py', "each stage's load-balancing loss would be left out of the loss")
+            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"))
     check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, rank_path(cfg.out_dir, STAGE_FILE, 0))
 
 

@@ -28,9 +28,9 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_
 from common.dataset import load_dataset, micro_batches
 from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
                                 finish_distributed, process_grid, reduce_scatter_seq, world_size_from_env)
-from common.training import (autocast_context, check_batch, check_no_compile, config_defaults, configure,
-                             configure_adamw, outputs_line, print_grid, profiled, refuse, refuse_moe,
-                             run_main, run_shape, start_run, training_loop)
+from common.training import (autocast_context, config_defaults, configure, configure_adamw, moe_refusal,
+                             outputs_line, print_grid, profiled, refuse, run_main, run_shape, shared_refusals,
+                             start_run, training_loop)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -437,17 +437,14 @@ def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank."""
-    check_batch(cfg, data_parallel_size(world_size, tp=cfg.tp), world_size)  # (names the flag to change)
-    check_no_compile(cfg, 'tensor_parallel.py')  # not wired in here: said rather than ignored
-    refuse_moe(cfg, 'tensor_parallel.py', "its experts are not cut over the tp ranks")
+    dp = data_parallel_size(world_size, tp=cfg.tp)  # (names the flag to change)
     n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_path(cfg.out_dir, RANK_FILE, 0)
-    refuse((cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
+    refuse(*shared_refusals(cfg, 'tensor_parallel.py', dp, world_size),
+           moe_refusal(cfg, 'tensor_parallel.py', "its experts are not cut over the tp ranks"),
+           (cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
             f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),
            (cfg.sequence_parallel and cfg.block_size % cfg.tp,
             f"sequence_parallel needs block_size ({cfg.block_size}) divisible by tp={cfg.tp}"),
-           (cfg.dtype not in ('float32', 'bfloat16'),
-            f"dtype must be float32 or bfloat16 for tensor_parallel.py, got {cfg.dtype!r} (float16's "
-            "GradScaler would need its inf check shared by the tp ranks)"),
            (cfg.init_from == 'resume' and not os.path.exists(path),  # (every rank's file: init_model checks)
             f"init_from=resume but there is no checkpoint at {path}"))
     check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.training import (StepLogger, autocast_context, check_batch, config_defaults, configure, evaluate,
-                             get_lr, loss_function, outputs_line, print_sample, profiled, run_main, run_shape,
-                             set_lr, should_evaluate, should_save, step_profiler)
+from common.training import (StepLogger, autocast_context, batch_refusal, config_defaults, configure,
+                             evaluate, get_lr, loss_function, outputs_line, print_sample, profiled, refuse,
+                             run_main, run_shape, set_lr, should_evaluate, should_save, step_profiler)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
                                 train_checkpoint)
@@ -95,7 +95,7 @@ def build_ddp(cfg, vocab_size, dp_rank, dp_size):
 
 def main(argv):
     cfg = configure(config, argv)
-    check_batch(cfg, world_size_from_env(), world_size_from_env())
+    refuse(batch_refusal(cfg, world_size_from_env(), world_size_from_env()))
     dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # torchrun's group (or one process)
     cfg.device = device if dist.is_initialized() else cfg.device  # cuda:LOCAL_RANK with NCCL, else the cpu
     master_process, dp = dp_rank == 0, Comm(None, 'dp')  # rank 0 logs and saves; dp: the whole world

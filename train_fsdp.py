@@ -16,20 +16,18 @@ consolidate.py joins them into train.py's ckpt.pt, from which train.py, sample.p
 
 import os
 import shutil
-from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common.training import (autocast_context, check_batch, config_defaults, configure, outputs_line,
-                             print_sample, profiled, progress, run_main, run_shape, training_loop)
+from common.training import (autocast_context, config_defaults, configure, outputs_line, print_sample,
+                             profiled, refuse, run_main, run_shape, shared_refusals, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (gather_rng_states, init_model, init_values, load_params, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
@@ -176,10 +174,8 @@ def load_whole_optimizer(optimizer, osd):
 
 def main(argv):
     cfg = configure(config, argv)
-    if cfg.dtype not in ('float32', 'bfloat16'):
-        raise SystemExit(f"error: train_fsdp.py trains in float32 or bfloat16 (FSDP's MixedPrecisionPolicy), "
-                         f"got --dtype={cfg.dtype!r}; float16 needs train.py's loss scaling")
-    check_batch(cfg, world_size_from_env(), world_size_from_env())
+    world = world_size_from_env()
+    refuse(*shared_refusals(cfg, 'train_fsdp.py', world, world, compiles=True))
     dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout, group_of_one=True)  # FSDP2 needs a group
     if 'RANK' in os.environ:
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo

@@ -27,9 +27,9 @@ import torch.nn as nn
 
 from common.deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from model import param_groups
-from common.training import (autocast_context, check_batch, config_defaults, configure, get_lr, loss_function,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape, start_run,
-                             training_loop)
+from common.training import (autocast_context, config_defaults, configure, get_lr, loss_function,
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+                             shared_refusals, start_run, training_loop)
 from common.dataset import load_dataset, micro_batches
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
                                 load_params, pieces_of, rank_path, restore_rng, seed_dropout, set_rng_state)
@@ -434,17 +434,12 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
-    refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"))
-    check_batch(cfg, world_size, world_size)  # (a DeepSpeed config counts micro-steps per rank: whole ones)
-    check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0),
-                      then=" (and delete the zero_rank*.pt files)")  # (the same grid as save() writes)
-    if cfg.print_ds_config:
-        return cfg
-    refuse((cfg.dtype not in ('float32', 'bfloat16'),
-            f"zero.py trains in float32 or bfloat16 (fp32 master weights), got {cfg.dtype!r}"),
-           (cfg.compile and cfg.stage == 3, "compile=True can't run stage 3 (its hooks free storage)"),
+    refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"),
+           *shared_refusals(cfg, 'zero.py', world_size, world_size, compiles=cfg.stage < 3),  # (3: hooks)
            (cfg.bucket_size < 1 or cfg.prefetch_blocks < 0,
             f"bucket_size must be >= 1 and prefetch_blocks >= 0: {cfg.bucket_size}, {cfg.prefetch_blocks}"))
+    check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0),
+                      then=" (and delete the zero_rank*.pt files)")  # (the same grid as save() writes)
     return cfg
 
 

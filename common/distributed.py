@@ -173,7 +173,7 @@ def clip_grad_norm(grads, max_norm, comms=(), counted=None):
     The norm's square is this rank's share, summed over comms (the ranks holding the other parts): the
     squares of its entries, each entry of the model counted once over all ranks. counted: [(tensor, weight)]
     (default: each of grads once): a copy that k ranks hold weighs 1/k on each, or 1 on one rank and 0 on the
-    others. Then every gradient this rank holds (grads) is scaled by the same coefficient. Returns the norm."""
+    others. Then every gradient this rank holds (grads) is scaled by the one coefficient. Returns the norm."""
     local_sq = torch.zeros((), device=grads[0].device if grads else None)
     for g, weight in [(g, 1.0) for g in grads] if counted is None else counted:
         if weight:

@@ -328,23 +328,25 @@ def log_rank_rows(out_dir, row):
     return rows
 
 
-def check_no_compile(cfg, script):
-    """torch.compile is not wired into the sharded scripts: say so rather than ignore it."""
-    if cfg.compile:
-        raise SystemExit(f"error: --compile=True is not supported by {script}: pass --compile=False (a "
-                         f"config file that sets compile = True needs it after the file)")
+def batch_refusal(cfg, dp_size, world_size):
+    """The one batch rule's row: whole micro-batches on every data-parallel rank."""
+    fits = math.ceil(cfg.gradient_accumulation_steps / dp_size) * dp_size
+    return (cfg.gradient_accumulation_steps % dp_size,
+            f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by the "
+            f"data-parallel size dp={dp_size} (world size {world_size}): each data-parallel rank takes whole "
+            f"micro-batches; use --gradient_accumulation_steps={fits} or fewer processes")
 
 
-def check_batch(cfg, dp_size, world_size):
-    """The one batch rule needs whole micro-batches on every data-parallel rank."""
-    if cfg.gradient_accumulation_steps % dp_size:
-        fits = math.ceil(cfg.gradient_accumulation_steps / dp_size) * dp_size
-        raise SystemExit(f"error: gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be "
-                         "divisible "
-                         f"by the data-parallel size dp={dp_size} (world size {world_size}): each "
-                         "data-parallel "
-                         f"rank takes whole micro-batches; use --gradient_accumulation_steps={fits} or fewer "
-                         f"processes")
+def shared_refusals(cfg, script, dp_size, world_size, compiles=False):
+    """The rows every parallel script's table of refusals starts with, (bad, message) as refuse takes them:
+    whole micro-batches on every data-parallel rank (the one batch rule), float32 or bfloat16 (float16's loss
+    scale would need its inf check shared by the ranks: train.py has it), and --compile where the script
+    does not wire it in (said rather than ignored)."""
+    return [batch_refusal(cfg, dp_size, world_size),
+            (cfg.dtype not in ('float32', 'bfloat16'), f"{script} trains in float32 or bfloat16, got "
+             f"--dtype={cfg.dtype!r} (float16's loss scale would need its inf check shared by the ranks)"),
+            (cfg.compile and not compiles, f"--compile=True is not supported by {script}: pass "
+             "--compile=False (a config file that sets compile = True needs it after the file)")]
 
 
 def set_lr(optimizer, lr):
@@ -527,11 +529,11 @@ def refuse(*checks):
             raise SystemExit(f"error: {message}")
 
 
-def refuse_moe(cfg, script, why):
-    """A script that does not train a mixture of experts yet says so in one line, rather than train another
-    model than train.py's (a loss without the load-balancing term) or fail mid-run."""
-    refuse((cfg.n_expert > 0, f"{script} does not train a mixture of experts yet (n_expert={cfg.n_expert}): "
-            f"{why}; train it with train.py, train_ddp.py, zero.py, train_fsdp.py or expert_parallel.py"))
+def moe_refusal(cfg, script, why):
+    """The row of a script that does not train a mixture of experts yet: it says so in one line, rather than
+    train another model than train.py's (a loss without the load-balancing term) or fail mid-run."""
+    return (cfg.n_expert > 0, f"{script} does not train a mixture of experts yet (n_expert={cfg.n_expert}): "
+            f"{why}; train it with train.py, train_ddp.py, zero.py, train_fsdp.py or expert_parallel.py")
 
 
 def start_run(cfg):
