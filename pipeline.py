@@ -287,64 +287,88 @@ def zero_bubble_h1(stage, m, idx, targets, loss_scale):
         backward_weight_step(stage, k)
 
 
+def forward_key(k, p, v):
+    """Interleaved 1F1B's k-th forward, (microbatch, chunk): groups of p microbatches, each through one chunk,
+    then the next chunk."""
+    group, place = divmod(k, p * v)
+    return group * p + place % p, place // p
+
+
+def backward_key(k, p, v):
+    """Its k-th backward: the same microbatches, through the chunks in reverse order."""
+    microbatch, chunk = forward_key(k, p, v)
+    return microbatch, v - 1 - chunk
+
+
+def input_arriving(k, p, v, r, warmup):
+    """Interleaved 1F1B's steady step k on stage r: the chunk whose input comes with its exchange, or None.
+    Stage r > 0 gets the previous stage's output: the input of its own next forward. Stage 0's comes around
+    the ring from the last stage, p - 1 forwards behind it: the output of its chunk c is the input of chunk
+    c + 1 here (its last chunk's output is the loss: nothing comes)."""
+    if r > 0:
+        return forward_key(k + warmup + 1, p, v)[1]
+    chunk = forward_key(k + warmup - (p - 1), p, v)[1] + 1
+    return chunk if chunk < v else None
+
+
+def gradient_arriving(k, p, v, r):
+    """Its steady step k on stage r: the chunk whose output gradient comes with the exchange, or None. Stage
+    r < p - 1 gets the next stage's input gradient: the one its own next backward needs. The last stage's
+    comes around the ring from stage 0, p - 1 backwards behind it: the gradient of its chunk c's input is
+    that of chunk c - 1's output here (chunk 0's input is the embedding: nothing comes)."""
+    if r < p - 1:
+        return backward_key(k + 1, p, v)[1]
+    chunk = backward_key(k - (p - 1), p, v)[1] - 1
+    return chunk if chunk >= 0 else None
+
+
 def interleaved_1f1b(stage, m, idx, targets, loss_scale):
     """Megatron's interleaved 1F1B (Narayanan et al. 2021): v chunks per stage, chunk c of stage r virtual
-    stage c·p + r, a microbatch goes round the ring v times. The k-th forward runs chunk (k mod p·v) // p on
-    microbatch (k // p·v)·p + k mod p (the k-th backward: chunk v-1 minus that). Warm-up 2(p-r-1) + (v-1)·p
-    forwards, then 1F1B, then the rest of the backwards; received tensors queue per chunk. Bubble / v."""
+    stage c·p + r, a microbatch goes round the ring v times (forward_key, backward_key: the order). Warm-up
+    2(p-r-1) + (v-1)·p forwards, then 1F1B, then the rest of the backwards; what arrives queues per chunk
+    (input_arriving, gradient_arriving: which chunk an exchange brings). Bubble / v."""
     p, v, r = stage.pp, len(stage.chunks), stage.index
     total, warmup = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
-    inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # received, waiting for their F / B
+    inputs, grads = [[] for _ in range(v)], [[] for _ in range(v)]  # arrived, waiting for their F / B
 
-    def chunk_of(k, forward=True):
-        c = (k % (p * v)) // p
-        return c if forward else v - 1 - c
-
-    def forward(k):  # (the embedding's chunk receives nothing; forward_step sends nothing from the loss's)
-        c = chunk_of(k)
-        x = None if r == 0 and c == 0 else inputs[c].pop(0)
-        return forward_step(stage, ((k // (p * v)) * p + k % p, c), x, idx, targets, loss_scale, c)
+    def forward(k):  # (the embedding's chunk takes no input; forward_step sends nothing from the loss's)
+        key = forward_key(k, p, v)
+        x = None if r == 0 and key[1] == 0 else inputs[key[1]].pop(0)
+        return forward_step(stage, key, x, idx, targets, loss_scale, key[1])
 
     def backward(k):
-        c = chunk_of(k, forward=False)
-        dy = None if r == p - 1 and c == v - 1 else grads[c].pop(0)
-        return backward_step(stage, ((k // (p * v)) * p + k % p, c), dy, c)
+        key = backward_key(k, p, v)
+        dy = None if r == p - 1 and key[1] == v - 1 else grads[key[1]].pop(0)
+        return backward_step(stage, key, dy, key[1])
 
     inputs[0] += [communicate(stage, recv_prev=True)[0]] if r != 0 else []
     for k in range(warmup):  # warm-up: forwards only (the last one also receives the first gradient)
-        y = forward(k)
-        recv_prev = not (r == 0 and chunk_of(k + 1) == 0) and k != total - 1
-        recv_next = k == warmup - 1 and warmup < total and r != p - 1
-        x, dy = communicate(stage, send_next=y, recv_prev=recv_prev, recv_next=recv_next)
-        if recv_prev:
-            inputs[chunk_of(k + 1)].append(x)
-        if recv_next:
+        y, chunk = forward(k), forward_key(k + 1, p, v)[1]  # (none after the last, nor the embedding's)
+        chunk = None if k == total - 1 or (r == 0 and chunk == 0) else chunk
+        first_gradient = k == warmup - 1 and warmup < total and r != p - 1
+        x, dy = communicate(stage, send_next=y, recv_prev=chunk is not None, recv_next=first_gradient)
+        if chunk is not None:
+            inputs[chunk].append(x)
+        if first_gradient:
             grads[v - 1].append(dy)
     for k in range(total - warmup):  # steady state: forward k + warmup, backward k, one exchange both ways
         y, dx = forward(k + warmup), backward(k)
-        if r == 0:  # the first stage's next input comes from the last stage, p - 1 forwards behind
-            next_f = chunk_of(k + warmup - (p - 1)) + 1
-            recv_prev = next_f != v
-        else:
-            next_f, recv_prev = chunk_of(k + warmup + 1), True
-        if r == p - 1:  # the last stage's next gradient comes from the first stage, p - 1 backwards behind
-            next_b = chunk_of(k - (p - 1), forward=False) - 1
-            recv_next = next_b != -1
-        else:
-            next_b, recv_next = chunk_of(k + 1, forward=False), True
-        recv_prev = recv_prev and k != total - warmup - 1
-        x, dy = communicate(stage, send_next=y, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next)
-        if recv_prev:
-            inputs[next_f].append(x)
-        if recv_next:
-            grads[next_b].append(dy)
+        chunk = input_arriving(k, p, v, r, warmup) if k != total - warmup - 1 else None  # (the last F ran)
+        grad_chunk = gradient_arriving(k, p, v, r)
+        x, dy = communicate(stage, send_next=y, send_prev=dx, recv_prev=chunk is not None,
+                            recv_next=grad_chunk is not None)
+        if chunk is not None:
+            inputs[chunk].append(x)
+        if grad_chunk is not None:
+            grads[grad_chunk].append(dy)
     if warmup == total and r != p - 1:  # cool-down: the remaining backwards
         grads[v - 1].append(communicate(stage, recv_next=True)[1])
     for k in range(total - warmup, total):
-        recv_next = not (r == p - 1 and chunk_of(k + 1, forward=False) == v - 1) and k != total - 1
-        _, dy = communicate(stage, send_prev=backward(k), recv_next=recv_next)
-        if recv_next:
-            grads[chunk_of(k + 1, forward=False)].append(dy)
+        grad_chunk = backward_key(k + 1, p, v)[1]  # (none after the last, nor the loss's chunk's)
+        grad_chunk = None if k == total - 1 or (r == p - 1 and grad_chunk == v - 1) else grad_chunk
+        _, dy = communicate(stage, send_prev=backward(k), recv_next=grad_chunk is not None)
+        if grad_chunk is not None:
+            grads[grad_chunk].append(dy)
 
 
 SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, 'interleaved': interleaved_1f1b, 'zb1': zero_bubble_h1}

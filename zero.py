@@ -13,9 +13,9 @@ stage 1  + optimizer state sharded: gradients reduce-scattered, each rank update
 stage 2  + gradients sharded: reduce-scattered at every micro-step; a rank keeps only its chunk of them
 stage 3  + parameters sharded: each block gathered just before its forward and backward, then freed (zero3.py)
 
-Each stage is two functions below: reduce_stage_S (a bucket's gradients, once backward has produced them)
-and publish_stage_S (the updated chunk, back into the model; stage 2 publishes as 1, 3 as 0). A measured
-step (the first, every --measure_every-th) reports bytes held and sent beside the formulas (reports.py).
+Each stage is a row of the table STAGES below: reduce_stage_S (a bucket's gradients, once backward has
+produced them) and how the updated chunk gets back into the model (publish_by_all_gather in stages 1 and 2,
+publish_by_copy in 0 and 3).
 """
 
 import math
@@ -126,8 +126,8 @@ class Bucket:
 
 
 # -----------------------------------------------------------------------------
-# What each stage does: reduce_stage_S once backward has produced a bucket's gradients, publish_stage_S after
-# this rank's AdamW step on its chunks
+# What each stage does: reduce_stage_S once backward has produced a bucket's gradients, a publish function
+# after this rank's AdamW step on its chunks
 
 def reduce_stage_0(z, b):
     """Plain data parallelism: all-reduce the full gradients in place, asynchronously, so backward goes on
@@ -174,17 +174,25 @@ def finish_in_flight(z):
     z.in_flight = []
 
 
-def publish_stage_0(z, b):
+def publish_by_copy(z, b):
     """The updated master copied into shard (nothing to do where they are one tensor). Stage 0: shard is the
     whole bucket, the model's parameters; stage 3: this rank's chunk, which the next forward gathers."""
     if b.shard is not b.master:
         b.shard.copy_(b.master)
 
 
-def publish_stage_1(z, b):
+def publish_by_all_gather(z, b):
     """Every rank updated only its chunk: an all-gather gives every rank every chunk (sent from a copy: the
     chunk is a view inside flat, the output). Returns the work, waited for once every gather is posted."""
     return z.comm.all_gather(b.flat, b.master.to(z.device, z.dtype, copy=True), async_op=True)
+
+
+# The table of the stages: what each does with a bucket's gradients once backward has produced them, and how
+# the chunk each rank updated gets back into the model
+STAGES = {0: (reduce_stage_0, publish_by_copy),        # every rank updated the whole bucket
+          1: (reduce_stage_1, publish_by_all_gather),  # each rank its chunk; every rank holds every parameter
+          2: (reduce_stage_2, publish_by_all_gather),  # as stage 1
+          3: (reduce_stage_3, publish_by_copy)}        # each rank keeps its chunk: forward gathers (zero3.py)
 
 
 # -----------------------------------------------------------------------------
@@ -200,8 +208,7 @@ class Zero:
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
         self.prefetch_blocks, self.dtype, self.weight_decay = prefetch_blocks, dtype, weight_decay
         self.device = device or next(model.parameters()).device
-        self.reduce = (reduce_stage_0, reduce_stage_1, reduce_stage_2, reduce_stage_3)[stage]
-        self.publish = (publish_stage_0, publish_stage_1, publish_stage_1, publish_stage_0)[stage]
+        self.reduce, self.publish = STAGES[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
         self.buckets = [Bucket(group, decay, rank, world_size, stage, dtype, self.device, offload)
                         for group in bucket_groups(model, stage, bucket_size)]
