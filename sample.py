@@ -61,17 +61,22 @@ def load_model(cfg):
     raise SystemExit(f"error: init_from must be 'resume' or a GPT-2 name, got {cfg.init_from!r}")
 
 
+def read_prompt(start):
+    """--start: the prompt itself, or FILE:path to read it from a file."""
+    if not start.startswith('FILE:'):
+        return start
+    path = start[len('FILE:'):]
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: start file {path} not found")
+    with open(path, encoding='utf-8') as f:
+        return f.read()
+
+
 def main(argv):
     cfg = configure(config, argv)
     if cfg.top_k < 0:
         raise SystemExit(f"error: top_k must be >= 0 (0 keeps all tokens), got {cfg.top_k}")
-    prompt = cfg.start
-    if prompt.startswith('FILE:'):
-        path = prompt[len('FILE:'):]
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: start file {path} not found")
-        with open(path, encoding='utf-8') as f:
-            prompt = f.read()
+    prompt = read_prompt(cfg.start)
 
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'

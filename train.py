@@ -112,28 +112,11 @@ def build(cfg, vocab_size, device_type):
     return model, optimizer, scaler, iter_num, best_val_loss
 
 
-def main(argv):
-    cfg = configure(config, argv)
-
-    # setup
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
-    ctx = autocast_context(device_type, cfg.dtype)
-
-    # data
-    data, vocab_size = load_dataset(cfg.dataset)
-
-    # model
-    model, optimizer, scaler, iter_num, best_val_loss = build(cfg, vocab_size, device_type)
+def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_val_loss):
+    """nanoGPT's loop: set the LR; every eval_interval evaluate and checkpoint; one iteration and its log
+    line; until max_iters. (raw_model: the model itself where model is torch.compile's)"""
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
-
     loss_of = loss_function(model, ctx)  # what evaluation calls: the mean loss of a batch, under autocast
-
-    # training loop
     writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
     profiler = step_profiler(cfg, 0)  # --profile=N: a trace per rank (None without)
     logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=1)
@@ -164,6 +147,27 @@ def main(argv):
         profiler.stop()
     writer.wait()
 
+
+def main(argv):
+    cfg = configure(config, argv)
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
+    ctx = autocast_context(device_type, cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model
+    model, optimizer, scaler, iter_num, best_val_loss = build(cfg, vocab_size, device_type)
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model)
+
+    # training loop
+    train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_val_loss)
     if cfg.sample_at_end and not cfg.eval_only:
         print_sample(raw_model, cfg, ctx)
     print(outputs_line(cfg.out_dir, "ckpt.pt (the checkpoint: resume, sample.py)", *profiled(cfg)))

@@ -93,32 +93,15 @@ def build_ddp(cfg, vocab_size, dp_rank, dp_size):
     return model, raw_model, optimizer, scaler, iter_num, best_val_loss
 
 
-def main(argv):
-    cfg = configure(config, argv)
-    refuse(batch_refusal(cfg, world_size_from_env(), world_size_from_env()))
-    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # torchrun's group (or one process)
-    cfg.device = device if dist.is_initialized() else cfg.device  # cuda:LOCAL_RANK with NCCL, else the cpu
-    master_process, dp = dp_rank == 0, Comm(None, 'dp')  # rank 0 logs and saves; dp: the whole world
-
-    # setup
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
-
-    # data
-    data, vocab_size = load_dataset(cfg.dataset)
-
-    # model: train.py's, wrapped in DDP (build_ddp)
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, raw_model, optimizer, scaler, iter_num, best_val_loss = build_ddp(cfg, vocab_size, dp_rank,
-                                                                             dp_size)
-
+def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_val_loss, dp):
+    """train.py's loop on this rank's slice of every batch: set the LR; every eval_interval evaluate (the
+    ranks share the batches) and checkpoint (rank 0 writes, with every rank's dropout stream); one iteration
+    and its log line; until max_iters."""
+    ckpt_path, master_process = os.path.join(cfg.out_dir, 'ckpt.pt'), dp.rank == 0  # rank 0 logs and saves
     loss_of = loss_function(raw_model, ctx)  # each rank its share of the eval batches: no DDP hooks needed
-
-    # training loop
     writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
-    profiler = step_profiler(cfg, dp_rank)  # --profile=N: a trace per rank (None without)
-    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp_size)
+    profiler = step_profiler(cfg, dp.rank)  # --profile=N: a trace per rank (None without)
+    logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp.size)
     while True:
         lr = get_lr(iter_num, cfg)
         set_lr(optimizer, lr)
@@ -138,7 +121,7 @@ def main(argv):
             break
 
         # one iteration, then its log line
-        batches = micro_batches(data, cfg, iter_num, dp_rank, dp_size)
+        batches = micro_batches(data, cfg, iter_num, dp.rank, dp.size)
         loss = train_step(model, optimizer, scaler, batches, ctx, cfg.grad_clip, dp)
         logger.step(iter_num, loss, lr)
         if profiler:
@@ -147,11 +130,34 @@ def main(argv):
     if profiler:
         profiler.stop()
     writer.wait()
+
+
+def main(argv):
+    cfg = configure(config, argv)
+    refuse(batch_refusal(cfg, world_size_from_env(), world_size_from_env()))
+    dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout)  # torchrun's group (or one process)
+    cfg.device = device if dist.is_initialized() else cfg.device  # cuda:LOCAL_RANK with NCCL, else the cpu
+    dp = Comm(None, 'dp')  # the whole world
+
+    # setup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
+
+    # data
+    data, vocab_size = load_dataset(cfg.dataset)
+
+    # model: train.py's, wrapped in DDP (build_ddp)
+    model, raw_model, optimizer, scaler, iter_num, best_val_loss = build_ddp(cfg, vocab_size, dp_rank,
+                                                                             dp_size)
+
+    # training loop
+    train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_val_loss, dp)
     finish_distributed(cfg)
 
-    if master_process and cfg.sample_at_end and not cfg.eval_only:  # the group is gone: no timeout to trip
+    if dp_rank == 0 and cfg.sample_at_end and not cfg.eval_only:  # the group is gone: no timeout to trip
         print_sample(raw_model, cfg, ctx)
-    if master_process:
+    if dp_rank == 0:
         print(outputs_line(cfg.out_dir, "ckpt.pt (train.py's format: resume, sample.py)", *profiled(cfg)))
 
 
