@@ -32,7 +32,7 @@ import torch
 
 from common.plots import plot
 from common.planner import add_estimate_arguments, ds_config_for, fmt_bytes, run_estimate
-from common.dataset import load_dataset
+from common.training import load_dataset
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 

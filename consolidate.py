@@ -25,9 +25,17 @@ from collections import defaultdict
 
 import torch
 
-from common.checkpoints import load_mmap, save_checkpoint, train_checkpoint, whole_shapes
-from common.training import progress
+from common.checkpoints import load_mmap, save_checkpoint, train_checkpoint
 from model import GPT, GPTConfig
+from common.model_parallel import whole_shapes
+
+
+def progress(done, total, what):
+    """For a long step (consolidating, preparing data): 'what: done/total (pct)' each time it crosses a
+    tenth."""
+    if total and (done == total or int(10 * done / total) != int(10 * (done - 1) / total)):
+        print(f"{what}: {done}/{total} ({100 * done / total:.0f}%)", flush=True)
+
 
 DCP = 'ckpt_dcp'  # train_fsdp.py's folder of torch.distributed.checkpoint's shards
 

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, apply_rope, rope_cos_sin
-from common.training import (autocast_context, config_defaults, configure, configure_adamw, moe_refusal,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
+                             moe_refusal, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
                              shared_refusals, start_run, training_loop)
-from common.dataset import load_dataset, micro_batches
 from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
-from common.distributed import (AllToAll, Comm, along, average_gradients, data_parallel_size,
-                                finish_distributed, group_comm, process_grid, world_size_from_env)
+from common.distributed import Comm, finish_distributed, world_size_from_env
+from common.model_parallel import (AllToAll, along, average_gradients, configure_adamw, data_parallel_size,
+                                   group_comm, process_grid)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -193,8 +193,8 @@ class RingAttention(torch.autograd.Function):
 
 def seq_to_heads(x, cp):
     """(B, H, L, hd), this rank's tokens and every head -> (B, H/cp, cp·L, hd), every rank's tokens (in rank
-    order) and this rank's heads. An all-to-all with a backward (distributed.AllToAll: the gradient goes back
-    by the same exchange), so autograd carries the layout changes around it."""
+    order) and this rank's heads. An all-to-all with a backward (model_parallel.AllToAll: the gradient goes
+    back by the same exchange), so autograd carries the layout changes around it."""
     B, H, L, hd = x.shape
     n = cp.group.size
     send = x.view(B, n, H // n, L, hd).transpose(0, 1).reshape(n, -1)  # the i-th row goes to rank i

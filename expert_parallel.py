@@ -23,15 +23,14 @@ from types import SimpleNamespace
 import torch
 
 from model import MoE, combine
-from common.training import (autocast_context, config_defaults, configure, loss_function, model_config,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
-                             shared_refusals, training_loop)
-from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, held_pieces, init_model,
-                                init_params, keep_own, materialize, rank_path, seed_dropout, set_rng_state)
-from common.distributed import (AllToAll, along, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, group_comm, init_distributed, process_grid,
-                                world_size_from_env)
+from common.training import (autocast_context, config_defaults, configure, load_dataset, loss_function,
+                             micro_batches, model_config, outputs_line, print_sample, profiled, refuse,
+                             run_main, run_shape, shared_refusals, training_loop)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
+                                materialize, rank_path, seed_dropout, set_rng_state)
+from common.distributed import clip_grad_norm, finish_distributed, init_distributed, world_size_from_env
+from common.model_parallel import (AllToAll, along, average_gradients, data_parallel_size, group_comm,
+                                   held_pieces, keep_own, process_grid)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these

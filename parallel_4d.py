@@ -25,17 +25,17 @@ import torch
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
-                                materialize, rank_path, seed_dropout, set_rng_state, whole_shapes)
-from common.dataset import load_dataset, micro_batches
-from common.distributed import (along, data_parallel_size, finish_distributed, group_comm, process_grid,
-                                world_size_from_env)
+                                materialize, rank_path, seed_dropout, set_rng_state)
+from common.distributed import finish_distributed, world_size_from_env
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, qkv_split, shard_gpt,
                              slice_boxes, sync_tp_grads, tp_embed, tp_head)
-from common.training import (autocast_context, config_defaults, configure, get_lr, moe_refusal, outputs_line,
-                             print_grid, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
-                             training_loop)
+from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
+                             micro_batches, moe_refusal, outputs_line, profiled, refuse, run_main, run_shape,
+                             shared_refusals, start_run, training_loop)
 from zero import Zero
+from common.model_parallel import (along, data_parallel_size, group_comm, print_grid, process_grid,
+                                   whole_shapes)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these

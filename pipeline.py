@@ -15,15 +15,15 @@ from types import SimpleNamespace
 
 import torch
 
-from common.training import (autocast_context, config_defaults, configure, configure_adamw, moe_refusal,
-                             outputs_line, print_grid, profiled, refuse, run_main, run_shape, shared_refusals,
-                             start_run, training_loop)
-from common.dataset import load_dataset, micro_batches
-from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, held_pieces,
-                                init_model, init_params, keep_own, materialize, rank_path, restore_rng,
-                                seed_dropout, train_checkpoint)
-from common.distributed import (along, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, group_comm, process_grid, world_size_from_env)
+from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
+                             moe_refusal, outputs_line, profiled, refuse, run_main, run_shape,
+                             shared_refusals, start_run, training_loop)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
+                                init_params, materialize, rank_path, restore_rng, seed_dropout,
+                                train_checkpoint)
+from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
+from common.model_parallel import (along, average_gradients, configure_adamw, data_parallel_size, group_comm,
+                                   held_pieces, keep_own, print_grid, process_grid)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these

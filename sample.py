@@ -18,8 +18,7 @@ import os
 import torch
 
 from model import GPT, GPTConfig
-from common.training import autocast_context, config_defaults, configure, run_main
-from common.dataset import get_codec
+from common.training import autocast_context, config_defaults, configure, get_codec, run_main
 
 # -----------------------------------------------------------------------------
 # config

@@ -22,15 +22,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, held_pieces, init_model,
-                                init_values, materialize, rank_path, seed_dropout, set_rng_state,
-                                whole_shapes)
-from common.dataset import load_dataset, micro_batches
-from common.distributed import (all_gather_seq, average_gradients, clip_grad_norm, data_parallel_size,
-                                finish_distributed, process_grid, reduce_scatter_seq, world_size_from_env)
-from common.training import (autocast_context, config_defaults, configure, configure_adamw, moe_refusal,
-                             outputs_line, print_grid, profiled, refuse, run_main, run_shape, shared_refusals,
-                             start_run, training_loop)
+from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
+                                materialize, rank_path, seed_dropout, set_rng_state)
+from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
+from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
+                             moe_refusal, outputs_line, profiled, refuse, run_main, run_shape,
+                             shared_refusals, start_run, training_loop)
+from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
+                                   print_grid, process_grid, whole_shapes)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -44,7 +43,24 @@ config = config_defaults(globals())
 
 
 # -----------------------------------------------------------------------------
-# Megatron's communication operators, one autograd.Function each: each one's backward is its forward's dual.
+# Megatron's communication operators, one autograd.Function each: each one's backward is its forward's dual;
+# first the two collectives along the sequence (dim 1) that sequence parallelism's make.
+
+def all_gather_seq(x, comm):
+    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
+    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
+    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
+    comm.all_gather(out, chunk)
+    return out.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_seq(x, comm):
+    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
+    comm.reduce_scatter(out, full)
+    return out.transpose(0, 1).contiguous()
+
 
 class CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. It enters the tensor-parallel region: each rank

@@ -14,9 +14,9 @@ import os
 import torch
 
 from common.training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr,
-                             log_row, loss_function, outputs_line, print_sample, profiled, run_main,
-                             run_shape, set_lr, should_evaluate, should_save, step_profiler)
-from common.dataset import load_dataset, micro_batches
+                             load_dataset, log_row, loss_function, micro_batches, outputs_line, print_sample,
+                             profiled, run_main, run_shape, set_lr, should_evaluate, should_save,
+                             step_profiler)
 from common.checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
 
 # -----------------------------------------------------------------------------

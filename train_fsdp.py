@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common.training import (autocast_context, config_defaults, configure, outputs_line, print_sample,
-                             profiled, refuse, run_main, run_shape, shared_refusals, training_loop)
-from common.dataset import load_dataset, micro_batches
+from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+                             shared_refusals, training_loop)
 from common.checkpoints import (gather_rng_states, init_model, init_values, load_params, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env

@@ -25,12 +25,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from common.deepspeed_config import apply_deepspeed_config, print_deepspeed_config
 from model import param_groups
-from common.training import (autocast_context, config_defaults, configure, get_lr, loss_function,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
-                             shared_refusals, start_run, training_loop)
-from common.dataset import load_dataset, micro_batches
+from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
+                             loss_function, micro_batches, outputs_line, print_sample, profiled, refuse,
+                             run_main, run_shape, shared_refusals, start_run, training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
                                 load_params, pieces_of, rank_path, restore_rng, seed_dropout, set_rng_state)
 from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of,
@@ -440,7 +438,9 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
 
 def check_config(cfg, world_size):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
-    apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
+    if cfg.deepspeed_config:  # (a DeepSpeed JSON's common subset: common/deepspeed_config.py)
+        from common.deepspeed_config import apply_deepspeed_config
+        apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
     refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"),
            *shared_refusals(cfg, 'zero.py', world_size, world_size, compiles=cfg.stage < 3),  # (3: hooks)
            (cfg.bucket_size < 1 or cfg.prefetch_blocks < 0,
@@ -453,8 +453,9 @@ def check_config(cfg, world_size):
 def main(argv):
     world = world_size_from_env()
     cfg = check_config(configure(config, argv), world)
-    if print_deepspeed_config(cfg, world):  # --print_ds_config: the run's DeepSpeed JSON, and nothing run
-        return
+    if cfg.print_ds_config:  # the run's DeepSpeed JSON (common/deepspeed_config.py), and nothing run
+        from common.deepspeed_config import print_deepspeed_config
+        return print_deepspeed_config(cfg, world)
     rank, world_size = start_run(cfg)
     dp = Comm(None, 'dp')  # every collective goes through it, and is counted there
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)

@@ -275,16 +275,6 @@ def init_params(config, seed, keep):
             keep(name, full)
 
 
-def keep_own(model):
-    """For init_params: the parameters the (cut) model still holds take their values; the rest is dropped."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-
-    def keep(name, full):
-        if name in params:
-            params[name].data.copy_(full)
-    return keep
-
-
 def materialize(model, device):
     """Storage on device for a model built on the meta device (values still to be written), in place: each
     Parameter stays the same object (what a script holds still points at it; a tied weight stays tied)."""
@@ -335,12 +325,6 @@ def load_mmap(path):
     return torch.load(path, map_location='cpu', weights_only=False, mmap=True)
 
 
-def whole_shapes(model_args):
-    """{name: shape} of every parameter of the whole model (built on the meta device: no memory)."""
-    with torch.device('meta'):
-        return {name: p.shape for name, p in GPT(GPTConfig(**model_args)).named_parameters()}
-
-
 def rank_path(out_dir, pattern, rank):
     """A rank's own checkpoint file: pattern ('zero_rank{}.pt', 'ckpt_rank{}.pt', ...) with its rank."""
     return os.path.join(out_dir, pattern.format(rank))
@@ -354,24 +338,6 @@ def checkpoint_of(state, pieces, files, grid, dp_rank, model_args, iter_num, bes
     replica's), and train.py's small fields."""
     return {**state, 'pieces': pieces, 'files': files, 'grid': grid, 'rng': rng_state(), 'dp_rank': dp_rank,
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': cfg}
-
-
-def held_pieces(model, optimizer, cut):
-    """pieces_of for each parameter this rank holds, in a file that keeps model.state_dict() as 'model' and
-    optimizer.state_dict() as 'optimizer' (AdamW's state numbered in param_groups' order). cut(name, p): None
-    (not declared here: another rank's copy is), or (its name in the whole model, its whole shape, boxes:
-    where its rows sit, None when it is whole)."""
-    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group['params'])}
-    pieces = []
-    for name, p in model.named_parameters():
-        where = cut(name, p)
-        if where is not None:
-            paths = {'param': ('model', name)}
-            if p in optimizer.state:  # (AdamW keeps no state for a parameter that never had a gradient)
-                paths.update({k: ('optimizer', 'state', index[id(p)], k)
-                              for k in ('exp_avg', 'exp_avg_sq', 'step')})
-            pieces += pieces_of(*where[:2], paths, boxes=where[2])
-    return pieces
 
 
 def pieces_of(name, shape, paths, boxes=None, chunk=None):

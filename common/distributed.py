@@ -7,7 +7,6 @@ reduce_scatter_of) with glibc's allocator setting that ZeRO-3 needs (return_free
 """
 
 import json
-import math
 import os
 import sys
 from collections import Counter
@@ -33,8 +32,7 @@ reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or dist.red
 # What a ring algorithm sends per rank, as a multiple of the full tensor's bytes (n ranks in the group): an
 # all-reduce is a reduce-scatter then an all-gather. A send moves the tensor once.
 RING_FACTOR = {'all_reduce': lambda n: 2 * (n - 1) / n, 'reduce_scatter': lambda n: (n - 1) / n,
-               'all_gather': lambda n: (n - 1) / n, 'all_to_all': lambda n: (n - 1) / n,
-               'send': lambda n: 1.0}
+               'all_gather': lambda n: (n - 1) / n, 'send': lambda n: 1.0}
 
 
 class Comm:
@@ -86,15 +84,6 @@ class Comm:
         self.count('all_gather', full)
         return all_gather_single(full, shard, group=self.group, async_op=async_op)
 
-    def all_to_all(self, out, inp):
-        """out's i-th 1/size slice (dim 0) = rank i's inp's slice for this rank: each rank sends
-        (size-1)/size."""
-        if self.size == 1:
-            out.copy_(inp)
-            return None
-        self.count('all_to_all', inp)
-        return dist.all_to_all_single(out, inp, group=self.group)
-
     def all_to_all_v(self, out, inp, out_splits, in_splits, kind='all_to_all_v'):
         """An all-to-all of variable sizes (expert parallelism's): in_splits[i] rows (dim 0) of inp go to rank
         i, out_splits[i] rows of out come from rank i (the sizes exchanged beforehand). Counted: inp's bytes;
@@ -129,43 +118,6 @@ class Comm:
         if len(works) != len(ops):  # a backend that coalesces the batch into one work: it covers everything
             return [], works
         return works[:len(sends)], works[len(sends):]
-
-
-# The all-to-all with its backward: expert parallelism's dispatch and combine, Ulysses' sequence <-> heads
-
-def all_to_all_rows(x, comm, send, recv, kind):
-    """send[i] rows of x to rank i of comm; returns the recv[i] rows from each rank i, in rank order."""
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    comm.all_to_all_v(out, x.contiguous(), recv, send, kind)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """all_to_all_rows with a backward: the gradient of what came from rank i goes back to rank i (the same
-    all-to-all with the sizes swapped)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, send, recv, kind):
-        ctx.comm, ctx.send, ctx.recv, ctx.kind = comm, send, recv, kind
-        return all_to_all_rows(x, comm, send, recv, kind)
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = all_to_all_rows(grad, ctx.comm, ctx.recv, ctx.send, ctx.kind + ' backward')
-        return back, None, None, None, None
-
-
-def average_gradients(params, comm, divisor=None, kind='all_reduce'):
-    """Data parallelism by hand: every gradient summed over comm's ranks in one flat all-reduce, then divided
-    by divisor (default comm's size: the mean; expert parallelism divides by the whole world's)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    divisor = comm.size if divisor is None else divisor
-    if grads and (comm.size > 1 or divisor != 1):
-        flat = torch.cat([g.flatten() for g in grads])
-        comm.all_reduce(flat, kind=kind)
-        flat /= divisor
-        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(new.view_as(g))
 
 
 def clip_grad_norm(grads, max_norm, comms=(), counted=None):
@@ -261,59 +213,6 @@ def finish_distributed(cfg=None):
         _GROUP_IS_OURS = False
 
 
-GRID_DIMS = ('dp', 'pp', 'cp', 'tp')
-
-
-def data_parallel_size(world_size, **degrees):
-    """dp, what is left of the world once the model-parallel degrees (tp=, pp=, cp=) divide it; when they do
-    not, one line that says which flag to change."""
-    product = 1
-    for degree in degrees.values():
-        product *= degree
-    if product < 1 or world_size % product:
-        named = ' x '.join(f"{k}={v}" for k, v in degrees.items())
-        named += f" = {product}" if len(degrees) > 1 else ''
-        raise SystemExit(f"error: world size {world_size} is not divisible by {named}: start a "
-                         f"multiple of {product} processes (torchrun --nproc_per_node={product}), or lower "
-                         + ' / '.join(f"--{k}" for k in degrees))
-    return world_size // product
-
-
-def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
-    """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank
-    is ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group,
-    which talks the most, is neighbouring ranks (one node's GPUs). Returns (grid, {dim: this rank's
-    coordinate}, {dim: the Comm of its group along dim}); a script adds the groups of its own (group_comm)."""
-    if dp * pp * cp * tp != world_size:
-        raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x "
-                         f"{tp}")
-    grid = torch.arange(world_size).view(dp, pp, cp, tp)
-    coords = dict(zip(GRID_DIMS, (int(i) for i in (grid == rank).nonzero()[0])))
-    return grid, coords, {dim: group_comm(dim, along(grid, dim), rank) for dim in GRID_DIMS}
-
-
-def along(grid, *dims):
-    """The groups of ranks along dims: for each choice of the other coordinates, the ranks that differ only in
-    dims, in grid order. along(grid, 'tp'): the tp groups; along(grid, 'dp', 'cp'): the ranks holding the
-    same weights under data and context parallelism."""
-    moved = grid.permute(*[i for i, d in enumerate(GRID_DIMS) if d not in dims],
-                         *[GRID_DIMS.index(d) for d in dims])
-    return moved.reshape(-1, math.prod(grid.size(GRID_DIMS.index(d)) for d in dims)).tolist()
-
-
-def group_comm(name, groups, rank):
-    """The one place where process groups are made: groups, lists of global ranks, each made a group (every
-    rank makes every one, in the same order: new_group is collective); returns the Comm of the one this rank
-    is in (None if none). A group of one rank is a Comm alone; the whole world is the default group."""
-    comm = None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    for members in groups:
-        group = dist.new_group(members) if 1 < len(members) < world else None
-        if rank in members:
-            comm = Comm(group, name, alone=len(members) == 1)
-    return comm
-
-
 def world_size_from_env():
     """WORLD_SIZE as torchrun sets it (1 without torchrun): known before the process group exists, so bad
     combinations can be rejected before any work."""
@@ -371,21 +270,3 @@ def return_freed_buffers_to_the_os(threshold=1 << 20):
         ctypes.CDLL('libc.so.6').mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD, glibc's malloc.h
     except OSError:
         pass  # not glibc (macOS, musl): their allocators do not keep a dynamic threshold
-
-
-# Collectives along the sequence (dim 1), as sequence parallelism (tensor_parallel.py) needs them
-
-def all_gather_seq(x, comm):
-    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
-    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
-    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
-    comm.all_gather(out, chunk)
-    return out.transpose(0, 1).contiguous()
-
-
-def reduce_scatter_seq(x, comm):
-    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
-    full = x.transpose(0, 1).contiguous()
-    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
-    comm.reduce_scatter(out, full)
-    return out.transpose(0, 1).contiguous()

@@ -19,7 +19,7 @@ import torch
 from common import formulas
 from model import GPT
 from common.training import config_defaults, configure, model_config
-from common.distributed import GRID_DIMS
+from common.model_parallel import GRID_DIMS
 
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)
 

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common.distributed import GRID_DIMS, is_master
+from common.distributed import is_master
 from common.formulas import (activation_bytes_formula, bubble_fraction_formula, comm_bytes_formula,
                              cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
@@ -20,7 +20,8 @@ from common.formulas import fsdp_held_bytes_formula
 from common.measure import (comm_report, nbytes, print_measured, print_schedule_report, schedule_measurements,
                             storage_bytes)
 from model import MoE
-from common.training import log_rank_rows, run_shape
+from common.training import log_rank_rows
+from common.model_parallel import GRID_DIMS
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """
 What every training loop shares, named once so that each script's main() reads like train.py's: the config
-(nanoGPT's override rule), the LR schedule, evaluation (its batches come from dataset.py), the log line and
-log.jsonl, and run_main (a bad input is one line on every rank).
+(nanoGPT's override rule), the data (the token files and the one batch rule), the LR schedule, evaluation,
+the log line and log.jsonl, the loop itself (training_loop, with its one seam for a measured step) and
+run_main (a bad input is one line on every rank).
 """
 
 import ast
@@ -16,11 +17,11 @@ import time
 from dataclasses import fields
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from common import distributed
-from common.dataset import EVAL_STREAM, get_batch, get_codec, micro_batch_rows
 from common.distributed import is_master, peak_memory_bytes
 from model import GPTConfig
 
@@ -205,6 +206,115 @@ def measured_step(iter_num, first_iter, every=0):
     return iter_num == first_iter or (every > 0 and iter_num % every == 0)
 
 
+# -----------------------------------------------------------------------------
+# The data: the token files (data/<dataset>/{train,val}.bin, prepared once by one rank on a fresh checkout),
+# the one batch rule (the global batch at iteration i is a pure function of seed and i; each data-parallel
+# rank takes its contiguous slice) and the text codec sample.py uses
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (data/ is beside common/)
+
+
+def prepare_once(data_dir, prepare):
+    """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the
+    first to lock data_dir/.prepare.lock prepares, the others wait on the lock and then find the files
+    (written under temporary names and renamed, so nobody reads half a file)."""
+    import fcntl
+    import runpy
+    with open(os.path.join(data_dir, '.prepare.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+            print(f"{data_dir} is missing its data: preparing it now (python {os.path.relpath(prepare)})",
+                  flush=True)
+            runpy.run_path(prepare, run_name='__main__')
+
+
+def load_dataset(dataset):
+    """Memmaps of data/<dataset>/{train,val}.bin and the vocabulary size (from meta.pkl, else GPT-2's 50304).
+    The default data set (stdlib_char) is built here on first use; any other missing one names its command."""
+    import pickle
+    data_dir = os.path.join(REPO, 'data', dataset)
+    if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+        prepare = os.path.join(data_dir, 'prepare.py')
+        if dataset == 'stdlib_char' and os.path.exists(prepare):
+            prepare_once(data_dir, prepare)
+        else:
+            hint = (f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else
+                    "see data/ for the prepare scripts")
+            raise SystemExit(f"error: data set '{dataset}' not found in {data_dir}; make it with: {hint}")
+    data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+            for split in ('train', 'val')}
+    vocab_size = 50304
+    meta_path = os.path.join(data_dir, 'meta.pkl')
+    if os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            vocab_size = pickle.load(f)['vocab_size']
+    return data, vocab_size
+
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def get_batch(tokens, seed, stream, step, n_rows, block_size, rows=None, device='cpu'):
+    """Rows `rows` (a slice; default all) of the batch of n_rows sequences for (seed, stream, step).
+    The batch is a pure function of those numbers, so every strategy and world size sees the same global batch
+    at iteration `step` and each data-parallel rank just takes its own contiguous slice of it; resume needs no
+    data-loader state. x is the sequence, y the same shifted by one token."""
+    if len(tokens) <= block_size + 1:
+        raise SystemExit(f"error: block_size {block_size} is too large for a data split of {len(tokens)} "
+                         "tokens")
+    rng = np.random.default_rng([seed, stream, step])
+    starts = rng.integers(0, len(tokens) - block_size - 1, size=n_rows)
+    if rows is not None:
+        starts = starts[rows]
+    window = np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)], dtype=np.int64)  # one gather
+    xy = torch.from_numpy(window)
+    x, y = xy[:, :-1], xy[:, 1:]
+    if device.startswith('cuda'):
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.contiguous(), y.contiguous()
+
+
+def micro_batch_rows(cfg, dp_rank, dp_size, micro_step):
+    """The one batch rule of this repo. The global batch is batch_size * gradient_accumulation_steps
+    sequences, whatever the world size. Each of the dp_size data-parallel ranks owns a contiguous block of it
+    and walks through that block batch_size sequences per micro-step, gradient_accumulation_steps // dp_size
+    micro-steps."""
+    rows_per_rank = cfg.batch_size * (cfg.gradient_accumulation_steps // dp_size)
+    first = dp_rank * rows_per_rank + micro_step * cfg.batch_size
+    return slice(first, first + cfg.batch_size)
+
+
+def get_codec(dataset):
+    """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl
+    if it has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
+    import pickle
+    meta_path = os.path.join(REPO, 'data', dataset or '', 'meta.pkl')
+    if dataset is not None and os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            meta = pickle.load(f)
+        stoi, itos = meta['stoi'], meta['itos']
+        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
+    import tiktoken
+    try:
+        enc = tiktoken.get_encoding('gpt2')
+    except Exception as e:  # offline on first use: tiktoken cannot fetch its vocabulary files
+        raise SystemExit(f"error: tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it is "
+                         f"downloaded on first use, so run once with network access")
+    return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+
+
+def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
+    """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch
+    rule)."""
+    global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    return [get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size,
+                      micro_batch_rows(cfg, dp_rank, dp_size, micro_step), cfg.device)
+            for micro_step in range(cfg.gradient_accumulation_steps // dp_size)]
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
 def get_lr(it, cfg):
     """Linear warm-up for warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
     if not cfg.decay_lr:
@@ -259,13 +369,6 @@ def autocast_context(device_type, dtype):
                           dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
 
 
-def progress(done, total, what):
-    """For a long step (consolidating, preparing data): 'what: done/total (pct)' each time it crosses a
-    tenth."""
-    if total and (done == total or int(10 * done / total) != int(10 * (done - 1) / total)):
-        print(f"{what}: {done}/{total} ({100 * done / total:.0f}%)", flush=True)
-
-
 def run_shape(shape, cfg, n_params):
     """The line every training script prints when it starts: the run's shape, in one place."""
     rows = cfg.batch_size * cfg.gradient_accumulation_steps
@@ -273,21 +376,6 @@ def run_shape(shape, cfg, n_params):
             f"{rows * cfg.block_size:,} "
             f"tokens per step; {n_params / 1e6:.2f}M parameters; {cfg.dtype} on {cfg.device}; outputs in "
             f"{cfg.out_dir}/")
-
-
-def print_grid(grid, coords, comms, rank, dims=distributed.GRID_DIMS, out_dir=None):
-    """The process grid along dims (the script's), printed once by rank 0, then each rank's coordinates and
-    the global ranks of each of its groups (comms: name -> Comm, or None where the rank has no such group),
-    the ranks it talks to; with out_dir, each rank's also a row of log.jsonl."""
-    shape = {d: n for d, n in zip(distributed.GRID_DIMS, grid.shape) if d in dims}
-    if rank == 0:
-        print(f"process grid: torch.arange({grid.numel()}).view("
-              + ', '.join(f"{d}={n}" for d, n in shape.items()) + f")\n{grid.view(*shape.values())}")
-    groups = {k: [c.global_rank(r) for r in range(c.size)] for k, c in comms.items() if c is not None}
-    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in dims) + '; groups: ' +
-          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
-    if out_dir is not None:
-        log_rank_rows(out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
 
 
 def profiled(cfg):
@@ -545,13 +633,3 @@ def start_run(cfg):
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     return rank, world_size
-
-
-def configure_adamw(model, cfg, checkpoint=None):
-    """The model's AdamW from the config's keys (model.configure_optimizers: its two groups, fused on CUDA),
-    its state loaded from checkpoint['optimizer'] when resuming."""
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           'cuda' if cfg.device.startswith('cuda') else 'cpu')
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    return optimizer

@@ -15,7 +15,8 @@ from helpers import REPO
 
 BUILD = r'''
 import sys, types, torch
-from common.checkpoints import init_params, keep_own, materialize
+from common.checkpoints import init_params, materialize
+from common.model_parallel import keep_own
 from model import GPT, GPTConfig
 from common.distributed import peak_resident_bytes
 import pipeline, tensor_parallel as tpm

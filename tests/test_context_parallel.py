@@ -38,7 +38,8 @@ def _checks(rank, world_size):
     import torch.nn.functional as F
     import context_parallel as cpm
     from model import GPT, GPTConfig
-    from common.distributed import Comm, average_gradients
+    from common.distributed import Comm
+    from common.model_parallel import average_gradients
     groups = {2: [dist.new_group(r.tolist()) for r in torch.arange(4).view(2, 2)], 4: [None]}
     results = {}
     for C in (2, 4):

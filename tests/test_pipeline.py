@@ -63,7 +63,7 @@ def _one_case(rank, world_size, p, schedule, layout):
     sequential model's loss and gradients, plus the executed order's checks."""
     import pipeline
     from model import GPT, GPTConfig
-    from common.distributed import process_grid
+    from common.model_parallel import process_grid
     from common.measure import ScheduleClock
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleInterleavedZeroBubble)
@@ -257,7 +257,8 @@ def _step_calls(rank, world_size):
     import time
     from types import SimpleNamespace
     import pipeline
-    from common.distributed import Comm, process_grid
+    from common.distributed import Comm
+    from common.model_parallel import process_grid
     from common.measure import ScheduleClock
     from model import GPT, GPTConfig
     calls, collectives = [], []
@@ -270,7 +271,7 @@ def _step_calls(rank, world_size):
     modules = {'dist': dist, 'torch.cuda': torch.cuda, 'time': time, 'torch.autograd.graph': torch.autograd.graph}
     for module, name in MEASURING:
         setattr(modules[module], name, recording(name, getattr(modules[module], name), lambda n, a, k: calls.append(n)))
-    for name in ('all_reduce', 'reduce_scatter', 'all_gather', 'all_to_all', 'send_recv'):
+    for name in ('all_reduce', 'reduce_scatter', 'all_gather', 'send_recv'):
         setattr(Comm, name, recording(name, getattr(Comm, name), lambda n, a, k: a[0].size > 1 and collectives.append(
             (a[0].name, n, k.get('kind'), str(k.get('op'))))))
     torch.manual_seed(1337)
@@ -298,7 +299,8 @@ def _clipped_grads(rank, world_size, layout):
     is handed (an optimizer pre-hook reads them) beside the sequential model's after torch's clip_grad_norm_."""
     from types import SimpleNamespace
     import pipeline
-    from common.distributed import Comm, process_grid
+    from common.distributed import Comm
+    from common.model_parallel import process_grid
     from model import GPT, GPTConfig
     torch.manual_seed(1337)
     full = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0, bias=False,

@@ -191,12 +191,12 @@ def _measuring_calls(rank, world_size, out_dir):
     exists only to measure (barrier, all_gather_object, device synchronize, clock, saved-tensor hooks)."""
     from collections import Counter
     import torch.distributed as dist
-    from common import distributed
+    from common import distributed, model_parallel
     from common import measure
     from common.training import run_step
     import tensor_parallel as tpm
     from model import GPT, GPTConfig
-    _, _, comms = distributed.process_grid(world_size, rank, dp=2, tp=2)
+    _, _, comms = model_parallel.process_grid(world_size, rank, dp=2, tp=2)
     tp, dp = tpm.TensorParallel(comms['tp'], True), comms['dp']
     torch.manual_seed(0)
     model = GPT(GPTConfig(**dict(LAYOUTS['gpt2'], dropout=0.1)))

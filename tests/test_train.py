@@ -12,7 +12,6 @@ import torch
 
 import model as M
 from common import checkpoints
-from common import dataset
 from common import training
 from helpers import REPO, TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses
 
@@ -21,8 +20,8 @@ TRAIN = 'train.py'
 
 def test_overfits_one_batch():
     """The model and optimizer of train.py drive the loss on one fixed batch close to zero."""
-    data, vocab = dataset.load_dataset('stdlib_char')
-    x, y = dataset.get_batch(data['train'], 0, dataset.TRAIN_STREAM, 0, 4, 16)
+    data, vocab = training.load_dataset('stdlib_char')
+    x, y = training.get_batch(data['train'], 0, training.TRAIN_STREAM, 0, 4, 16)
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, bias=False))
     optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.99), 'cpu')
@@ -47,7 +46,7 @@ def test_train_logs_and_learns(tmp_path):
     assert [r['iter'] for r in evals] == [0, 30, 60]
     for r in train_rows:
         assert set(r) >= {'iter', 'loss', 'lr', 'ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'}
-    vocab = dataset.load_dataset('stdlib_char')[1]
+    vocab = training.load_dataset('stdlib_char')[1]
     assert abs(evals[0]['val_loss'] - torch.log(torch.tensor(float(vocab))).item()) < 0.2
     assert evals[-1]['val_loss'] < evals[0]['val_loss'] - 1.0, evals
     assert torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)['iter_num'] == 60
@@ -58,7 +57,7 @@ def test_the_end_of_run_sample_prints_what_the_model_generates(capsys):
     """After a run of 100 iterations or more, print_sample prints 200 generated characters and the command."""
     import contextlib
     torch.manual_seed(0)
-    vocab = dataset.load_dataset('stdlib_char')[1]
+    vocab = training.load_dataset('stdlib_char')[1]
     model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab))
     cfg = training.SimpleNamespace(max_iters=100, dataset='stdlib_char', device='cpu', out_dir='out')
     training.print_sample(model, cfg, contextlib.nullcontext())
@@ -191,7 +190,7 @@ def test_cpu_default_config_is_the_default():
 def test_block_size_too_large():
     import numpy as np
     with pytest.raises(SystemExit, match='block_size 16 is too large'):
-        dataset.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
+        training.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
 
 
 def test_profile_writes_a_trace_perfetto_opens(tmp_path):
@@ -221,7 +220,7 @@ def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulatio
     """Evaluation batch k is the global batch of (seed, k) whatever the split: a global batch of 12 sequences
     evaluated in one process, as 3 or 12 micro-batches, or over 3 and 4 data-parallel ranks, gives one loss.
     (The mean of a per-sequence loss computed here, apart from estimate_loss, is the reference.)"""
-    data, vocab = dataset.load_dataset('stdlib_char')
+    data, vocab = training.load_dataset('stdlib_char')
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab)).eval()
     cfg = training.SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
@@ -232,7 +231,7 @@ def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulatio
         for split, loss in losses.items():
             got[split] += loss
     for split in ('train', 'val'):
-        batches = [dataset.get_batch(data[split], 7, dataset.EVAL_STREAM, k, 12, 16) for k in range(2)]
+        batches = [training.get_batch(data[split], 7, training.EVAL_STREAM, k, 12, 16) for k in range(2)]
         want = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
         assert got[split] == pytest.approx(want, rel=1e-6), (split, got[split], want)
 

@@ -1,0 +1,172 @@
+"""
+What the model-parallel scripts share (tensor, pipeline, context and expert parallelism, the 4-D grid), which
+the data-parallel ones never import: the process grid torch.arange(world).view(dp, pp, cp, tp), its groups
+(made in one place: group_comm) and its printout, and the all-to-all with a backward (expert parallelism's
+dispatch and combine, Ulysses' sequence <-> heads); and a model cut by layers or slices: the values each rank
+keeps, the pieces it declares for consolidate.py.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from common.checkpoints import pieces_of
+from common.distributed import Comm
+from common.training import log_rank_rows
+from model import GPT, GPTConfig
+
+
+GRID_DIMS = ('dp', 'pp', 'cp', 'tp')
+
+
+def data_parallel_size(world_size, **degrees):
+    """dp, what is left of the world once the model-parallel degrees (tp=, pp=, cp=) divide it; when they do
+    not, one line that says which flag to change."""
+    product = 1
+    for degree in degrees.values():
+        product *= degree
+    if product < 1 or world_size % product:
+        named = ' x '.join(f"{k}={v}" for k, v in degrees.items())
+        named += f" = {product}" if len(degrees) > 1 else ''
+        raise SystemExit(f"error: world size {world_size} is not divisible by {named}: start a "
+                         f"multiple of {product} processes (torchrun --nproc_per_node={product}), or lower "
+                         + ' / '.join(f"--{k}" for k in degrees))
+    return world_size // product
+
+
+def process_grid(world_size, rank, dp=1, pp=1, cp=1, tp=1):
+    """The process grid of every parallel script: torch.arange(world).view(dp, pp, cp, tp), so a global rank
+    is ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. tp varies fastest: a tensor-parallel group,
+    which talks the most, is neighbouring ranks (one node's GPUs). Returns (grid, {dim: this rank's
+    coordinate}, {dim: the Comm of its group along dim}); a script adds the groups of its own (group_comm)."""
+    if dp * pp * cp * tp != world_size:
+        raise SystemExit(f"error: world size {world_size} is not dp x pp x cp x tp = {dp} x {pp} x {cp} x "
+                         f"{tp}")
+    grid = torch.arange(world_size).view(dp, pp, cp, tp)
+    coords = dict(zip(GRID_DIMS, (int(i) for i in (grid == rank).nonzero()[0])))
+    return grid, coords, {dim: group_comm(dim, along(grid, dim), rank) for dim in GRID_DIMS}
+
+
+def along(grid, *dims):
+    """The groups of ranks along dims: for each choice of the other coordinates, the ranks that differ only in
+    dims, in grid order. along(grid, 'tp'): the tp groups; along(grid, 'dp', 'cp'): the ranks holding the
+    same weights under data and context parallelism."""
+    moved = grid.permute(*[i for i, d in enumerate(GRID_DIMS) if d not in dims],
+                         *[GRID_DIMS.index(d) for d in dims])
+    return moved.reshape(-1, math.prod(grid.size(GRID_DIMS.index(d)) for d in dims)).tolist()
+
+
+def group_comm(name, groups, rank):
+    """The one place where process groups are made: groups, lists of global ranks, each made a group (every
+    rank makes every one, in the same order: new_group is collective); returns the Comm of the one this rank
+    is in (None if none). A group of one rank is a Comm alone; the whole world is the default group."""
+    comm = None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for members in groups:
+        group = dist.new_group(members) if 1 < len(members) < world else None
+        if rank in members:
+            comm = Comm(group, name, alone=len(members) == 1)
+    return comm
+
+
+def print_grid(grid, coords, comms, rank, dims=GRID_DIMS, out_dir=None):
+    """The process grid along dims (the script's), printed once by rank 0, then each rank's coordinates and
+    the global ranks of each of its groups (comms: name -> Comm, or None where the rank has no such group),
+    the ranks it talks to; with out_dir, each rank's also a row of log.jsonl."""
+    shape = {d: n for d, n in zip(GRID_DIMS, grid.shape) if d in dims}
+    if rank == 0:
+        print(f"process grid: torch.arange({grid.numel()}).view("
+              + ', '.join(f"{d}={n}" for d, n in shape.items()) + f")\n{grid.view(*shape.values())}")
+    groups = {k: [c.global_rank(r) for r in range(c.size)] for k, c in comms.items() if c is not None}
+    print(f"[rank {rank}] " + ' '.join(f"{d}={coords[d]}" for d in dims) + '; groups: ' +
+          ', '.join(f"{k} {v}" for k, v in groups.items()) + '\n', end='', flush=True)
+    if out_dir is not None:
+        log_rank_rows(out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
+
+
+# The all-to-all with its backward: expert parallelism's dispatch and combine, Ulysses' sequence <-> heads
+
+def all_to_all_rows(x, comm, send, recv, kind):
+    """send[i] rows of x to rank i of comm; returns the recv[i] rows from each rank i, in rank order."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    comm.all_to_all_v(out, x.contiguous(), recv, send, kind)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_rows with a backward: the gradient of what came from rank i goes back to rank i (the same
+    all-to-all with the sizes swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send, recv, kind):
+        ctx.comm, ctx.send, ctx.recv, ctx.kind = comm, send, recv, kind
+        return all_to_all_rows(x, comm, send, recv, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = all_to_all_rows(grad, ctx.comm, ctx.recv, ctx.send, ctx.kind + ' backward')
+        return back, None, None, None, None
+
+
+# -----------------------------------------------------------------------------
+# The optimizer of a rank's part of the model, and its gradients' average over the ranks holding the same part
+
+def configure_adamw(model, cfg, checkpoint=None):
+    """The model's AdamW from the config's keys (model.configure_optimizers: its two groups, fused on CUDA),
+    its state loaded from checkpoint['optimizer'] when resuming."""
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           'cuda' if cfg.device.startswith('cuda') else 'cpu')
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+    return optimizer
+
+
+def average_gradients(params, comm, divisor=None, kind='all_reduce'):
+    """Data parallelism by hand: every gradient summed over comm's ranks in one flat all-reduce, then divided
+    by divisor (default comm's size: the mean; expert parallelism divides by the whole world's)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    divisor = comm.size if divisor is None else divisor
+    if grads and (comm.size > 1 or divisor != 1):
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce(flat, kind=kind)
+        flat /= divisor
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
+
+
+# -----------------------------------------------------------------------------
+# A model cut by layers or slices: its values kept by part, and its pieces declared for consolidate.py
+
+def keep_own(model):
+    """For init_params: the parameters the (cut) model still holds take their values; the rest is dropped."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def keep(name, full):
+        if name in params:
+            params[name].data.copy_(full)
+    return keep
+
+
+def whole_shapes(model_args):
+    """{name: shape} of every parameter of the whole model (built on the meta device: no memory)."""
+    with torch.device('meta'):
+        return {name: p.shape for name, p in GPT(GPTConfig(**model_args)).named_parameters()}
+
+
+def held_pieces(model, optimizer, cut):
+    """pieces_of for each parameter this rank holds, in a file that keeps model.state_dict() as 'model' and
+    optimizer.state_dict() as 'optimizer' (AdamW's state numbered in param_groups' order). cut(name, p): None
+    (not declared here: another rank's copy is), or (its name in the whole model, its whole shape, boxes:
+    where its rows sit, None when it is whole)."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group['params'])}
+    pieces = []
+    for name, p in model.named_parameters():
+        where = cut(name, p)
+        if where is not None:
+            paths = {'param': ('model', name)}
+            if p in optimizer.state:  # (AdamW keeps no state for a parameter that never had a gradient)
+                paths.update({k: ('optimizer', 'state', index[id(p)], k)
+                              for k in ('exp_avg', 'exp_avg_sq', 'step')})
+            pieces += pieces_of(*where[:2], paths, boxes=where[2])
+    return pieces
