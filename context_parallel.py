@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from model import GPT, apply_rope, rope_cos_sin
+from model import GPT, apply_rope, balance_routers, rope_cos_sin
 from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
                              moe_refusal, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
                              shared_refusals, start_run, training_loop)
@@ -293,6 +293,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, cp, dp_cp):
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the same gradients on every rank
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model, lambda loads: dp_cp.summed(loads, 'router loads'))  # (x cp: sign() ignores it)
     dp_cp.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / dp_cp.size
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from model import MoE, combine
+from model import MoE, balance_routers, combine
 from common.training import (autocast_context, config_defaults, configure, load_dataset, loss_function,
                              micro_batches, model_config, outputs_line, print_sample, profiled, refuse,
                              run_main, run_shape, shared_refusals, training_loop)
@@ -76,22 +76,25 @@ def compute(experts, received, sizes):
     return torch.cat(out)
 
 
-def combine_back(out, splits, ep, order, weights):
+def combine_back(out, splits, ep, order, weights, dropped):
     """The experts' outputs back to the ranks their tokens came from (the reverse all-to-all: what came from
     rank i goes back to rank i, in the order it came), then model.combine: each token's k outputs summed by
-    the router's weights in slot order, the same sum as one process."""
+    the router's weights in slot order, the same sum as one process (a slot past its expert's capacity, at
+    the end of `order`, adds nothing: zeros)."""
     sent, received = splits
     back = AllToAll.apply(out, ep, received, sent, 'combine')
-    return combine(back, order, weights)
+    return combine(torch.cat([back, back.new_zeros(dropped, back.size(1))]), order, weights)
 
 
 def expert_parallel_forward(moe, experts, ep, x, index, weights):
     """MoE.experts_forward, expert-parallel: the token-slots sorted by expert exactly as one process sorts
-    them (a stable argsort), dispatched, computed, combined back."""
+    them (a stable argsort), dispatched, computed, combined back. Slots past an expert's capacity (index
+    n_expert: a capacity factor) sort last and go nowhere."""
     order = index.flatten().argsort(stable=True)  # the token-slots (t*k + j) by expert, in token order
-    counts = torch.bincount(index.flatten(), minlength=moe.n_expert)
-    received, sizes, splits = dispatch(x[order // moe.k], counts, ep)
-    return combine_back(compute(experts, received, sizes), splits, ep, order, weights)
+    counts = torch.bincount(index.flatten(), minlength=moe.n_expert + 1)
+    kept = order[:order.numel() - counts[-1]]
+    received, sizes, splits = dispatch(x[kept // moe.k], counts[:-1], ep)
+    return combine_back(compute(experts, received, sizes), splits, ep, order, weights, int(counts[-1]))
 
 
 def ep_comms(world_size, rank, ep_size):
@@ -151,6 +154,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, params, comms):
         clip_grad_norm([g for g, _ in counted], grad_clip, [ep], counted)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (every rank's tokens)
     dp.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / dp.size
 
@@ -195,7 +199,7 @@ def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_
     cut = lambda name, p: (name, p.shape, None) if rank == 0 or (rank < ep.size and '.mlp.experts.' in name) \
         else None
     return checkpoint_of(dict(model=model.state_dict(), optimizer=optimizer.state_dict()),
-                         held_pieces(model, optimizer, cut), (RANK_FILE, world_size),
+                         held_pieces(model, optimizer, cut, rank == 0), (RANK_FILE, world_size),
                          {'ep': cfg.ep, 'ranks': world_size}, rank, vars(model.config), iter_num,
                          best_val_loss, vars(cfg))
 

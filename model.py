@@ -39,6 +39,11 @@ class GPTConfig:
     n_shared_expert: int = 0    # 1: an always-on expert beside the routed ones (DeepSeek, Qwen-MoE)
     moe_every: int = 1          # MoE in every moe_every-th block (the moe_every-th, 2*moe_every-th, ...)
     aux_loss_weight: float = 0.01  # the weight of the MoE load-balancing loss added to the training loss
+    aux_loss_style: str = 'switch'  # 'switch': per layer, averaged; 'hf': Hugging Face's Mixtral (pooled)
+    router: str = 'softmax'     # each expert's score: 'softmax' (Mixtral) or 'sigmoid' (DeepSeek-V3)
+    router_z_loss_weight: float = 0.0  # ST-MoE's router z-loss: this x the mean of logsumexp(logits)^2
+    router_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: a bias's step per iteration (0: off)
+    capacity_factor: float = 0.0  # 0: dropless; else an expert takes this x its even share, drops the rest
 
     def __post_init__(self):
         for name in ('n_kv_head', 'n_hidden'):
@@ -65,6 +70,11 @@ class GPTConfig:
              "n_expert must be >= 0, n_shared_expert 0 or 1, moe_every >= 1"),
             (self.n_expert == 0 or 1 <= self.n_expert_active <= self.n_expert,
              f"n_expert_active (top-k, {self.n_expert_active}) must be 1 to n_expert ({self.n_expert})"),
+            (self.router in ('softmax', 'sigmoid') and self.aux_loss_style in ('switch', 'hf'),
+             f"router must be 'softmax' or 'sigmoid' and aux_loss_style 'switch' or 'hf', got "
+             f"{self.router!r}, {self.aux_loss_style!r}"),
+            (self.capacity_factor >= 0 and self.router_bias_rate >= 0 and self.router_z_loss_weight >= 0,
+             "capacity_factor, router_bias_rate and router_z_loss_weight must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -193,49 +203,128 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """A mixture of experts in place of the MLP: a router picks each token's top-k of n_expert experts (each
     the model's own MLP), whose outputs it sums by the router's weights (plus an always-on shared expert's).
-    The steps are named for expert parallelism, which replaces experts_forward: dispatch, compute, combine."""
+    The steps are named for expert parallelism, which replaces experts_forward: dispatch, compute, combine.
+    A capacity factor caps the token-slots an expert takes per forward (the others pass on the residual);
+    DeepSeek-V3's balancing bias steers which experts are chosen, never their weights (balance_routers)."""
 
     def __init__(self, config):
         super().__init__()
-        self.n_expert, self.k = config.n_expert, config.n_expert_active
+        self.n_expert, self.k, self.score = config.n_expert, config.n_expert_active, config.router
+        self.capacity_factor, self.bias_rate = config.capacity_factor, config.router_bias_rate
         self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
         self.experts = nn.ModuleList([MLP(config) for _ in range(config.n_expert)])  # (a rank may hold some)
         self.shared_expert = MLP(config) if config.n_shared_expert else None
-        self.aux_loss = self.tokens_per_expert = None  # of the last forward: for the loss and the log
+        self.register_buffer('router_bias', torch.zeros(config.n_expert))  # (zero unless router_bias_rate)
+        self.routing = None  # the last forward's routing (Routing), what the auxiliary losses read
+        self.load = 0  # token-slots per expert since the last balancing (moe_loss counts, in training)
+        # (a rank whose tokens are routed together with other ranks' replaces these two: context parallelism)
+        self.routed_together = lambda counts: counts  # tokens per expert of all the tokens routed together
+        self.earlier_slots = lambda counts: 0  # (capacity) slots its experts took before these tokens
 
     def route(self, x):
-        """x (N, C) -> each token's k experts (N, k), their weights (N, k), and the aux stats: the load-
-        balancing loss (Switch/GShard: n_expert * sum_e f_e * P_e, f_e the fraction of token-slots sent to e,
-        P_e its mean router probability; 1 balanced, n_expert if all go to one) and the tokens per expert."""
-        probs = F.softmax(self.router(x).float(), dim=-1)  # over all experts, in fp32 as Mixtral
-        weights, index = probs.topk(self.k, dim=-1)
-        # renormalized over the k to sum to 1, as Mixtral: a dense MLP's scale whatever the softmax's spread
-        # (with k=1 the weight is then 1, and only the aux loss trains the router)
+        """x (N, C) -> each token's k experts (N, k) and their weights (N, k), summing to 1 (Mixtral's and
+        DeepSeek-V3's renormalization: a dense MLP's scale whatever the scores' spread; with k=1 the weight
+        is 1, and only the losses train the router). Keeps the statistics the losses read in self.routing."""
+        logits = self.router(x).float()  # in fp32, as Mixtral
+        scores = F.softmax(logits, dim=-1) if self.score == 'softmax' else torch.sigmoid(logits)
+        index = (scores + self.router_bias).topk(self.k, dim=-1).indices  # the bias steers the choice only
+        weights = scores.gather(-1, index)
         weights = weights / weights.sum(-1, keepdim=True)
-        counts = torch.bincount(index.flatten(), minlength=self.n_expert)
-        aux = self.n_expert * (counts / index.numel() * probs.mean(0)).sum()
-        return index, weights.type_as(x), (aux, counts)
+        counts = self.routed_together(torch.bincount(index.flatten(), minlength=self.n_expert))
+        probs = scores / scores.sum(-1, keepdim=True)  # the router's distribution (softmax: its scores)
+        self.routing = Routing(counts, probs.mean(0), torch.logsumexp(logits, -1).pow(2).mean(), self.k)
+        if self.capacity_factor:  # the slots past an expert's capacity weigh nothing and go to no expert
+            keep = within_capacity(index, self.n_expert, self.capacity(index.size(0)),
+                                   self.earlier_slots(index))
+            weights, index = weights * keep, index.masked_fill(~keep, self.n_expert)
+        return index, weights.type_as(x)
+
+    def capacity(self, n_tokens):
+        """Token-slots an expert takes in one forward: capacity_factor x its even share of them (Switch,
+        GShard), counted over all the tokens routed together."""
+        return math.ceil(self.capacity_factor * self.routing.counts.sum().item() / self.n_expert)
 
     def experts_forward(self, x, index, weights):
-        """Every token x (N, C) through its k experts index (N, k), summed by weights (N, k). Dropless (no
-        capacity factor, whatever the load): no token's output depends on the others, nor on a run's split."""
+        """Every token x (N, C) through its k experts index (N, k), summed by weights (N, k). Dropless unless
+        a capacity caps the experts: then a dropped slot (expert index n_expert) adds nothing."""
         order = index.flatten().argsort(stable=True)  # the token-slots (t*k + j) by expert, in token order
-        rows = x[order // self.k].split(torch.bincount(index.flatten(), minlength=self.n_expert).tolist())
-        return combine(torch.cat([expert(r) for expert, r in zip(self.experts, rows)]), order, weights)
+        rows = x[order // self.k].split(torch.bincount(index.flatten(), minlength=self.n_expert + 1).tolist())
+        out = [expert(r) for expert, r in zip(self.experts, rows)] + [rows[-1].new_zeros(rows[-1].shape)]
+        return combine(torch.cat(out), order, weights)
 
     def forward(self, x):
         flat = x.reshape(-1, x.size(-1))  # (B*T, C): routing is per token
-        index, weights, (self.aux_loss, self.tokens_per_expert) = self.route(flat)
+        index, weights = self.route(flat)
         y = self.experts_forward(flat, index, weights)
         if self.shared_expert is not None:
             y = y + self.shared_expert(flat)
-        return y.view_as(x)
+        return y.reshape(x.shape[0], -1, x.size(-1))
+
+
+@dataclass
+class Routing:
+    """One MoE layer's routing in one forward: the token-slots each expert was chosen for (all the tokens
+    routed together), the router's mean distribution over the experts and its mean squared log-sum-exp
+    (this rank's tokens: differentiable), k."""
+    counts: torch.Tensor
+    probs: torch.Tensor
+    z: torch.Tensor
+    k: int
+
+
+def within_capacity(index, n_expert, capacity, earlier=0):
+    """Which token-slots (N, k) keep their expert: each expert takes its first `capacity` slots in token order
+    (t*k + j), after the `earlier` ones other ranks' earlier tokens gave it (context parallelism's)."""
+    flat = index.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=n_expert)
+    position = torch.empty_like(flat)
+    first = counts.cumsum(0) - counts  # where each expert's slots start in `order`
+    position[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+    return (position + earlier < capacity).view_as(index)
 
 
 def combine(out, order, weights):
     """The experts' outputs (rows in `order`) back to (token, slot), each token's k summed by its weights."""
     slots = torch.empty_like(out).index_copy(0, order, out).view(*weights.shape, -1)
     return (slots * weights.unsqueeze(-1)).sum(1)  # in slot order: the same sum wherever the experts ran
+
+
+def moe_loss(layers, config, n_layers=None):
+    """The MoE layers' auxiliary loss from their last forwards, weighted, to add to the training loss: the
+    load-balancing loss (Switch / GShard: n_expert x sum_e f_e P_e, f_e the share of token-slots sent to e,
+    P_e its mean router probability; 1 when balanced) averaged over the layers (n_layers: all the model's,
+    where these are some), or Hugging Face's Mixtral ('hf': f_e per token, summing to k, both pooled over the
+    layers); plus the router z-loss. Returns (that, the balancing loss alone: for the log). In training it
+    also counts each layer's load (balance_routers')."""
+    routing, e = [m.routing for m in layers], config.n_expert
+    if config.aux_loss_style == 'hf':
+        f = sum(r.counts for r in routing) / sum(r.counts.sum() / r.k for r in routing)
+        aux = e * (f * sum(r.probs for r in routing) / len(routing)).sum()
+    else:
+        aux = sum(e * (r.counts / r.counts.sum() * r.probs).sum() for r in routing)
+        aux = aux / (n_layers or len(routing))
+    z = sum(r.z for r in routing) / (n_layers or len(routing))
+    for m, r in zip(layers, routing):
+        if m.training:
+            m.load = m.load + r.counts
+    return config.aux_loss_weight * aux + config.router_z_loss_weight * z, aux
+
+
+@torch.no_grad()
+def balance_routers(model, sum_over_ranks=lambda loads: loads):
+    """DeepSeek-V3's auxiliary-loss-free balancing (router_bias_rate), once per iteration after the
+    optimizer's step: each expert's bias moves by the rate toward the mean load, up for an expert that got
+    fewer token-slots than the mean since the last balancing, down for one that got more. The loads are
+    summed over the ranks that route other tokens (sum_over_ranks: the data-parallel ones), so every rank
+    moves its biases alike. Nothing to do (and no collective) when the rate is 0 or the model is dense."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.bias_rate]
+    if not layers:
+        return
+    loads = sum_over_ranks(torch.stack([m.router_bias * 0 + m.load for m in layers]).float())
+    for m, load in zip(layers, loads):
+        m.router_bias += m.bias_rate * torch.sign(load.mean() - load)
+        m.load = 0
 
 
 class Block(nn.Module):
@@ -325,13 +414,16 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = self.run_block(block, x)
         logits, loss = self.head(x, targets)
-        moe = [block.mlp for block in self.transformer.h if isinstance(block.mlp, MoE)]
-        if moe:  # the MoE layers' mean load-balancing loss, kept (with their tokens per expert) for the log
-            aux = sum(m.aux_loss for m in moe) / len(moe)
-            self.aux_loss = aux.detach()
-            self.tokens_per_expert = torch.stack([m.tokens_per_expert for m in moe])  # (MoE layers, n_expert)
-            loss = None if loss is None else loss + self.config.aux_loss_weight * aux
+        moe = self.moe_layers()
+        if moe:  # the MoE layers' auxiliary loss; it and their tokens per expert kept for the log
+            self.tokens_per_expert = torch.stack([m.routing.counts for m in moe])  # (MoE layers, n_expert)
+            extra, self.aux_loss = moe_loss(moe, self.config)
+            loss = None if loss is None else loss + extra
         return logits, loss
+
+    def moe_layers(self):
+        """The MoE layers this model (or this rank's part of it) holds, in order."""
+        return [b.mlp for b in self.transformer.h if isinstance(getattr(b, 'mlp', None), MoE)]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only, never on biases or norms:

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import torch
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
-from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
-                                materialize, rank_path, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_grid, checkpoint_of, init_model,
+                                init_params, materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import finish_distributed, world_size_from_env
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, qkv_split, shard_gpt,
@@ -235,9 +235,10 @@ def rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, iter_num, 
         dense, kind = dense_of[id(p)]
         return dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv)
     replica = coords['dp'] if coords['pp'] == coords['cp'] == coords['tp'] == 0 else None  # (its stream)
+    buffers = buffer_pieces(model) if coords['dp'] == coords['cp'] == coords['tp'] == 0 else []  # (a stage's)
     return checkpoint_of({'model': model.state_dict(), 'zero': zero.state_dict(), 'coords': coords},
-                         zero.pieces(cut), (RANK_FILE, world_size), run_grid(cfg, world_size), replica,
-                         vars(model.config), iter_num, best_val_loss, vars(cfg))
+                         zero.pieces(cut) + buffers, (RANK_FILE, world_size), run_grid(cfg, world_size),
+                         replica, vars(model.config), iter_num, best_val_loss, vars(cfg))
 
 
 if __name__ == '__main__':

@@ -24,6 +24,7 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
 from common.model_parallel import (along, average_gradients, configure_adamw, data_parallel_size, group_comm,
                                    held_pieces, keep_own, print_grid, process_grid)
+from model import balance_routers
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -418,6 +419,7 @@ def train_step(stage, optimizer, batches, cfg, dp, embed):
         clip_grad_norm(grads, cfg.grad_clip, [stage.comm], [(g, float(g is not tied)) for g in grads])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (each stage its layers)
     loss_sum = stage.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp
     stage.comm.all_reduce(loss_sum, kind='scalars')
     dp.all_reduce(loss_sum, kind='scalars')
@@ -468,7 +470,7 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
         cut = lambda name, p: None if tied and name == 'lm_head.weight' else (name, p.shape, None)
         checkpoint = train_checkpoint(stage.model.state_dict(), optimizer.state_dict(), rng_states,
                                       vars(stage.model.config), iter_num, best_val_loss, vars(cfg))
-        checkpoint.update(pieces=held_pieces(stage.model, optimizer, cut), files=(STAGE_FILE, cfg.pp),
+        checkpoint.update(pieces=held_pieces(stage.model, optimizer, cut, True), files=(STAGE_FILE, cfg.pp),
                           grid={'pp': cfg.pp, 'virtual_stages': cfg.virtual_stages}, dp_rank=None)
         writer.save(checkpoint, rank_path(cfg.out_dir, STAGE_FILE, stage.index))
 

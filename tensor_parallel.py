@@ -30,6 +30,7 @@ from common.training import (autocast_context, config_defaults, configure, load_
                              shared_refusals, start_run, training_loop)
 from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
                                    print_grid, process_grid, whole_shapes)
+from model import balance_routers
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -404,6 +405,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, tp, dp, layout):
         clip_grads(layout, tp, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (dp's: tp's are the same)
     dp.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / dp.size
 
@@ -446,7 +448,8 @@ def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter
         dense, kind = kind_of[id(p)]
         return None if dp_rank else (dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv))
     return checkpoint_of(dict(model=model.state_dict(), optimizer=optimizer.state_dict()),
-                         held_pieces(model, optimizer, cut), (RANK_FILE, world_size),
+                         held_pieces(model, optimizer, cut, dp_rank == tp.group.rank == 0),
+                         (RANK_FILE, world_size),
                          {'tp': cfg.tp, 'ranks': world_size}, None if tp.group.rank else dp_rank,
                          vars(model.config), iter_num, best_val_loss, vars(cfg))
 

@@ -18,6 +18,7 @@ from common.training import (StepLogger, autocast_context, config_defaults, conf
                              profiled, run_main, run_shape, set_lr, should_evaluate, should_save,
                              step_profiler)
 from common.checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
+from model import balance_routers
 
 # -----------------------------------------------------------------------------
 # config: the defaults train a small character-level GPT on a laptop CPU in about 3 minutes
@@ -79,6 +80,7 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model)  # (a mixture of experts with --router_bias_rate: DeepSeek-V3's balancing)
     return loss_sum.item()
 
 

@@ -26,6 +26,7 @@ from common.training import (StepLogger, autocast_context, batch_refusal, config
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
                                 train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from model import balance_routers
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -60,6 +61,7 @@ def train_step(model, optimizer, scaler, batches, ctx, grad_clip, dp):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (MoE: every rank's loads)
     dp.all_reduce(loss_sum)
     return loss_sum.item() / dp.size
 

@@ -32,6 +32,7 @@ from common.training import (autocast_context, config_defaults, configure, load_
 from common.checkpoints import (gather_rng_states, init_model, init_values, load_params, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
+from model import balance_routers
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------
@@ -87,6 +88,7 @@ def train_step(model, optimizer, batches, ctx, grad_clip, dp):
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the norm of all ranks' shards
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (MoE: every rank's loads)
     dp.all_reduce(loss_sum)
     return loss_sum.item() / dp.size
 

@@ -29,8 +29,9 @@ from model import param_groups
 from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
                              loss_function, micro_batches, outputs_line, print_sample, profiled, refuse,
                              run_main, run_shape, shared_refusals, start_run, training_loop)
-from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
-                                load_params, pieces_of, rank_path, restore_rng, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_grid, checkpoint_of, init_model,
+                                init_values, load_buffers, load_params, pieces_of, rank_path, restore_rng,
+                                seed_dropout, set_rng_state, zero_buffers)
 from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of,
                                 world_size_from_env)
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
@@ -423,14 +424,17 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
                 cfg.offload_optimizer, cfg.prefetch_blocks)
+    zero_buffers(model, cfg.device)  # (the MoE routers' balancing biases; a checkpoint's below)
     if checkpoint is None:  # train.py's initialization, or GPT-2's weights: a tensor at a time, each its part
         init_values(cfg, model.config, zero.set_param_values)
         seed_dropout(cfg.seed, rank)  # each rank its own dropout masks, as train_ddp.py and train_fsdp.py
     elif from_shard:  # (its stage and world size: check_config's)
         zero.load_state_dict(checkpoint['zero'])
+        load_buffers(model, checkpoint.get('buffers', {}))
         set_rng_state(checkpoint['rng'])  # this rank's own dropout stream, from its own shard
     else:  # a whole (memory-mapped) ckpt.pt: each rank reads its part
         load_params(checkpoint['model'].items(), zero.set_param_values)
+        load_buffers(model, checkpoint['model'])
         zero.load_torch_optimizer(checkpoint['optimizer'])
         restore_rng(checkpoint, rank, world_size, cfg.seed, rank)
     return model, zero, iter_num, best_val_loss
@@ -468,9 +472,11 @@ def main(argv):
                                  cfg.grad_clip, get_lr(it, cfg), dp)
 
     def save(it, best):  # every rank its own shard, written in the background
-        writer.save(checkpoint_of({'zero': zero.state_dict()}, zero.pieces(), (RANK_FILE, world_size),
-                                    {'stage': cfg.stage, 'ranks': world_size}, rank, vars(model.config), it,
-                                    best, vars(cfg)), rank_path(cfg.out_dir, RANK_FILE, rank))
+        pieces = zero.pieces() + buffer_pieces(model, 'buffers') * (rank == 0)  # (the routers' biases: once)
+        writer.save(checkpoint_of({'zero': zero.state_dict(), 'buffers': dict(model.named_buffers())}, pieces,
+                                  (RANK_FILE, world_size), {'stage': cfg.stage, 'ranks': world_size}, rank,
+                                  vars(model.config), it, best, vars(cfg)),
+                    rank_path(cfg.out_dir, RANK_FILE, rank))
 
     run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_function(compiled, ctx), dp=dp,
                           data=data, step=step, save=save, n_devices=world_size, rank=rank,

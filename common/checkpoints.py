@@ -276,14 +276,33 @@ def init_params(config, seed, keep):
 
 
 def materialize(model, device):
-    """Storage on device for a model built on the meta device (values still to be written), in place: each
-    Parameter stays the same object (what a script holds still points at it; a tied weight stays tied)."""
+    """Storage on device for a model built on the meta device (the parameters' values still to be written),
+    in place: each Parameter stays the same object (what a script holds still points at it; a tied weight
+    stays tied). The buffers get theirs: zero (the GPT's are the MoE routers' balancing biases)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # (else to_empty makes new Parameters)
     try:
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+    return zero_buffers(model, device)
+
+
+@torch.no_grad()
+def load_buffers(model, state):
+    """The model's buffers from a state dict (a name it lacks: left as it is)."""
+    for name, buffer in model.named_buffers():
+        if name in state:
+            buffer.copy_(state[name])
+
+
+def zero_buffers(model, device):
+    """The model's buffers on device, at their initial value: zero (the MoE routers' balancing biases). For a
+    model whose parameters are another's views (zero.py's buckets) and so cannot be to_empty'd."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     return model
 
 
@@ -338,6 +357,12 @@ def checkpoint_of(state, pieces, files, grid, dp_rank, model_args, iter_num, bes
     replica's), and train.py's small fields."""
     return {**state, 'pieces': pieces, 'files': files, 'grid': grid, 'rng': rng_state(), 'dp_rank': dp_rank,
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': cfg}
+
+
+def buffer_pieces(model, key='model'):
+    """pieces_of for the model's buffers (the MoE routers' balancing biases), whole, from the file's key."""
+    return [piece for name, buffer in model.named_buffers()
+            for piece in pieces_of(name, buffer.shape, {'param': (key, name)})]
 
 
 def pieces_of(name, shape, paths, boxes=None, chunk=None):

@@ -68,6 +68,11 @@ class Comm:
         self.count(kind, x, 'all_reduce')
         return dist.all_reduce(x, op=op, group=self.group, async_op=async_op)
 
+    def summed(self, x, kind='all_reduce'):
+        """x summed over the group's ranks, in place; returns x."""
+        self.all_reduce(x, kind=kind)
+        return x
+
     def reduce_scatter(self, out, full, async_op=False):
         """out (this rank's 1/size) = its chunk of the sum over ranks of full."""
         if self.size == 1:

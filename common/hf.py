@@ -103,8 +103,11 @@ def open_gpt2(name, **overrides):
 
 def llama_config(hf_cfg, **overrides):
     """The GPTConfig of a Hugging Face Llama or Mixtral config."""
+    # a Mixtral keeps Hugging Face's load-balancing loss (aux_loss_style='hf': the top-k's share of tokens,
+    # pooled over the layers), so that router_aux_loss_coef weighs the same loss and the total is theirs
     moe = dict(n_expert=hf_cfg.num_local_experts, n_expert_active=hf_cfg.num_experts_per_tok,
-               aux_loss_weight=hf_cfg.router_aux_loss_coef) if hf_cfg.model_type == 'mixtral' else {}
+               aux_loss_weight=hf_cfg.router_aux_loss_coef, aux_loss_style='hf') \
+        if hf_cfg.model_type == 'mixtral' else {}
     theta = getattr(hf_cfg, 'rope_theta', None) or hf_cfg.rope_parameters['rope_theta']  # (transformers 5)
     bias = getattr(hf_cfg, 'attention_bias', False) or getattr(hf_cfg, 'mlp_bias', False)
     return GPTConfig(block_size=hf_cfg.max_position_embeddings, vocab_size=hf_cfg.vocab_size,
@@ -156,7 +159,8 @@ def to_hf(model):
         raise SystemExit("error: exporting to Hugging Face needs transformers: pip install transformers")
     c, sd = model.config, {k: v.detach().cpu() for k, v in model.state_dict().items()}
     layout = (c.pos, c.norm, c.mlp)
-    mixtral = c.n_expert and c.moe_every == 1 and not c.n_shared_expert and not c.bias
+    mixtral = c.n_expert and c.moe_every == 1 and not c.n_shared_expert and not c.bias and \
+        c.router == 'softmax' and not c.capacity_factor and not c.router_bias_rate  # (Mixtral's routing)
     if layout == ('learned', 'layernorm', 'gelu') and c.n_kv_head == c.n_head and not c.n_expert:
         hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
@@ -178,7 +182,8 @@ def to_hf(model):
     else:
         raise ValueError(f"to_hf exports the GPT-2 layout (learned, layernorm, gelu; n_kv_head = n_head, "
                          f"dense), LLaMA's (rope, rmsnorm, swiglu) or Mixtral's (LLaMA's, experts in every "
-                         f"block, none shared, no bias), not {c}")
+                         f"block, none shared, no bias, softmax top-k routing, dropless, no balancing bias), "
+                         f"not {c}")
     with torch.no_grad():  # their tensors are views into hf's: writing them writes the model
         for mine, rows, theirs in pairs:
             if theirs is not None:  # (theirs has a bias this model lacks: zero, the same function)

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from common.checkpoints import pieces_of
+from common.checkpoints import buffer_pieces, pieces_of
 from common.distributed import Comm
 from common.training import log_rank_rows
 from model import GPT, GPTConfig
@@ -149,16 +149,16 @@ def keep_own(model):
 
 
 def whole_shapes(model_args):
-    """{name: shape} of every parameter of the whole model (built on the meta device: no memory)."""
+    """{name: shape} of every parameter and buffer of the whole model (built on the meta device)."""
     with torch.device('meta'):
-        return {name: p.shape for name, p in GPT(GPTConfig(**model_args)).named_parameters()}
+        return {name: t.shape for name, t in GPT(GPTConfig(**model_args)).state_dict().items()}
 
 
-def held_pieces(model, optimizer, cut):
+def held_pieces(model, optimizer, cut, buffers):
     """pieces_of for each parameter this rank holds, in a file that keeps model.state_dict() as 'model' and
     optimizer.state_dict() as 'optimizer' (AdamW's state numbered in param_groups' order). cut(name, p): None
     (not declared here: another rank's copy is), or (its name in the whole model, its whole shape, boxes:
-    where its rows sit, None when it is whole)."""
+    where its rows sit, None when it is whole). buffers: this rank declares its buffers too (whole)."""
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group['params'])}
     pieces = []
     for name, p in model.named_parameters():
@@ -169,4 +169,4 @@ def held_pieces(model, optimizer, cut):
                 paths.update({k: ('optimizer', 'state', index[id(p)], k)
                               for k in ('exp_avg', 'exp_avg_sq', 'step')})
             pieces += pieces_of(*where[:2], paths, boxes=where[2])
-    return pieces
+    return pieces + (buffer_pieces(model) if buffers else [])

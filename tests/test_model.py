@@ -292,7 +292,7 @@ def test_moe_is_dropless_every_token_reaches_its_k_experts(layout):
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(10)).abs()
     with torch.no_grad():
         y = layer(x).view(-1, 32)
-        assert layer.tokens_per_expert.sum().item() == k * 32 and layer.tokens_per_expert[0] == 32
+        assert layer.routing.counts.sum().item() == k * 32 and layer.routing.counts[0] == 32
         for t, xt in enumerate(x.view(-1, 32)):
             probs = torch.softmax(layer.router(xt), -1)
             top = probs.topk(k)
@@ -307,17 +307,19 @@ def test_moe_aux_loss_is_the_switch_formula():
     token's own expert has probability a = e^c / (e^c + 3), the others b = 1 / (e^c + 3); the slots go 2, 1, 1, 0
     to the experts, so f = (1/2, 1/4, 1/4, 0) and P = ((2a + 2b) / 4, (a + 3b) / 4, (a + 3b) / 4, 4b / 4):
     aux = 4 * sum f P. Then the model: its loss is cross-entropy + aux_loss_weight x the MoE layers' mean aux."""
-    from model import MoE
+    from model import MoE, moe_loss
     c = 2.0
-    layer = MoE(GPTConfig(n_embd=4, n_head=1, n_expert=4, n_expert_active=1, mlp='swiglu', bias=False))
+    layer_config = GPTConfig(n_embd=4, n_head=1, n_expert=4, n_expert_active=1, mlp='swiglu', bias=False)
+    layer = MoE(layer_config)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4) * c)
     x = torch.eye(4)[[0, 0, 1, 2]].view(1, 4, 4)
     layer(x)
     a, b = math.exp(c) / (math.exp(c) + 3), 1 / (math.exp(c) + 3)
     f, P = [1 / 2, 1 / 4, 1 / 4, 0], [(2 * a + 2 * b) / 4, (a + 3 * b) / 4, (a + 3 * b) / 4, b]
-    assert layer.tokens_per_expert.tolist() == [2, 1, 1, 0]
-    assert layer.aux_loss.item() == pytest.approx(4 * sum(fe * pe for fe, pe in zip(f, P)), rel=1e-6)
+    assert layer.routing.counts.tolist() == [2, 1, 1, 0]
+    assert moe_loss([layer], layer_config)[1].item() == pytest.approx(4 * sum(fe * pe for fe, pe in zip(f, P)),
+                                                                      rel=1e-6)
 
     model = build(**dict(MOE_LAYOUTS['llama_moe'], aux_loss_weight=0.25))
     idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(11))
@@ -325,10 +327,30 @@ def test_moe_aux_loss_is_the_switch_formula():
     auxes, seen = [], saved_inputs(model, idx)
     for m in moe_layers(model):  # each layer's aux from its own router and the tokens it counted
         probs = torch.softmax(m.router(seen[m]), -1)
-        auxes.append(4 * (m.tokens_per_expert / (2 * 32) * probs.mean(0)).sum())
+        auxes.append(4 * (m.routing.counts / (2 * 32) * probs.mean(0)).sum())
     ce = torch.nn.functional.cross_entropy(logits.view(-1, V), idx.view(-1))
     torch.testing.assert_close(loss, ce + 0.25 * sum(auxes) / len(auxes))
     torch.testing.assert_close(model.aux_loss, (sum(auxes) / len(auxes)).detach())
+
+
+def test_the_router_gradient_of_the_aux_loss_is_its_formula():
+    """The aux loss alone (no token's output in it) trains the router through P_e, the mean router probability:
+    aux = E sum_e f_e P_e with f fixed (counted), so d aux / d logit_tj = E/N p_tj (f_j - sum_e f_e p_te), and
+    the router weight's gradient is that times the token, summed: written out here, against autograd. A router
+    whose probabilities the loss detaches keeps the loss's value and fails this."""
+    from model import MoE, moe_loss
+    config = GPTConfig(n_embd=8, n_head=1, n_expert=4, n_expert_active=2, aux_loss_weight=1.0, bias=False)
+    layer = MoE(config)
+    x = torch.randn(1, 24, 8, generator=torch.Generator().manual_seed(19))
+    layer(x)
+    moe_loss([layer], config)[0].backward()
+    with torch.no_grad():
+        tokens = x.view(-1, 8)
+        p = torch.softmax(tokens @ layer.router.weight.t(), -1)
+        f = layer.routing.counts / layer.routing.counts.sum()
+        dlogits = 4 / 24 * p * (f - (p * f).sum(-1, keepdim=True))
+    torch.testing.assert_close(layer.router.weight.grad, dlogits.t() @ tokens, rtol=1e-5, atol=1e-7)
+    assert layer.router.weight.grad.abs().sum() > 0
 
 
 def saved_inputs(model, idx):
@@ -436,6 +458,21 @@ def test_from_hf_mixtral_logits_match():
         expected, got = hf(idx).logits, ours(idx)[0]
     assert (ours.tokens_per_expert > 0).all()  # every expert took part
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_a_converted_mixtral_trains_on_hugging_faces_loss():
+    """from_hf keeps Mixtral's load-balancing loss (the top-k's share of the tokens, pooled over the layers, as
+    transformers' load_balancing_loss_func): the converted model's total loss is MixtralForCausalLM's with
+    output_router_logits=True, router_aux_loss_coef x its aux included (a larger coefficient makes a wrong aux
+    show); and the gradient of the aux alone reaches every router, as theirs does."""
+    hf = mixtral(router_aux_loss_coef=0.5, output_router_logits=True)
+    ours = from_hf(hf)
+    assert ours.config.aux_loss_style == 'hf' and ours.config.aux_loss_weight == 0.5
+    x, y = (torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(s)) for s in (17, 18))
+    theirs = hf(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
+    torch.testing.assert_close(ours(x, y)[1], theirs.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.aux_loss, theirs.aux_loss.detach(), rtol=1e-5, atol=1e-5)
+    assert theirs.aux_loss.item() > 1.5  # (Hugging Face's sums to about k: ours would be about 1)
 
 
 def test_to_hf_mixtral_round_trip_same_logits():
