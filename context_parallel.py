@@ -27,9 +27,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from model import GPT, apply_rope, balance_routers, rope_cos_sin
+from model import GPT, apply_rope, balance_routers, moe_loss, rope_cos_sin
 from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             moe_refusal, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
                              shared_refusals, start_run, training_loop)
 from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from common.distributed import Comm, finish_distributed, world_size_from_env
@@ -247,12 +247,49 @@ def cp_attention_forward(attn, cp, x):
 
 
 def shard_sequence(model, cp):
-    """Every block's attention runs across the cp group; the parameters (and their names) stay the dense
-    model's: checkpoints are train.py's. GPT.forward would take this rank's tokens for a sequence: raises."""
+    """Every block's attention runs across the cp group, and every MoE layer routes its tokens together with
+    the other cp ranks' (route_across); the parameters (and their names) stay the dense model's: checkpoints
+    are train.py's. GPT.forward would take this rank's tokens for a sequence: raises."""
     for block in model.transformer.h:
         if hasattr(block, 'attn'):  # (a pipeline stage keeps only its own blocks)
             block.attn.forward = functools.partial(cp_attention_forward, block.attn, cp)
+    for moe in model.moe_layers():
+        route_across(moe, cp)
     model.forward = forward_needs_cp_forward
+
+
+# A mixture of experts across the cp ranks. One process routes a whole sequence's tokens together: the
+# load-balancing loss counts the slots each expert got among all of them, and a capacity factor keeps an
+# expert's first slots in token order. A cp rank holds some of each sequence's tokens, so it takes the
+# others' counts: the loss's f_e from all the tokens (its P_e from its own: the cp ranks' means average to
+# the whole), and the capacity counted over all the tokens, from where its chunks sit in the sequence.
+
+def route_across(moe, cp):
+    """The MoE layer's tokens per expert, summed over the cp group; with a capacity factor, the slots that
+    the tokens before each of its own, on other ranks, gave each expert (earlier_slots)."""
+    def together(counts):
+        return cp.group.summed(counts.clone(), 'routing')
+    moe.routed_together = together
+    moe.earlier_slots = lambda index: earlier_slots(index, moe.n_expert, cp)
+
+
+def earlier_slots(index, n_expert, cp):
+    """For each of this rank's token-slots (N, k): the slots its expert took from tokens before its chunk in
+    token order (every cp rank's, all gathered), less those this rank's own earlier chunks gave it (what
+    model.within_capacity counts locally). A row's two chunks here are chunk r and 2cp-1-r of its 2cp."""
+    n, L = cp.group.size, 2 * (cp.positions.numel() // 2)
+    rows, c = index.size(0) // L, L // 2
+    chunk_of_slot = (torch.arange(index.size(0), device=index.device) // c).repeat_interleave(index.size(1))
+    mine = torch.zeros(rows * 2, n_expert, dtype=torch.long, device=index.device)
+    mine.index_put_((chunk_of_slot, index.flatten()), torch.ones_like(chunk_of_slot), accumulate=True)
+    every = mine.new_empty(n * mine.numel())
+    cp.group.all_gather(every, mine.flatten())  # (rank, row, its chunk 0 | 1, expert)
+    every = every.view(n, rows, 2, n_expert)
+    ordered = torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)  # (row, chunk 0..2n-1)
+    before = ordered.flatten(0, 1).cumsum(0).view_as(ordered) - ordered  # slots of all chunks earlier
+    here = torch.stack([before[:, cp.group.rank], before[:, 2 * n - 1 - cp.group.rank]], 1).flatten(0, 1)
+    local_before = mine.cumsum(0) - mine
+    return (here - local_before)[chunk_of_slot, index.flatten()]  # (one per slot, t*k + j)
 
 
 def forward_needs_cp_forward(*args, **kwargs):
@@ -271,7 +308,10 @@ def cp_forward(model, idx, targets, cp):
     x = model.transformer.drop(x)
     for block in model.transformer.h:
         x = model.run_block(block, x)
-    return model.head(x, None if targets is None else targets[:, cp.positions])
+    logits, loss = model.head(x, None if targets is None else targets[:, cp.positions])
+    if model.moe_layers() and loss is not None:  # a mixture of experts: its auxiliary loss, as GPT.forward
+        loss = loss + moe_loss(model.moe_layers(), model.config)[0]
+    return logits, loss
 
 
 # The training step
@@ -333,8 +373,6 @@ def check_config(cfg, world_size):
     dp = data_parallel_size(world_size, cp=cfg.cp)  # (names the flag to change)
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     refuse(*shared_refusals(cfg, 'context_parallel.py', dp, world_size),
-           moe_refusal(cfg, 'context_parallel.py', "the load-balancing loss needs the routing statistics of "
-                       "whole sequences, which the cp ranks split"),
            (cfg.cp_attention not in ('ring', 'ulysses'),
             f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
            (cfg.block_size % (2 * cfg.cp), f"block_size ({cfg.block_size}) must be divisible by 2 x cp = "

@@ -274,7 +274,8 @@ class Routing:
 
 def within_capacity(index, n_expert, capacity, earlier=0):
     """Which token-slots (N, k) keep their expert: each expert takes its first `capacity` slots in token order
-    (t*k + j), after the `earlier` ones other ranks' earlier tokens gave it (context parallelism's)."""
+    (t*k + j), after the `earlier` ones (one per slot) other ranks' earlier tokens gave it (context
+    parallelism's)."""
     flat = index.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=n_expert)

@@ -136,9 +136,10 @@ def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
     return loss_sum.item() / zero.comm.size
 
 
-def grid_loss(stage, cp, x, y):
-    """The mean loss over the whole batch: through the stages, then the mean of the cp ranks'."""
-    loss = forward_loss(stage, x, y)
+def grid_loss(stage, cp, m, x, y):
+    """The mean loss over the whole batch: through the stages (m microbatches), then the mean of the cp
+    ranks'."""
+    loss = forward_loss(stage, x, y, m)
     cp.group.all_reduce(loss, kind='scalars')
     return loss / cp.group.size
 
@@ -169,7 +170,8 @@ def main(argv):
                                  layout, embed, weights, get_lr(it, cfg))
     save = lambda it, best: writer.save(rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, it,
                                                         best), rank_path(cfg.out_dir, RANK_FILE, rank))
-    run = SimpleNamespace(model=model, optimizer=None, loss_of=partial(grid_loss, stage, cp), step=step,
+    run = SimpleNamespace(model=model, optimizer=None, step=step,
+                          loss_of=partial(grid_loss, stage, cp, cfg.n_microbatches),
                           save=save, dp=comms['dp'], data=data, flops_per_token=flops, n_devices=world_size,
                           rank=rank, kind='parallel_4d', stage=stage, zero=zero, coords=coords,
                           comms=[comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d]])

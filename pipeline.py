@@ -16,15 +16,15 @@ from types import SimpleNamespace
 import torch
 
 from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             moe_refusal, outputs_line, profiled, refuse, run_main, run_shape,
-                             shared_refusals, start_run, training_loop)
+                             outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
+                             training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                                 init_params, materialize, rank_path, restore_rng, seed_dropout,
                                 train_checkpoint)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
 from common.model_parallel import (along, average_gradients, configure_adamw, data_parallel_size, group_comm,
                                    held_pieces, keep_own, print_grid, process_grid)
-from model import balance_routers
+from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -46,7 +46,9 @@ def validate(cfg, world_size):
     check_schedule(cfg)  # first: the checks below divide by its keys
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
     refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),
-           moe_refusal(cfg, 'pipeline.py', "each stage's load-balancing loss would be left out of the loss"),
+           (cfg.n_expert and cfg.aux_loss_style == 'hf' and p > 1, "aux_loss_style='hf' (a converted "
+            "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "
+            "--aux_loss_style=switch"),
            (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
                                    f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
@@ -181,11 +183,24 @@ def forward_step(stage, i, x, idx, targets, loss_scale, chunk=0, split=False):
             h = x.requires_grad_(True)
         for layer in stage.chunks[chunk]:
             h = model.run_block(model.transformer.h[layer], h)
-        if last:
-            h = stage.head(h, targets[microbatch])[1] * loss_scale  # its gradient: the global batch's mean
-            stage.loss_sum += h.detach()
-        stage.held[i] = (x, h, outputs)
+        extra = chunk_moe_loss(stage, chunk, loss_scale)  # (MoE: this chunk's auxiliary loss, else None)
+        if last:  # the loss (its gradient: the global batch's mean), the last chunk's auxiliary loss in it
+            h = stage.head(h, targets[microbatch])[1] * loss_scale + (0 if extra is None else extra)
+            extra = None
+        if last or extra is not None:
+            stage.loss_sum += (h if last else extra).detach()
+        stage.held[i] = (x, h, outputs, extra)
     return None if last else h
+
+
+def chunk_moe_loss(stage, chunk, scale):
+    """A mixture of experts: the auxiliary loss of this chunk's MoE layers in the forward just run, their
+    part of the model's (moe_loss: a mean over all its MoE layers, whichever stage holds them), times scale;
+    None for a dense chunk. Its gradient reaches only these routers: each stage backpropagates its own."""
+    blocks, config = [stage.model.transformer.h[i] for i in stage.chunks[chunk]], stage.model.config
+    layers = [block.mlp for block in blocks if isinstance(block.mlp, MoE)]
+    n_moe = sum(config.is_moe(i) for i in range(config.n_layer))
+    return moe_loss(layers, config, n_moe)[0] * scale if layers else None
 
 
 @contextlib.contextmanager
@@ -202,8 +217,10 @@ def module_outputs(model, keep):
 def backward_step(stage, i, grad_output, chunk=0):
     """B of microbatch i: backpropagate from its loss or its output's gradient; return its input's."""
     with timed(stage, 'B', i):
-        x, out, _ = stage.held.pop(i)
-        torch.autograd.backward(out, grad_output)  # (out the loss: the schedules receive no gradient for it)
+        x, out, _, extra = stage.held.pop(i)
+        # (out the loss: the schedules receive no gradient for it; extra, a MoE chunk's auxiliary loss)
+        roots, root_grads = ([out], [grad_output]) if extra is None else ([out, extra], [grad_output, None])
+        torch.autograd.backward(roots, root_grads)
     return None if stage.is_first and chunk == 0 else x.grad
 
 
@@ -213,12 +230,12 @@ def backward_input_step(stage, i, grad_output):
     kept with the graph (retain_graph) for W. A weight used outside its module (parallel_4d.py's vocabulary-
     parallel embedding) gets its gradient here."""
     with timed(stage, 'B', i):
-        x, out, outputs = stage.held[i]
+        x, out, outputs, extra = stage.held[i]
         own = {p for module, _ in outputs for p in module.parameters(recurse=False)}
         rest = [p for p in stage.model.parameters() if p.requires_grad and p not in own]
         inputs = [y for _, y in outputs] + rest + ([] if stage.is_first else [x])
-        grads = torch.autograd.grad(out, inputs, None if stage.is_last else grad_output, retain_graph=True,
-                                    allow_unused=True)
+        roots, root_grads = ([out], [grad_output]) if extra is None else ([out, extra], [grad_output, None])
+        grads = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
         for p, g in zip(rest, grads[len(outputs):]):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
@@ -383,22 +400,26 @@ def run_schedule(stage, name, m, x, y, loss_scale):
 
 
 @torch.no_grad()
-def forward_loss(stage, x, y):
-    """The mean loss of a whole batch, forward only through the stages (for estimate_loss), on every rank."""
-    stage.act_shape = (x.size(0),) + tuple(stage.act_shape[1:])  # whole batches: more rows, same tokens
+def forward_loss(stage, x, y, m):
+    """The mean loss of a batch, forward only through the stages (for estimate_loss), on every rank: the
+    mean of its m microbatches' (the tokens a mixture of experts routes together are a microbatch's)."""
+    stage.act_shape = (x.size(0) // m,) + tuple(stage.act_shape[1:])
     model, loss = stage.model, torch.zeros((), device=stage.device)
-    for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of every stage
-        first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
-        h = stage.embed(x) if first else communicate(stage, recv_prev=True)[0]
-        with stage.ctx:
-            for layer in layers:
-                h = model.run_block(model.transformer.h[layer], h)
-            if last:
-                loss = stage.head(h, y)[1].float()
-        if not last:
-            communicate(stage, send_next=h)
+    for xm, ym in zip(x.chunk(m), y.chunk(m)):
+        for chunk, layers in enumerate(stage.chunks):  # chunk c of every stage, then chunk c + 1 of each
+            first, last = stage.is_first and chunk == 0, stage.is_last and chunk == len(stage.chunks) - 1
+            h = stage.embed(xm) if first else communicate(stage, recv_prev=True)[0]
+            with stage.ctx:
+                for layer in layers:
+                    h = model.run_block(model.transformer.h[layer], h)
+                extra = chunk_moe_loss(stage, chunk, 1 / m)
+                loss += 0 if extra is None else extra.float()
+                if last:
+                    loss += stage.head(h, ym)[1].float() / m
+            if not last:
+                communicate(stage, send_next=h)
     finish_sends(stage)
-    stage.comm.all_reduce(loss, kind='scalars')  # the last stage's loss to every stage (the others add zero)
+    stage.comm.all_reduce(loss, kind='scalars')  # summed over the stages: the head's loss and each's aux
     return loss
 
 
@@ -485,7 +506,8 @@ def main(argv):
     step = lambda it: train_step(stage, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), cfg, dp,
                                  embed)
     training_loop(cfg, SimpleNamespace(
-        model=stage.model, optimizer=optimizer, loss_of=lambda x, y: forward_loss(stage, x, y), dp=dp,
+        model=stage.model, optimizer=optimizer, dp=dp,
+        loss_of=lambda x, y: forward_loss(stage, x, y, cfg.n_microbatches),
         data=data, step=step, save=lambda it, best: save_stage(writer, stage, optimizer, dp, it, best, cfg),
         flops_per_token=flops, n_devices=world_size, rank=rank,
         kind='pipeline', stage=stage, comms=[c for c in (dp, stage.comm, embed) if c]),
