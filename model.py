@@ -249,7 +249,9 @@ class MoE(nn.Module):
         a capacity caps the experts: then a dropped slot (expert index n_expert) adds nothing."""
         order = index.flatten().argsort(stable=True)  # the token-slots (t*k + j) by expert, in token order
         rows = x[order // self.k].split(torch.bincount(index.flatten(), minlength=self.n_expert + 1).tolist())
-        out = [expert(r) for expert, r in zip(self.experts, rows)] + [rows[-1].new_zeros(rows[-1].shape)]
+        # (an expert another rank holds, None here, adds nothing: tensor parallelism spreads them)
+        out = [r.new_zeros(r.shape) if expert is None else expert(r) for expert, r in zip(self.experts, rows)]
+        out.append(rows[-1].new_zeros(rows[-1].shape))  # the dropped slots (a capacity factor)
         return combine(torch.cat(out), order, weights)
 
     def forward(self, x):
@@ -309,6 +311,7 @@ def moe_loss(layers, config, n_layers=None):
     for m, r in zip(layers, routing):
         if m.training:
             m.load = m.load + r.counts
+        m.routing = Routing(r.counts, r.probs.detach(), r.z.detach(), r.k)  # (kept for the log: no graph)
     return config.aux_loss_weight * aux + config.router_z_loss_weight * z, aux
 
 
@@ -418,8 +421,8 @@ class GPT(nn.Module):
         moe = self.moe_layers()
         if moe:  # the MoE layers' auxiliary loss; it and their tokens per expert kept for the log
             self.tokens_per_expert = torch.stack([m.routing.counts for m in moe])  # (MoE layers, n_expert)
-            extra, self.aux_loss = moe_loss(moe, self.config)
-            loss = None if loss is None else loss + extra
+            extra, aux = moe_loss(moe, self.config)
+            self.aux_loss, loss = aux.detach(), None if loss is None else loss + extra
         return logits, loss
 
     def moe_layers(self):

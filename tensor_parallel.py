@@ -3,16 +3,19 @@ train.py plus tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and, optiona
 (Korthikanti et al. 2022), by hand. The tp ranks split every layer: attention by heads, the MLP column then
 row, the vocabulary (embedding, head, loss). Each block runs 2 all-reduces forward and 2 backward; with
 --sequence_parallel=True an all-gather + a reduce-scatter each, the norms and dropouts on 1/tp of the
-sequence. Each rank keeps its slice of train.py's seeded GPT: train.py's loss curve.
+sequence. A mixture of experts spreads its whole experts over the tp ranks instead (spread_experts says
+why). Each rank keeps its slice of train.py's seeded GPT: train.py's loss curve.
 
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=4 --sequence_parallel=True
     torchrun --nproc_per_node=4 tensor_parallel.py --tp=2 --gradient_accumulation_steps=2   # dp=2 x tp=2
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --n_expert=4 --n_expert_active=2   # MoE
     torchrun --nproc_per_node=2 tensor_parallel.py --tp=2 --init_from=resume        # same tp and world size
     python consolidate.py out-tp   # the rank checkpoints in out-tp/ -> out-tp/ckpt.pt, train.py's format
 """
 
 import contextlib
+import functools
 import os
 from itertools import accumulate
 from types import SimpleNamespace
@@ -26,11 +29,11 @@ from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_
                                 materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
 from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             moe_refusal, outputs_line, profiled, refuse, run_main, run_shape,
-                             shared_refusals, start_run, training_loop)
+                             outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
+                             training_loop)
 from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
                                    print_grid, process_grid, whole_shapes)
-from model import balance_routers
+from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -180,13 +183,19 @@ def heads_draw_their_own_dropout(attn, tp_rank):
 
 
 def give_tp_ranks_their_dropout(model, tp):
-    """Each rank's heads get their own dropout stream; with sequence parallelism, its sequence chunks too."""
+    """Each rank's heads get their own dropout stream, and a MoE's experts on it (each rank its own experts);
+    with sequence parallelism, its sequence chunks too."""
     if tp.group.size == 1 or model.config.dropout == 0:
         return
     for block in model.transformer.h:
+        moe = block.mlp if isinstance(block.mlp, MoE) else None
+        for expert in [e for e in moe.experts if e is not None] if moe else []:
+            expert.dropout = TPRankDropout(expert.dropout, tp.group.rank)
+        mlp = moe.shared_expert if moe else block.mlp  # (the dense MLP's output: replicated, or SP's chunk)
         if tp.sequence_parallel:
             block.attn.resid_dropout = TPRankDropout(block.attn.resid_dropout, tp.group.rank)
-            block.mlp.dropout = TPRankDropout(block.mlp.dropout, tp.group.rank)
+            if mlp is not None:
+                mlp.dropout = TPRankDropout(mlp.dropout, tp.group.rank)
         heads_draw_their_own_dropout(block.attn, tp.group.rank)
     if tp.sequence_parallel:
         model.transformer.drop = TPRankDropout(model.transformer.drop, tp.group.rank)
@@ -204,7 +213,8 @@ def slice_boxes(shape, kind, tp_group, qkv_sizes=None):
     """Where this rank's slice of a dense tensor of that shape sits in it: [(box, first, last)], the slice's
     rows first .. last-1 being the dense tensor's box (a (start, stop) per dimension). 'col': a run of its
     rows (output features), 'row': a run of its columns (input features), 'qkv': a run of rows in each of q,
-    k and v (this rank's heads), 'replicated': all of it. Runs as torch.tensor_split cuts them."""
+    k and v (this rank's heads); all of it for the rest ('replicated', and a MoE's 'shared' router and its
+    'expert's, whole on the rank that holds them). Runs as torch.tensor_split cuts them."""
     n, r, whole = tp_group.size, tp_group.rank, [(0, size) for size in shape]
 
     def run(length, offset=0):  # the r-th of tensor_split's n runs of length (the first ones one longer)
@@ -213,7 +223,7 @@ def slice_boxes(shape, kind, tp_group, qkv_sizes=None):
         return start, start + short + (r < longer)
     if kind == 'row':
         return [(whole[:1] + [run(shape[1])] + whole[2:], 0, shape[0])]
-    if kind == 'replicated':
+    if kind in ('replicated', 'shared', 'expert'):
         return [(whole, 0, shape[0])]
     sizes, boxes, first = qkv_sizes if kind == 'qkv' else [shape[0]], [], 0
     for offset, size in zip(accumulate([0] + sizes), sizes):
@@ -310,15 +320,23 @@ def shard_gpt(model, tp):
     def column(linear, kind='col', qkv_sizes=None):
         return ColumnParallelLinear(cut(linear.weight, kind, qkv_sizes), cut(linear.bias, kind, qkv_sizes))
 
+    def parallel_mlp(mlp):  # the MLP column then row: its hidden units cut
+        mlp.c_fc = column(mlp.c_fc)
+        if mlp.swiglu:
+            mlp.c_gate = column(mlp.c_gate)
+        mlp.c_proj = RowParallelLinear(cut(mlp.c_proj.weight, 'row'), mlp.c_proj.bias, tp)
+
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
         attn.c_attn = column(attn.c_attn, 'qkv', qkv_split(cfg))
         attn.c_proj = RowParallelLinear(cut(attn.c_proj.weight, 'row'), attn.c_proj.bias, tp)
         attn.n_head, attn.n_kv_head = cfg.n_head // tp_group.size, cfg.n_kv_head // tp_group.size  # its heads
-        mlp.c_fc = column(mlp.c_fc)
-        if mlp.swiglu:
-            mlp.c_gate = column(mlp.c_gate)
-        mlp.c_proj = RowParallelLinear(cut(mlp.c_proj.weight, 'row'), mlp.c_proj.bias, tp)
+        if isinstance(mlp, MoE):
+            spread_experts(mlp, tp, lambda p, kind: layout.__setitem__(names[id(p)], (p, kind)))
+            if mlp.shared_expert is not None:
+                parallel_mlp(mlp.shared_expert)
+        else:
+            parallel_mlp(mlp)
         block.ln_1, block.ln_2 = NormThenEnter(block.ln_1, tp), NormThenEnter(block.ln_2, tp)
     model.transformer.ln_f = NormThenEnter(model.transformer.ln_f, tp)
     sizes = [len(part) for part in torch.tensor_split(torch.arange(cfg.vocab_size), tp_group.size)]
@@ -327,10 +345,60 @@ def shard_gpt(model, tp):
     # tied: the head is the same vocabulary slice of the same tensor
     model.lm_head = ColumnParallelLinear(wte, None) if cfg.tie_embeddings else column(model.lm_head)
     model.lm_head.vocab_start = start
+    held = {id(p) for p in model.parameters()}
     for name, p in dense_named:  # what is left (norms, row-parallel biases, wpe) is the dense model's own
-        layout.setdefault(name, (p, 'replicated'))
+        if id(p) in held:
+            layout.setdefault(name, (p, 'replicated'))
     model.forward = forward_needs_tp_forward  # GPT.forward would compute a loss over one vocabulary slice
     return layout
+
+
+def spread_experts(moe, tp, note):
+    """A mixture of experts under tensor parallelism: its experts spread over the tp ranks, n_expert/tp whole
+    experts on each (note(p, kind): into the layout). Megatron-Core's expert tensor parallelism cuts every
+    expert instead. Why whole: today's experts are narrow already (fine-grained, DeepSeek-V3's 2048 wide for a
+    7168 residual), and cutting each by tp again leaves tiny matmuls; whole experts cost the one reduction a
+    dense MLP makes, and as the tokens are on every tp rank already (f, or sequence parallelism's all-gather,
+    ran before the layer) no all-to-all is needed. The price: a rank's work follows the router's load on its
+    experts. Every rank routes every token alike (the router is whole on each: 'shared', its gradient the
+    same everywhere), runs its experts on their slots, and the partial sums meet in that reduction
+    (tp_moe_forward)."""
+    n, r = tp.group.size, tp.group.rank
+    for e in range(moe.n_expert):
+        if e * n // moe.n_expert != r:  # (a run of n_expert/tp experts per rank)
+            moe.experts[e] = None
+        else:
+            for p in moe.experts[e].parameters():
+                note(p, 'expert')
+    note(moe.router.weight, 'shared')
+    moe.forward = functools.partial(tp_moe_forward, moe, tp)
+
+
+def tp_moe_forward(moe, tp, x):
+    """MoE.forward on every token, its experts spread over the tp ranks: this rank's experts' outputs on their
+    slots (the others' add zeros), summed by the router's weights, reduced over tp (g, or the reduce-scatter).
+    A rank's weights meet only its experts' outputs, so their gradient is summed over tp (f) before reaching
+    the router: the router's gradients are then whole and alike on every rank, and so is what it sends back
+    to x, which f (or the all-gather) before the layer sums over the ranks: each sends 1/tp of it
+    (TakeAShare). A shared expert is cut as the dense MLP, and reduces on its own."""
+    flat = x.reshape(-1, x.size(-1))
+    index, weights = moe.route(TakeAShare.apply(flat, tp.group.size))
+    weights = CopyToTP.apply(weights, tp.group) if tp.group.size > 1 else weights
+    y = tp.leave(moe.experts_forward(flat, index, weights).view_as(x))
+    return y if moe.shared_expert is None else y + moe.shared_expert(x)
+
+
+class TakeAShare(torch.autograd.Function):
+    """Identity forward; backward 1/n of the gradient: for a gradient that every one of n ranks computes whole
+    on its way into a sum over them."""
+    @staticmethod
+    def forward(ctx, x, n):
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n, None
 
 
 def keep_slices(layout, tp, config):
@@ -369,11 +437,15 @@ def tp_head(model, x, targets, tp):
 
 
 def tp_forward(model, idx, targets, tp):
-    """GPT.forward with the vocabulary-parallel embedding, head and loss: (this rank's logits slice, loss)."""
+    """GPT.forward with the vocabulary-parallel embedding, head and loss: (this rank's logits slice, loss).
+    A mixture of experts adds its auxiliary loss, the same on every tp rank (each routes every token)."""
     x = tp_embed(model, idx, tp)
     for block in model.transformer.h:
         x = model.run_block(block, x)
-    return tp_head(model, x, targets, tp)
+    logits, loss = tp_head(model, x, targets, tp)
+    if model.moe_layers() and loss is not None:
+        loss = loss + moe_loss(model.moe_layers(), model.config)[0]
+    return logits, loss
 
 
 def sync_tp_grads(layout, tp):
@@ -384,9 +456,10 @@ def sync_tp_grads(layout, tp):
 
 
 def clip_grads(layout, tp, max_norm):
-    """clip_grad_norm_ over the whole model: summed over tp, each rank's slices + 1/tp of the replicated."""
-    counted = [(p.grad, 1 / tp.group.size if kind == 'replicated' else 1.0) for p, kind in layout.values()
-               if p.grad is not None]
+    """clip_grad_norm_ over the whole model: summed over tp, each rank's slices (and experts) + 1/tp of what
+    every rank holds (the replicated, a MoE's shared router)."""
+    counted = [(p.grad, 1 / tp.group.size if kind in ('replicated', 'shared') else 1.0)
+               for p, kind in layout.values() if p.grad is not None]
     return clip_grad_norm([g for g, _ in counted], max_norm, [tp.group], counted)
 
 
@@ -459,7 +532,8 @@ def check_config(cfg, world_size):
     dp = data_parallel_size(world_size, tp=cfg.tp)  # (names the flag to change)
     n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_path(cfg.out_dir, RANK_FILE, 0)
     refuse(*shared_refusals(cfg, 'tensor_parallel.py', dp, world_size),
-           moe_refusal(cfg, 'tensor_parallel.py', "its experts are not cut over the tp ranks"),
+           (cfg.n_expert % cfg.tp, f"n_expert ({cfg.n_expert}) must be divisible by tp={cfg.tp}: each tp "
+            "rank holds n_expert/tp whole experts of every MoE layer"),
            (cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
             f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),
            (cfg.sequence_parallel and cfg.block_size % cfg.tp,

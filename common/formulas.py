@@ -55,17 +55,22 @@ def fsdp_held_bytes_formula(numel, world_size, micro_steps):
 
 def param_bytes_formula(config, t, bytes_per_elem=4):
     """Parameter bytes on one tp rank: 1/t of the split layers (q/k/v, attention output, MLP, embedding, head)
-    plus every replicated one (norms, the row-parallel biases, learned positions)."""
+    plus every replicated one (norms, the row-parallel biases, learned positions). A MoE layer instead of its
+    MLP: n_expert/t whole experts (each an MLP), its router whole, a shared expert cut as the MLP is."""
     h, L, hd, bias = config.n_embd, config.n_layer, config.n_embd // config.n_head, int(config.bias)
     qkv = (config.n_head + 2 * config.n_kv_head) * hd
     n_mlp_in = 2 if config.mlp == 'swiglu' else 1
-    mlp = config.n_hidden * (n_mlp_in * (h + bias) + h)
-    split_per_layer = qkv * (h + bias) + config.n_head * hd * h + mlp
-    split = L * split_per_layer + config.vocab_size * h * (1 if config.tie_embeddings else 2)
+    mlp = config.n_hidden * (n_mlp_in * (h + bias) + h)  # (its c_proj bias: replicated, below)
+    n_moe = sum(config.is_moe(layer) for layer in range(L))
+    split_per_layer = qkv * (h + bias) + config.n_head * hd * h
+    split = L * split_per_layer + (L - n_moe + n_moe * config.n_shared_expert) * mlp
+    split += config.vocab_size * h * (1 if config.tie_embeddings else 2)
     norm = h * (1 + (bias if config.norm == 'layernorm' else 0))
     wpe = config.block_size * h if config.pos == 'learned' else 0
-    replicated = L * (2 * norm + 2 * h * bias) + norm + wpe
-    return (split / t + replicated) * bytes_per_elem
+    dense_proj_biases = (L - n_moe + n_moe * config.n_shared_expert) * h * bias
+    replicated = L * (2 * norm + h * bias) + dense_proj_biases + norm + wpe + n_moe * config.n_expert * h
+    experts = n_moe * config.n_expert // t * (mlp + h * bias)  # whole experts, each with its c_proj bias
+    return (split / t + replicated + experts) * bytes_per_elem
 
 
 def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, bytes_per_elem=2):

@@ -85,14 +85,14 @@ def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes
     layer's, measured."""
     s, b, h, t, sp = cfg.block_size, cfg.batch_size, config.n_embd, tp.group.size, cfg.sequence_parallel
     elem, micro_steps = (4 if cfg.dtype == 'float32' else 2), cfg.gradient_accumulation_steps // dp.size
-    sent = comm_report([tp.group, dp])
+    sent, dense = comm_report([tp.group, dp]), not config.is_moe(0)  # (the layer measured: block 0)
     rows = log_rank_rows(cfg.out_dir, dict(
         rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, tp_rank=tp.group.rank,
         dp_rank=dp.rank, tp=t, dp=dp.size, sequence_parallel=sp, param_bytes=params,
         param_bytes_formula=param_bytes_formula(config, t), activation_bytes=activation_bytes,
-        activation_bytes_formula=saved_bytes_formula(config, s, b, t, sp, elem),
+        activation_bytes_formula=saved_bytes_formula(config, s, b, t, sp, elem) if dense else None,
         activation_bytes_korthikanti=activation_bytes_formula(s, b, h, config.n_head, t, sp,
-                                                              bytes_per_elem=elem),
+                                                              bytes_per_elem=elem) if dense else None,
         collective_bytes=sum(sent['collective_bytes'].values()),
         collective_bytes_by_kind=sent['collective_bytes'],
         wire_bytes=wire_bytes, wire_bytes_formula=sum(sent['wire_bytes_formula'].values()),
@@ -124,6 +124,10 @@ def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes
     if wire_bytes is not None and wire_bytes > 1.2 * r['wire_bytes_formula']:  # (sequence parallelism's)
         notes.append("more on the wire than the ring formula: gloo's reduce-scatter (sequence parallelism's) "
                      "is an all-reduce underneath")
+    if not dense:
+        notes.append("block 0 is a mixture of experts: what its experts keep follows the router (the slots "
+                     "it gives this rank's experts), so no formula; the paper's count of bytes sent is the "
+                     "dense model's")
     if elem == 2:
         notes.append("activations modelled at 2 bytes: under bfloat16 autocast the residual stream and the "
                      "norms stay fp32")
