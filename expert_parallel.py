@@ -29,8 +29,8 @@ from common.training import (autocast_context, config_defaults, configure, load_
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
                                 materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, init_distributed, world_size_from_env
-from common.model_parallel import (AllToAll, along, average_gradients, data_parallel_size, group_comm,
-                                   held_pieces, keep_own, process_grid)
+from common.model_parallel import (AllToAll, along, average_gradients, data_parallel_size, expert_groups,
+                                   group_comm, held_pieces, keep_own, process_grid)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -70,7 +70,8 @@ def compute(experts, received, sizes):
     n_src, n_local = len(sizes), len(experts)
     chunks, out = received.split([n for row in sizes for n in row]), [None] * (n_src * n_local)
     for j, expert in enumerate(experts):
-        y = expert(torch.cat([chunks[s * n_local + j] for s in range(n_src)]))
+        rows = torch.cat([chunks[s * n_local + j] for s in range(n_src)])
+        y = rows if expert is None else expert(rows)  # (None: another tp rank's, sent no rows: parallel_4d)
         for s, part in enumerate(y.split([sizes[s][j] for s in range(n_src)])):
             out[s * n_local + j] = part
     return torch.cat(out)
@@ -98,15 +99,12 @@ def expert_parallel_forward(moe, experts, ep, x, index, weights):
 
 
 def ep_comms(world_size, rank, ep_size):
-    """The groups, from the data-parallel ranks (the whole world) cut into runs of ep: the ep group is this
-    rank's run (neighbouring ranks: the all-to-alls, the chattiest, stay within a node), the expert-data-
-    parallel group the ranks at its place in every run (they hold the same experts). Returns (ep, edp, dp: the
-    whole world, over which the dense gradients are averaged)."""
+    """The groups, from the data-parallel ranks (the whole world) cut into runs of ep (expert_groups): the ep
+    group is this rank's run, the expert-data-parallel group the ranks at its place in every run (they hold
+    the same experts). Returns (ep, edp, dp: the whole world, over which the dense gradients are averaged)."""
     grid, _, comms = process_grid(world_size, rank, dp=world_size)
-    ranks = along(grid, 'dp')[0]
-    runs = [ranks[i:i + ep_size] for i in range(0, world_size, ep_size)]
-    return (group_comm('ep', runs, rank), group_comm('edp', [list(r) for r in zip(*runs)], rank),
-            comms['dp'])
+    ep_groups, edp_groups = expert_groups(along(grid, 'dp'), ep_size)
+    return group_comm('ep', ep_groups, rank), group_comm('edp', edp_groups, rank), comms['dp']
 
 
 def cut_experts(model, ep):
@@ -118,9 +116,8 @@ def cut_experts(model, ep):
         for e in range(moe.n_expert):
             if e not in held:
                 moe.experts[e] = None
-        experts = [moe.experts[e] for e in held]
-        moe.experts_forward = lambda x, index, weights, moe=moe, experts=experts: \
-            expert_parallel_forward(moe, experts, ep, x, index, weights)
+        moe.experts_forward = lambda x, index, weights, moe=moe, held=held: expert_parallel_forward(
+            moe, [moe.experts[e] for e in held], ep, x, index, weights)  # (as held when called: tp may cut)
     expert_ids = {id(p) for name, p in model.named_parameters() if '.mlp.experts.' in name}
     params = list(model.parameters())
     return [p for p in params if id(p) not in expert_ids], [p for p in params if id(p) in expert_ids]

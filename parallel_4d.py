@@ -6,12 +6,17 @@ is new: it imports each piece from its file and composes them.
     torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --tp=2 --gradient_accumulation_steps=2
     torchrun --standalone --nproc_per_node=8 parallel_4d.py --cp=2 --tp=2 --gradient_accumulation_steps=2
     torchrun --standalone --nproc_per_node=8 parallel_4d.py --pp=2 --cp=2 --tp=2
+    torchrun --standalone --nproc_per_node=8 parallel_4d.py --tp=2 --ep=2 --n_expert=4 --n_microbatches=1 \
+        --gradient_accumulation_steps=4     # a mixture of experts: dp 4 x tp 2, ep 2 folded into dp
 
 tp  tensor_parallel.py: every block's layers split over the tp ranks (Megatron's f and g; --sequence_parallel)
 cp  context_parallel.py: every sequence split over the cp ranks; attention across them (ring or Ulysses)
 pp  pipeline.py: the blocks split into stages, microbatches scheduled through them (GPipe, 1F1B, interleaved)
-dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW state
-    (Megatron's distributed optimizer shards over the same group)
+dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW
+    state (Megatron's distributed optimizer shards over the same group)
+ep  expert_parallel.py, folded into dp x cp (Megatron-Core's MoE parallel folding, torchtitan's): runs of ep
+    of those ranks share out every MoE layer's experts (all-to-all), which the tp ranks then spread between
+    them; the experts' own ZeRO-1 engine over the ranks that hold the same ones (expert data parallelism)
 
 For the same config and seed the loss curve is train.py's. Rank 0 prints the grid, every rank its groups;
 after the first iteration, what each rank holds and sent along each dimension, beside the formulas.
@@ -31,11 +36,13 @@ from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, qkv_split, shard_gpt,
                              slice_boxes, sync_tp_grads, tp_embed, tp_head)
 from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
-                             micro_batches, moe_refusal, outputs_line, profiled, refuse, run_main, run_shape,
+                             micro_batches, outputs_line, profiled, refuse, run_main, run_shape,
                              shared_refusals, start_run, training_loop)
 from zero import Zero
-from common.model_parallel import (along, data_parallel_size, group_comm, print_grid, process_grid,
-                                   whole_shapes)
+from common.model_parallel import (along, data_parallel_size, expert_groups, group_comm, print_grid,
+                                   process_grid, whole_shapes)
+from expert_parallel import cut_experts
+from model import balance_routers
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -48,6 +55,7 @@ measure_every = 0               # measure and report every this many steps too; 
 pp = 1                          # pipeline stages
 cp = 1                          # context-parallel ranks per sequence
 tp = 1                          # tensor-parallel ranks per layer
+ep = 1                          # expert-parallel ranks, taken from the dp x cp ranks: n_expert/(ep·tp) each
 sequence_parallel = False       # tp: shard norms and dropout along the sequence (not with cp > 1)
 cp_attention = 'ring'           # cp: 'ring' or 'ulysses'
 schedule = '1f1b'               # pp: 'gpipe', '1f1b' or 'interleaved'
@@ -62,10 +70,13 @@ config = config_defaults(globals())
 def build_stage(model, cfg, grid, coords, comms, checkpoint):
     """This rank's part of train.py's GPT (built on the meta device): its tp slice of every layer, then its
     pipeline stage's blocks, with context-parallel attention, as a pipeline Stage whose embedding and loss are
-    the vocabulary-parallel ones on this rank's tokens. Only that part gets storage, then train.py's values
-    (init_params, one dense tensor at a time) or this rank's checkpoint. Returns (stage, tp, cp, layout)."""
+    the vocabulary-parallel ones on this rank's tokens; a MoE layer's experts first cut over the ep group,
+    then spread over tp. Only that part gets storage, then train.py's values (init_params, one dense tensor at
+    a time) or this rank's checkpoint. Returns (stage, tp, cp, layout)."""
     tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
     cp = ContextParallel(comms['cp'], cfg.cp_attention)
+    if comms['ep'].size > 1:
+        cut_experts(model, comms['ep'])
     layout = shard_gpt(model, tp)
     give_tp_ranks_their_dropout(model, tp)
     chunks = keep_stage(model, coords['pp'], cfg.pp, cfg.virtual_stages)
@@ -87,17 +98,28 @@ def build_stage(model, cfg, grid, coords, comms, checkpoint):
     return stage, tp, cp, layout
 
 
-def build_zero(model, cfg, dp_cp, coords, checkpoint):
+ENGINES = ('zero', 'expert_zero')  # the ZeRO-1 engines' keys in a rank's checkpoint
+
+
+def build_zeros(model, cfg, comms, coords, checkpoint):
     """ZeRO-1 over the dp x cp ranks that hold the same weights: this rank's part of the model in its flat
-    buckets, 1/(dp·cp) of the AdamW state; from the checkpoint on resume, with this rank's random stream."""
-    zero = Zero(model, 1, dp_cp.rank, dp_cp.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp_cp)
+    buckets, 1/(dp·cp) of the AdamW state. With ep > 1 its experts get an engine of their own over the edp
+    ranks that hold the same ones; their gradients are divided by dp·cp all the same, not edp: an expert's
+    sums what every rank of its ep group sent it (Megatron's expert gradient scaling). From the checkpoint on
+    resume, with this rank's random stream. Returns the engines: [dense, experts (ep > 1)]."""
+    experts = [p for n, p in model.named_parameters() if '.mlp.experts.' in n] if comms['ep'].size > 1 else []
+    dense = [p for p in model.parameters() if all(p is not q for q in experts)]
+    zeros = [Zero(model, 1, comm.rank, comm.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+                  cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, comm,
+                  params=params, divisor=comms['dp_cp'].size)
+             for params, comm in ((dense, comms['dp_cp']), (experts, comms['edp'])) if params]
     if checkpoint is not None:
-        zero.load_state_dict(checkpoint['zero'])
+        for key, zero in zip(ENGINES, zeros):
+            zero.load_state_dict(checkpoint[key])
         set_rng_state(checkpoint['rng'])
     else:
         seed_dropout(cfg.seed, coords['dp'], coords['pp'])  # each replica and stage its own masks
-    return zero
+    return zeros
 
 
 def clip_weights(model, layout, tp, embed, stage):
@@ -106,30 +128,36 @@ def clip_weights(model, layout, tp, embed, stage):
     counts it)."""
     here = {id(p) for p in model.parameters()}
     weights = {id(p): 1 / tp.group.size for p, kind in layout.values()
-               if kind == 'replicated' and id(p) in here}
+               if kind in ('replicated', 'shared') and id(p) in here}  # (a MoE's router: 'shared')
     if embed is not None and stage.is_last:
         weights[id(model.lm_head.weight)] = 0.0
     return weights
 
 
-def train_step(stage, zero, batches, cfg, tp, layout, embed, weights, lr):
-    """train.py's iteration on the grid: the pipeline schedule over each micro-step's microbatches (tensor-
-    and context-parallel inside every block), then the gradient syncs each dimension adds. The mean loss."""
+def train_step(stage, zeros, batches, cfg, tp, layout, embed, weights, lr):
+    """train.py's iteration on the grid: the pipeline schedule over each micro-step's microbatches (tensor-,
+    context- and expert-parallel inside every block), then the gradient syncs each dimension adds. The mean
+    loss."""
     stage.loss_sum = torch.zeros((), device=cfg.device)
     stage.act_shape = (cfg.batch_size // cfg.n_microbatches,) + tuple(stage.act_shape[1:])  # (eval: batches)
     # the gradients add up over every microbatch; ZeRO-1 reduces them once, below
-    zero.last_micro_step = False
+    zero = zeros[0]
+    for z in zeros:
+        z.last_micro_step = False
     for x, y in batches:
         run_schedule(stage, cfg.schedule, cfg.n_microbatches, x, y, 1.0 / (cfg.n_microbatches * len(batches)))
     sync_tp_grads(layout, tp)  # tp, sequence parallel: the replicated parameters saw only this rank's tokens
     if embed is not None:  # pp: the tied embedding's two copies, on the first and the last stage
         model = stage.model
         embed.all_reduce(model.transformer.wte.weight.grad if stage.is_first else model.lm_head.weight.grad)
-    zero.last_micro_step = True
-    zero.finish_backward()  # dp x cp (ZeRO-1): every bucket reduce-scattered, each rank its chunk's average
+    for z in zeros:  # dp x cp (ZeRO-1): every bucket reduce-scattered, each rank its chunk's average
+        z.last_micro_step = True  # (the experts': over edp)
+        z.finish_backward()
     if cfg.grad_clip != 0.0:  # the norm of the whole model: the squares summed over dp x cp, then tp and pp
-        zero.clip_grad_norm(cfg.grad_clip, weights, [tp.group, stage.comm])
-    zero.step(lr)  # AdamW on this rank's chunk, then all-gather the updated weights
+        zero.clip_grad_norm(cfg.grad_clip, weights, [tp.group, stage.comm], also=zeros[1:])
+    for z in zeros:
+        z.step(lr)  # AdamW on this rank's chunk, then all-gather the updated weights
+    balance_routers(stage.model, lambda loads: zero.comm.summed(loads, 'router loads'))  # (x cp: sign())
     loss_sum = stage.loss_sum.clone()  # nonzero on the last stage: summed over the stages, then dp x cp
     stage.comm.all_reduce(loss_sum, kind='scalars')
     zero.comm.all_reduce(loss_sum, kind='scalars')
@@ -144,15 +172,23 @@ def grid_loss(stage, cp, m, x, y):
     return loss / cp.group.size
 
 
+def weight_groups(grid, rank, cfg):
+    """The groups parallel_4d.py adds to the grid's: the ranks holding the same weights (every dp and cp rank
+    of a pp and tp coordinate: their gradients are averaged together, and ZeRO-1 shards the optimizer state
+    over them), cut into ep groups and their edp groups (expert_groups: ep > 1, a mixture of experts); and the
+    tied embedding's two stages (embed_comm)."""
+    same_weights = along(grid, 'dp', 'cp')
+    ep_groups, edp_groups = expert_groups(same_weights, cfg.ep)
+    return dict(dp_cp=group_comm('dp_cp', same_weights, rank), ep=group_comm('ep', ep_groups, rank),
+                edp=group_comm('edp', edp_groups, rank), embed=embed_comm(grid, rank, cfg.tie_embeddings))
+
+
 def main(argv):
     cfg = configure(config, argv)
     dp_size = check_config(cfg, world_size_from_env())
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    # the ranks holding the same weights (every dp and cp rank of a pp and tp coordinate): their gradients are
-    # averaged together, and ZeRO-1 shards the optimizer state over them; and the tied embedding's two stages
-    comms.update(dp_cp=group_comm('dp_cp', along(grid, 'dp', 'cp'), rank),
-                 embed=embed_comm(grid, rank, cfg.tie_embeddings))
+    comms.update(weight_groups(grid, rank, cfg))
     data, vocab_size = load_dataset(cfg.dataset)
     # train.py's GPT on the meta device: build_stage cuts it along the grid and materializes this rank's part
     ckpt_path = rank_path(cfg.out_dir, RANK_FILE, rank)
@@ -161,20 +197,22 @@ def main(argv):
     print_grid(grid, coords, comms, rank, out_dir=cfg.out_dir)
     if rank == 0:
         dp, pp, cp, tp = grid.shape
-        print(run_shape(f"world {world_size} = dp {dp} x pp {pp} x cp {cp} x tp {tp}", cfg,
+        ep = f" (ep {cfg.ep}: runs of the dp x cp ranks)" if cfg.ep > 1 else ""
+        print(run_shape(f"world {world_size} = dp {dp} x pp {pp} x cp {cp} x tp {tp}{ep}", cfg,
                         model.get_num_params()))
     stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
-    zero, embed = build_zero(model, cfg, comms['dp_cp'], coords, checkpoint), comms['embed']
+    zeros, embed = build_zeros(model, cfg, comms, coords, checkpoint), comms['embed']
     weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter()
-    step = lambda it: train_step(stage, zero, micro_batches(data, cfg, it, coords['dp'], dp_size), cfg, tp,
+    step = lambda it: train_step(stage, zeros, micro_batches(data, cfg, it, coords['dp'], dp_size), cfg, tp,
                                  layout, embed, weights, get_lr(it, cfg))
-    save = lambda it, best: writer.save(rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, it,
+    save = lambda it, best: writer.save(rank_checkpoint(model, zeros, layout, tp, coords, cfg, world_size, it,
                                                         best), rank_path(cfg.out_dir, RANK_FILE, rank))
     run = SimpleNamespace(model=model, optimizer=None, step=step,
                           loss_of=partial(grid_loss, stage, cp, cfg.n_microbatches),
                           save=save, dp=comms['dp'], data=data, flops_per_token=flops, n_devices=world_size,
-                          rank=rank, kind='parallel_4d', stage=stage, zero=zero, coords=coords,
-                          comms=[comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'embed') if comms[d]])
+                          rank=rank, kind='parallel_4d', stage=stage, zeros=zeros, coords=coords,
+                          comms=[comms[d] for d in ('dp_cp', 'pp', 'cp', 'tp', 'ep', 'edp', 'embed')
+                                 if comms[d]])
     training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
     if rank == 0:
@@ -192,8 +230,12 @@ def check_config(cfg, world_size):
     refuse((cfg.cp_attention not in ('ring', 'ulysses'),
             f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
            *shared_refusals(cfg, 'parallel_4d.py', dp, world_size),
-           moe_refusal(cfg, 'parallel_4d.py', "its experts are not cut over the tp ranks, nor its stages' "
-                       "load-balancing losses added"),
+           (cfg.ep > 1 and not cfg.n_expert, f"--ep={cfg.ep} needs a mixture of experts: pass --n_expert=4 "
+            "--n_expert_active=2"),
+           (cfg.ep < 1 or (dp * cfg.cp) % cfg.ep, f"ep ({cfg.ep}) must divide dp x cp = {dp * cfg.cp}: the "
+            "ep groups are taken from the ranks that hold the same weights"),
+           (cfg.n_expert % (cfg.ep * cfg.tp), f"n_expert ({cfg.n_expert}) must be divisible by ep x tp = "
+            f"{cfg.ep * cfg.tp}: each rank holds n_expert/(ep·tp) whole experts of every MoE layer"),
            (cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
             f"must be divisible by tp{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole "
             "heads"),
@@ -223,13 +265,14 @@ RANK_FILE = 'ckpt_4d_rank{}.pt'
 
 def run_grid(cfg, world_size):
     """How this run cuts the model and its AdamW state: a checkpoint resumes only on the same."""
-    return dict(pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, ranks=world_size)
+    return dict(pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, virtual_stages=cfg.virtual_stages,
+                ranks=world_size)
 
 
-def rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, iter_num, best_val_loss):
-    """This rank's file: its part of the model, its ZeRO-1 chunk and random stream, where it sits on the grid;
-    its pieces for consolidate.py: ZeRO-1's run of each tp slice (tensor_parallel.slice_boxes) of its stage's
-    parameters (both stages' copies of a tied embedding: the same values)."""
+def rank_checkpoint(model, zeros, layout, tp, coords, cfg, world_size, iter_num, best_val_loss):
+    """This rank's file: its part of the model, its ZeRO-1 chunks (and its experts') and random stream, where
+    it sits on the grid; its pieces for consolidate.py: ZeRO-1's run of each tp slice (tensor_parallel.
+    slice_boxes) of its stage's parameters (both stages' copies of a tied embedding: the same values)."""
     qkv, dense_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
     shapes = whole_shapes(vars(model.config))
 
@@ -238,8 +281,11 @@ def rank_checkpoint(model, zero, layout, tp, coords, cfg, world_size, iter_num, 
         return dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv)
     replica = coords['dp'] if coords['pp'] == coords['cp'] == coords['tp'] == 0 else None  # (its stream)
     buffers = buffer_pieces(model) if coords['dp'] == coords['cp'] == coords['tp'] == 0 else []  # (a stage's)
-    return checkpoint_of({'model': model.state_dict(), 'zero': zero.state_dict(), 'coords': coords},
-                         zero.pieces(cut) + buffers, (RANK_FILE, world_size), run_grid(cfg, world_size),
+    engines = dict(zip(ENGINES, zeros))
+    return checkpoint_of({'model': model.state_dict(), 'coords': coords,
+                          **{key: zero.state_dict() for key, zero in engines.items()}},
+                         [p for key, zero in engines.items() for p in zero.pieces(cut, key)] + buffers,
+                         (RANK_FILE, world_size), run_grid(cfg, world_size),
                          replica, vars(model.config), iter_num, best_val_loss, vars(cfg))
 
 

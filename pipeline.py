@@ -46,9 +46,6 @@ def validate(cfg, world_size):
     check_schedule(cfg)  # first: the checks below divide by its keys
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
     refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),
-           (cfg.n_expert and cfg.aux_loss_style == 'hf' and p > 1, "aux_loss_style='hf' (a converted "
-            "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "
-            "--aux_loss_style=switch"),
            (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
                                    f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
            (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
@@ -60,9 +57,13 @@ def validate(cfg, world_size):
 
 
 def check_schedule(cfg):
-    """The schedule's keys, checked first (the others divide by them); parallel_4d.py checks them too."""
+    """The schedule's keys, checked first (the others divide by them), and what no pipeline can run;
+    parallel_4d.py checks them too."""
     s, v, m = cfg.schedule, cfg.virtual_stages, cfg.n_microbatches
-    refuse((s not in SCHEDULES, f"--schedule={s} is not one of {', '.join(SCHEDULES)}"),
+    refuse((cfg.n_expert and cfg.aux_loss_style == 'hf' and cfg.pp > 1, "aux_loss_style='hf' (a converted "
+            "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "
+            "--aux_loss_style=switch"),
+           (s not in SCHEDULES, f"--schedule={s} is not one of {', '.join(SCHEDULES)}"),
            (v < 1 or (v > 1 and s != 'interleaved'),
             f"--virtual_stages={v} must be 1, or more with --schedule=interleaved (got --schedule={s})"),
            (cfg.pp == 1 and (v > 1 or s == 'zb1'),  # (pp < 1: the world size's check)

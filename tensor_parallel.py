@@ -362,14 +362,17 @@ def spread_experts(moe, tp, note):
     ran before the layer) no all-to-all is needed. The price: a rank's work follows the router's load on its
     experts. Every rank routes every token alike (the router is whole on each: 'shared', its gradient the
     same everywhere), runs its experts on their slots, and the partial sums meet in that reduction
-    (tp_moe_forward)."""
+    (tp_moe_forward). parallel_4d.py's expert parallelism cuts the experts first: the tp ranks spread what
+    their ep rank holds."""
     n, r = tp.group.size, tp.group.rank
-    for e in range(moe.n_expert):
-        if e * n // moe.n_expert != r:  # (a run of n_expert/tp experts per rank)
+    run = sum(expert is not None for expert in moe.experts)  # n_expert (or n_expert/ep: a run, held here)
+    here = [(e % run) * n // run == r for e in range(moe.n_expert)]  # (a run of run/tp experts per tp rank)
+    for e, expert in enumerate(moe.experts):
+        if expert is not None and not here[e]:
             moe.experts[e] = None
-        else:
-            for p in moe.experts[e].parameters():
-                note(p, 'expert')
+        for p in moe.experts[e].parameters() if moe.experts[e] is not None else []:
+            note(p, 'expert')
+    moe.on_this_tp_rank = torch.tensor(here + [False])  # (any ep rank's; False: the dropped slots' index)
     note(moe.router.weight, 'shared')
     moe.forward = functools.partial(tp_moe_forward, moe, tp)
 
@@ -383,6 +386,8 @@ def tp_moe_forward(moe, tp, x):
     (TakeAShare). A shared expert is cut as the dense MLP, and reduces on its own."""
     flat = x.reshape(-1, x.size(-1))
     index, weights = moe.route(TakeAShare.apply(flat, tp.group.size))
+    # the slots of the other tp ranks' experts go nowhere here (as the dropped ones: index n_expert)
+    index = index.masked_fill(~moe.on_this_tp_rank.to(index.device)[index], moe.n_expert)
     weights = CopyToTP.apply(weights, tp.group) if tp.group.size > 1 else weights
     y = tp.leave(moe.experts_forward(flat, index, weights).view_as(x))
     return y if moe.shared_expert is None else y + moe.shared_expert(x)

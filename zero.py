@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from model import param_groups
+from model import balance_routers, param_groups
 from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
                              loss_function, micro_batches, outputs_line, print_sample, profiled, refuse,
                              run_main, run_shape, shared_refusals, start_run, training_loop)
@@ -131,7 +131,7 @@ class Bucket:
 def reduce_stage_0(z, b):
     """Plain data parallelism: all-reduce the full gradients in place, asynchronously, so backward goes on
     meanwhile; every rank gets the whole average and updates everything."""
-    b.grad_flat.div_(z.world_size)
+    b.grad_flat.div_(z.divisor)
     z.in_flight.append((z.comm.all_reduce(b.grad_flat, async_op=True), None, None, b))
 
 
@@ -139,7 +139,7 @@ def reduce_stage_1(z, b):
     """Every rank keeps the full gradients (they accumulate over micro-steps in grad_flat), but it updates
     only its chunk: a reduce-scatter gives it that chunk of the average, for half an all-reduce's bytes."""
     b.grad_shard = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
-    b.grad_flat.div_(z.world_size)
+    b.grad_flat.div_(z.divisor)
     z.in_flight.append((z.comm.reduce_scatter(b.grad_shard, b.grad_flat, async_op=True), None, None, b))
 
 
@@ -149,7 +149,7 @@ def reduce_stage_2(z, b):
     grad_shard (the micro-steps sum there). One bucket in flight at a time bounds the full-size gradients."""
     finish_in_flight(z)
     full = b.filling if b.filling is not None else torch.zeros(b.padded, dtype=z.dtype, device=z.device)
-    full.div_(z.world_size)  # (zeros: a bucket whose parameters got no gradient)
+    full.div_(z.divisor)  # (zeros: a bucket whose parameters got no gradient)
     work, out = reduce_scatter_of(z.comm, full)  # out: this rank's chunk (on gloo, a view of full)
     b.filling = None  # full lives on in in_flight until the reduce has sent it
     z.in_flight.append((work, full, out, b))
@@ -199,18 +199,21 @@ STAGES = {0: (reduce_stage_0, publish_by_copy),        # every rank updated the 
 
 class Zero:
     """The ZeRO engine of one rank. Its stage picks the reduce and publish functions above; the Bucket's
-    buffers and a few stage branches below do the rest."""
+    buffers and a few stage branches below do the rest. parallel_4d.py's experts get an engine of their own
+    (params: which of the model's; divisor: what the summed gradients are divided by, world_size unless the
+    ranks summed saw more of the batch than their number: Megatron's gradient scaling factor)."""
     STATE_KEYS = ('master', 'exp_avg', 'exp_avg_sq')  # what a rank's checkpoint keeps of each chunk
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
-                 device=None, offload=False, prefetch_blocks=0):
+                 device=None, offload=False, prefetch_blocks=0, params=None, divisor=None):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
+        self.divisor = divisor or world_size
         self.prefetch_blocks, self.dtype, self.weight_decay = prefetch_blocks, dtype, weight_decay
         self.device = device or next(model.parameters()).device
         self.reduce, self.publish = STAGES[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
         self.buckets = [Bucket(group, decay, rank, world_size, stage, dtype, self.device, offload)
-                        for group in bucket_groups(model, stage, bucket_size)]
+                        for group in bucket_groups(model, stage, bucket_size, params)]
         self.numel = sum(b.numel for b in self.buckets)
         self.where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         for b in self.buckets:
@@ -276,13 +279,14 @@ class Zero:
         return [b.grad_host if b.grad_host is not None else b.grad_flat if self.stage == 0 else b.grad_shard
                 for b in self.buckets]
 
-    def clip_grad_norm(self, max_norm, weights=None, other_comms=()):
+    def clip_grad_norm(self, max_norm, weights=None, other_comms=(), also=()):
         """clip_grad_norm_ over the whole model: each rank sums the squares of its chunks (padding is 0),
         an all-reduce of that scalar gives the global norm. parallel_4d.py sums on over other_comms (ranks
-        holding other parts); weights {id(parameter): w} count a parameter several ranks hold w times."""
-        grads = self.grads()
+        holding other parts); weights {id(parameter): w} count a parameter several ranks hold w times; also:
+        its experts' engine, whose chunks join the squares (its ranks, ep x edp, are this one's)."""
+        grads = [g for z in (self, *also) for g in z.grads()]
         counted = [(g, 1.0) for g in grads]  # (the padding is 0)
-        for b, g in zip(self.buckets, grads):  # a parameter weighed w (parallel_4d.py): w - 1 times more
+        for b, g in zip([b for z in (self, *also) for b in z.buckets], grads):  # weighed w: w - 1 times more
             for j, p in enumerate(b.params):
                 if weights and weights.get(id(p), 1.0) != 1.0:
                     start, end, _ = b.owned_part(j)
@@ -326,14 +330,15 @@ class Zero:
         if self.stage == 3 and b.shard is not b.master:
             b.copy_owned(i, values, b.shard)
 
-    def pieces(self, cut=None):
+    def pieces(self, cut=None, key='zero'):
         """Where this rank's chunks sit in the whole model, for consolidate.py: in each bucket a run of each
         parameter's elements (checkpoints.pieces_of). Stage 0's buckets are whole on every rank: rank 0's.
-        cut(name, p): parallel_4d.py's (its parameters are tp slices), as checkpoints.held_pieces takes it."""
+        cut(name, p): parallel_4d.py's (its parameters are tp slices), as checkpoints.held_pieces takes it;
+        key: the engine's state_dict in the rank file."""
         pieces = []
         for k, b in enumerate(self.buckets if self.stage > 0 or self.rank == 0 else ()):
-            paths = {'param': ('zero', 'master', k), 'exp_avg': ('zero', 'exp_avg', k),
-                     'exp_avg_sq': ('zero', 'exp_avg_sq', k), 'step': ('zero', 'step')}
+            paths = {'param': (key, 'master', k), 'exp_avg': (key, 'exp_avg', k),
+                     'exp_avg_sq': (key, 'exp_avg_sq', k), 'step': (key, 'step')}
             for i, (name, p) in enumerate(zip(b.names, b.params)):
                 where = cut(name, p) if cut else (name, b.shapes[i], None)
                 if where is not None:
@@ -372,10 +377,11 @@ class Zero:
                 b.copy_owned(j, saved[id(p)]['exp_avg_sq'], state['exp_avg_sq'])
 
 
-def bucket_groups(model, stage, bucket_size):
+def bucket_groups(model, stage, bucket_size, params=None):
     """(name, parameter) groups in the order backward produces their gradients: the model's, reversed (the
     tied token embedding gets its last contribution last). Stage 3: one per block (zero3.block_groups)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    held = {id(p) for p in params or model.parameters()}  # (params: parallel_4d.py's experts, or the rest)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
     if stage == 3:
         return block_groups(model, named)
     groups = [[]]
@@ -402,6 +408,7 @@ def train_step(zero, model, batches, ctx, grad_clip, lr, dp):
     if grad_clip != 0.0:
         zero.clip_grad_norm(grad_clip)
     zero.step(lr)
+    balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (a MoE's: every rank's tokens)
     dp.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / dp.size
 

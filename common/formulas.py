@@ -40,8 +40,8 @@ def comm_bytes_formula(numel, world_size, stage, bytes_per_elem, micro_steps=1):
 
 
 def fsdp_held_bytes_formula(numel, world_size, micro_steps):
-    """ZeRO-3 for Ψ = numel parameters over N ranks, as FSDP2 keeps them: fp32 parameter shards 4Ψ/N (they are
-    the master weights; bf16 copies exist only while a group is gathered), fp32 gradient shards 4Ψ/N (the
+    """ZeRO-3 for Ψ = numel parameters over N ranks, as FSDP2 keeps them: fp32 parameter shards 4Ψ/N (they
+    are the master weights; bf16 copies exist only while a group is gathered), fp32 gradient shards 4Ψ/N (the
     reduce dtype), AdamW's m and v 8Ψ/N. The measured numbers differ from these only by the dim-0 rounding.
     Gradients at their peak: with more than one micro-step per rank, the accumulation without sync holds the
     full-size fp32 gradients, 4Ψ (ZeRO-2/3 pay a reduce-scatter per micro-step instead)."""

@@ -57,6 +57,15 @@ def along(grid, *dims):
     return moved.reshape(-1, math.prod(grid.size(GRID_DIMS.index(d)) for d in dims)).tolist()
 
 
+def expert_groups(groups, ep):
+    """Expert parallelism folded into data parallelism: each group of ranks holding the same dense weights
+    (groups: the data-parallel ones, or data x context) cut into runs of ep neighbours, the ep groups (the
+    all-to-alls, the chattiest, stay close); the ranks at the same place in every run of a group hold the same
+    experts, the expert-data-parallel (edp) groups. Returns (ep groups, edp groups)."""
+    runs = [[g[i:i + ep] for i in range(0, len(g), ep)] for g in groups]
+    return [run for rs in runs for run in rs], [list(place) for rs in runs for place in zip(*rs)]
+
+
 def group_comm(name, groups, rank):
     """The one place where process groups are made: groups, lists of global ranks, each made a group (every
     rank makes every one, in the same order: new_group is collective); returns the Comm of the one this rank

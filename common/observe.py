@@ -105,7 +105,7 @@ def observe_4d(run, cfg, iter_num):
     engine's held tensors), activations at the schedules' peak and bytes sent along every dimension."""
     with counting(run.comms) as wire, timing_schedules(run.stage) as clock:
         loss = run.step(iter_num)
-    reports.report_4d(clock, run.zero, run.comms, wire, cfg, run.coords, iter_num, run.rank)
+    reports.report_4d(clock, run.zeros, run.comms, wire, cfg, run.coords, iter_num, run.rank)
     return loss
 
 

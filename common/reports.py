@@ -168,15 +168,17 @@ def report_pipeline(stage, clock, cfg, comms, wire, iter_num, rank, dp_rank):
 # -----------------------------------------------------------------------------
 # parallel_4d.py: the grid and every dimension's traffic and state
 
-def report_4d(clock, zero, comms, wire, cfg, coords, iter_num, rank):
-    """Each rank's model states (ZeRO-1's buffers) beside the ZeRO formula for its slice, the activations its
-    stage held at a schedule's peak (clock: its ScheduleClock), and the bytes it sent (counted, the ring
-    formula by dimension, its own sockets): one log row per rank, one table."""
-    wire_bytes = wire.sent
-    formula = model_state_bytes_formula(zero.numel, zero.world_size, 1, cfg.dtype == 'bfloat16')
-    sent = comm_report(comms)
+def report_4d(clock, zeros, comms, wire, cfg, coords, iter_num, rank):
+    """Each rank's model states (its ZeRO-1 engines' buffers: the dense part's, the experts') beside the ZeRO
+    formula for its slices, the activations its stage held at a schedule's peak (clock: its ScheduleClock),
+    and the bytes it sent (counted, the ring formula by dimension, its own sockets): one log row per rank, one
+    table."""
+    wire_bytes, sent = wire.sent, comm_report(comms)
+    formulas = [model_state_bytes_formula(z.numel, z.world_size, 1, cfg.dtype == 'bfloat16') for z in zeros]
+    held = {kind: [t for z in zeros for t in z.held().get(kind, ())] for kind in ('param', 'grad', 'optim')}
     row = {'rank': rank, 'iter': iter_num, **{f'{d}_rank': coords[d] for d in GRID_DIMS},
-           'numel': zero.numel, **held_bytes(zero.held()), **{k + '_formula': v for k, v in formula.items()},
+           'numel': sum(z.numel for z in zeros), **held_bytes(held),
+           **{k + '_formula': sum(f[k] for f in formulas) for k in formulas[0]},
            'peak_activation_bytes': clock.peak_held_bytes,
            'collective_bytes_by_kind': sent['collective_bytes'],
            'collective_bytes': sum(sent['collective_bytes'].values()), 'wire_bytes': wire_bytes,
@@ -302,7 +304,7 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps):
         row[key], row[key + '_formula'] = value, formula[key]
     rows = log_rank_rows(cfg.out_dir, row)
     if dist.get_rank() == 0:
-        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of the "
-                       f"gradients over {micro_steps} micro-steps: 4Ψ unsharded)",
+        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of "
+                       f"the gradients over {micro_steps} micro-steps: 4Ψ unsharded)",
                        [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
                         for r in rows for k in measured])

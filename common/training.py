@@ -617,13 +617,6 @@ def refuse(*checks):
             raise SystemExit(f"error: {message}")
 
 
-def moe_refusal(cfg, script, why):
-    """The row of a script that does not train a mixture of experts yet: it says so in one line, rather than
-    train another model than train.py's (a loss without the load-balancing term) or fail mid-run."""
-    return (cfg.n_expert > 0, f"{script} does not train a mixture of experts yet (n_expert={cfg.n_expert}): "
-            f"{why}; train it with train.py, train_ddp.py, zero.py, train_fsdp.py or expert_parallel.py")
-
-
 def start_run(cfg):
     """A parallel script's start, its config checked: join torchrun's process group (cfg.device becomes this
     rank's GPU under torchrun), make out_dir, seed torch (every rank builds the same weights). Returns (rank,

@@ -42,6 +42,22 @@ def check(proc):
     return proc
 
 
+def one_error_line_per_rank(proc, key, script, nproc=2):
+    """A run stopped by bad input: a non-zero exit, on each rank one line 'error: ...' that names the key (the
+    rank's own line: torchrun's summary may quote it again, indented), and no traceback from the script. A rank
+    still importing torch when another has refused is stopped by torchrun (SIGTERM) before it reaches the
+    check: then the summary says so, and the first failure it names is the line."""
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith('[rank ') and '] error: ' in l]
+    ranks = sorted(l.split(']')[0] for l in lines)
+    assert ranks and set(ranks) <= {f'[rank {r}' for r in range(nproc)}, proc.stderr[-3000:]
+    assert len(ranks) == len(set(ranks)), lines
+    if len(ranks) < nproc:
+        assert proc.stderr.count('(SIGTERM)') >= nproc - len(ranks), proc.stderr[-3000:]
+    assert all(key in l for l in lines), lines
+    assert f'{script}", line' not in proc.stderr, proc.stderr[-3000:]
+
+
 def read_log(out_dir):
     """The rows of out_dir/log.jsonl."""
     with open(os.path.join(out_dir, 'log.jsonl')) as f:

@@ -232,11 +232,10 @@ BAD = [
     (2, ['--cp=2', '--cp_attention=stripes'], "--cp_attention=stripes is not one of ring, ulysses"),
     (2, ['--cp=2', '--dropout=0.1'], 'needs dropout=0.0'),
     (2, ['--cp=2', '--compile=True'], 'not supported by context_parallel.py: pass --compile=False'),
-    (2, ['--cp=2', '--n_expert=4'], 'context_parallel.py does not train a mixture of experts yet (n_expert=4)'),
 ]
 
 
-@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'chunks', 'heads', 'kind', 'dropout', 'compile', 'moe'])
+@pytest.mark.parametrize('world,args,message', BAD, ids=['world', 'chunks', 'heads', 'kind', 'dropout', 'compile'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     import context_parallel
     assert_config_error(context_parallel.main, TINY + [f'--out_dir={tmp_path}'] + args, world, message, monkeypatch)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
+from helpers import (one_error_line_per_rank, TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
                      measuring_calls_per_step, read_log, run_script, spawn, train_losses,
                      train_py_reference)
 
@@ -78,34 +78,27 @@ BAD = [
     (8, ['--pp=2', '--schedule=foo'], '--schedule=foo is not one of gpipe, 1f1b, interleaved'),
     (8, ['--pp=2', '--virtual_stages=2', '--schedule=1f1b'], '--virtual_stages=2 must be 1, or more with --schedule=i'),
     (8, ['--cp=2', '--cp_attention=foo'], '--cp_attention=foo is not one of ring, ulysses'),
-    (8, ['--pp=2', '--tp=2', '--n_expert=4'], 'parallel_4d.py does not train a mixture of experts yet (n_expert=4)'),
+    (8, ['--tp=2', '--ep=2'], '--ep=2 needs a mixture of experts: pass --n_expert'),
+    (8, ['--tp=2', '--ep=3', '--n_expert=6'], 'ep (3) must divide dp x cp = 4'),
+    (8, ['--tp=2', '--ep=4', '--n_expert=4'], 'n_expert (4) must be divisible by ep x tp = 8'),
+    (8, ['--pp=2', '--n_expert=4', '--aux_loss_style=hf'], "aux_loss_style='hf' (a converted Mixtral's loss) pools"),
 ]
 
 
 @pytest.mark.parametrize('world,args,message', BAD,
                          ids=['world', 'heads', 'sp-with-cp', 'layers', 'compile', 'v-on-one-stage', 'm-0', 'v-0',
-                              'schedule', 'v-with-1f1b', 'attention', 'moe'])
+                              'schedule', 'v-with-1f1b', 'attention', 'ep-dense', 'ep-3', 'ep-tp-8', 'moe-hf'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     import parallel_4d
     argv = TINY + ['--gradient_accumulation_steps=8', f'--out_dir={tmp_path}'] + args
     assert_config_error(parallel_4d.main, argv, world, message, monkeypatch)
 
 
-def one_error_line_per_rank(proc, key, nproc=2):
-    """A non-zero exit and, on every rank, its own line 'error: ...' naming the key (torchrun's summary may quote
-    it again, indented), with no traceback from the script."""
-    assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if l.startswith('[rank ') and '] error: ' in l]
-    assert sorted(l.split(']')[0] for l in lines) == [f'[rank {r}' for r in range(nproc)], proc.stderr[-3000:]
-    assert all(key in l for l in lines), lines
-    assert 'parallel_4d.py", line' not in proc.stderr, proc.stderr[-3000:]
-
-
 @pytest.mark.parametrize('args,key', [BAD[i][1:] for i in (6, 8, 9)], ids=['m-0', 'schedule', 'v-with-1f1b'])
 def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path, args, key):
     """Three of the above on 2 ranks (the rest fail the same check function): run_main's line on each."""
     proc = run_script('parallel_4d.py', TINY + [f'--out_dir={tmp_path}'] + args, nproc=2, timeout=60)
-    one_error_line_per_rank(proc, key)
+    one_error_line_per_rank(proc, key, 'parallel_4d.py')
     assert not (tmp_path / 'log.jsonl').exists()  # nothing ran
 
 
@@ -115,8 +108,8 @@ def test_resume_on_another_grid_says_what_to_do(tmp_path):
     flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--eval_iters=1']
     check(run_script('parallel_4d.py', flags + ['--pp=2'], nproc=2))
     proc = run_script('parallel_4d.py', flags + ['--tp=2', '--init_from=resume'], nproc=2, timeout=60)
-    one_error_line_per_rank(proc, 'was saved with --pp=2 --cp=1 --tp=1 --virtual_stages=1 on 2 ranks, this run '
-                                  'has --pp=1 --cp=1 --tp=2 --virtual_stages=1 on 2 ranks')
+    one_error_line_per_rank(proc, 'was saved with --pp=2 --cp=1 --tp=1 --ep=1 --virtual_stages=1 on 2 ranks, this run '
+                                  'has --pp=1 --cp=1 --tp=2 --ep=1 --virtual_stages=1 on 2 ranks', 'parallel_4d.py')
     assert f'python consolidate.py {tmp_path}' in proc.stderr
 
 

@@ -1,0 +1,96 @@
+"""One matrix: every strategy x {GPT-2, LLaMA} x {dense, mixture of experts} trains train.py's first steps (three
+iterations, fp32, dropout 0, to 1e-5), or refuses in one line, the same on every rank. The MoE models use every
+routing option between them: GPT-2's softmax scores with a capacity factor that drops slots and DeepSeek-V3's
+balancing bias, LLaMA's sigmoid scores with the router z-loss and a shared expert.
+
+Every script's main() runs in-process, one after another, inside one gloo world (4 processes, 8 for the grid):
+the start-up is paid once, each cell costs well under a second. Each cell splits train.py's global batch (8
+sequences, 4 micro-batches of 2) into the same forwards: 2 rows each (a pipeline's microbatch included), which
+the aux loss needs (it depends on the tokens routed together)."""
+import contextlib
+import importlib
+import io
+import os
+
+import pytest
+
+from helpers import assert_same_losses, spawn, train_losses, train_py_reference
+
+COMMON = ['--n_layer=2', '--n_head=4', '--n_embd=16', '--block_size=16', '--dropout=0.0', '--dtype=float32',
+          '--compile=False', '--eval_iters=1', '--eval_interval=100', '--log_interval=1', '--max_iters=3',
+          '--learning_rate=1e-2', '--warmup_iters=1', '--sample_at_end=False', '--device=cpu']
+MODELS = {
+    ('gpt2', 'dense'): [],
+    ('gpt2', 'moe'): ['--n_expert=4', '--n_expert_active=2', '--capacity_factor=1.0', '--router_bias_rate=0.01'],
+    ('llama', 'dense'): ['--norm=rmsnorm', '--mlp=swiglu', '--pos=rope', '--n_kv_head=2', '--tie_embeddings=False'],
+    ('llama', 'moe'): ['--norm=rmsnorm', '--mlp=swiglu', '--pos=rope', '--n_kv_head=2', '--tie_embeddings=False',
+                       '--n_expert=4', '--n_expert_active=2', '--router=sigmoid', '--router_z_loss_weight=0.01',
+                       '--n_shared_expert=1'],
+}
+ROWS_2 = ['--batch_size=2', '--gradient_accumulation_steps=4']  # train.py's: 4 micro-batches of 2 rows
+PIPELINED = ['--batch_size=4', '--n_microbatches=2', '--gradient_accumulation_steps=2']  # 2 microbatches of 2
+# (strategy, script, its flags, world): a world of 4 ranks, or the grid's 8
+STRATEGIES = [
+    ('ddp', 'train_ddp', ROWS_2, 4),
+    ('fsdp2', 'train_fsdp', ROWS_2, 4),
+    ('zero1', 'zero', ROWS_2 + ['--stage=1'], 4),
+    ('zero3', 'zero', ROWS_2 + ['--stage=3'], 4),
+    ('ep2', 'expert_parallel', ROWS_2 + ['--ep=2'], 4),
+    ('tp2', 'tensor_parallel', ROWS_2 + ['--tp=2'], 4),
+    ('tp2-sp', 'tensor_parallel', ROWS_2 + ['--tp=2', '--sequence_parallel=True'], 4),
+    ('pp2-1f1b', 'pipeline', PIPELINED + ['--pp=2', '--schedule=1f1b'], 4),
+    ('pp2-zb1', 'pipeline', PIPELINED + ['--pp=2', '--schedule=zb1'], 4),
+    ('cp2-ring', 'context_parallel', ROWS_2 + ['--cp=2', '--cp_attention=ring'], 4),
+    ('cp2-ulysses', 'context_parallel', ROWS_2 + ['--cp=2', '--cp_attention=ulysses'], 4),
+    ('4d-pp2-cp2-tp2', 'parallel_4d', PIPELINED + ['--pp=2', '--cp=2', '--tp=2'], 8),
+    ('4d-dp4-tp2-ep2', 'parallel_4d', ROWS_2 + ['--tp=2', '--ep=2', '--n_microbatches=1'], 8),
+    ('4d-dp2-pp2-tp2-ep2-zb1', 'parallel_4d', PIPELINED + ['--pp=2', '--tp=2', '--ep=2', '--schedule=zb1'], 8),
+]
+# the cells that must refuse (a dense model has no experts to share out), and the line that says why
+REFUSED = {('ep2', 'dense'): 'n_expert=0: a dense model has no experts',
+           ('4d-dp4-tp2-ep2', 'dense'): '--ep=2 needs a mixture of experts',
+           ('4d-dp2-pp2-tp2-ep2-zb1', 'dense'): '--ep=2 needs a mixture of experts'}
+
+
+def run_cells(rank, world_size, cells, out_root):
+    """In each rank: every cell's main() in turn, its printing swallowed. Returns {cell: None (it trained: its
+    log is in out_root/cell) or the line it stopped with}."""
+    results = {}
+    for name, script, argv in cells:
+        out_dir = os.path.join(out_root, name)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                importlib.import_module(script).main(argv + [f'--out_dir={out_dir}'])
+            results[name] = None
+        except SystemExit as e:
+            results[name] = str(e.code)
+    return results
+
+
+@pytest.fixture(scope='module')
+def matrix(tmp_path_factory):
+    """Every cell run: {world: [each rank's {cell: outcome}]}, and the root of their out_dirs."""
+    out_root = str(tmp_path_factory.mktemp('matrix'))
+    outcomes = {}
+    for world in (4, 8):
+        cells = [(f'{s}-{layout}-{kind}', script, COMMON + flags + MODELS[layout, kind])
+                 for s, script, flags, w in STRATEGIES if w == world for layout, kind in MODELS]
+        outcomes[world] = spawn(run_cells, world, cells, out_root, timeout=600)
+    return outcomes, out_root
+
+
+@pytest.mark.parametrize('layout,kind', list(MODELS), ids=['-'.join(k) for k in MODELS])
+@pytest.mark.parametrize('strategy,world', [(s, w) for s, _, _, w in STRATEGIES], ids=[s[0] for s in STRATEGIES])
+def test_every_strategy_trains_train_py_first_steps_or_refuses(matrix, tmp_path_factory, strategy, world,
+                                                               layout, kind):
+    outcomes, out_root = matrix
+    cell = f'{strategy}-{layout}-{kind}'
+    seen = [per_rank[cell] for per_rank in outcomes[world]]
+    if (strategy, kind) in REFUSED:  # one line, 'error: ...', the same on every rank, before any work
+        assert len(set(seen)) == 1 and seen[0] is not None, seen
+        assert seen[0].startswith('error: ') and REFUSED[strategy, kind] in seen[0] and '\n' not in seen[0], seen
+        assert not os.path.exists(os.path.join(out_root, cell, 'log.jsonl'))
+        return
+    assert seen == [None] * world, f"{cell} stopped: {seen}"
+    want = train_losses(train_py_reference(COMMON + ROWS_2 + MODELS[layout, kind], tmp_path_factory))
+    assert_same_losses(train_losses(os.path.join(out_root, cell)), want, range(3))
