@@ -69,7 +69,10 @@ def check_schedule(cfg):
            (cfg.pp == 1 and (v > 1 or s == 'zb1'),  # (pp < 1: the world size's check)
             f"--schedule={s} --virtual_stages={v} needs pp >= 2 (with chunks a stage is its own neighbour; "
             "zb1 has no bubble to fill)"),
-           (m < 1, f"--n_microbatches={m} must be at least 1"))
+           (m < 1, f"--n_microbatches={m} must be at least 1"),
+           (s == 'zb1' and cfg.activation_checkpointing, "zb1 with --activation_checkpointing=True "
+            "would re-run each block's forward once per weight module (W is one short backward per module, "
+            "and each recomputes the checkpointed block): drop one of them"))
 
 
 def embed_comm(grid, rank, tied):
@@ -110,6 +113,7 @@ class Stage:
         self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
         self.observer, self.loss_sum = None, torch.zeros((), device=device)  # (the last stage's losses)
         self.held = {}           # microbatch (and chunk) -> what its backward needs; its graph is alive
+        self.output_grads = {}   # zb1: microbatch -> its weight modules' output gradients, from B until W
         self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
 
 
@@ -240,7 +244,8 @@ def backward_input_step(stage, i, grad_output):
         for p, g in zip(rest, grads[len(outputs):]):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
-        stage.held[i] = list(zip(outputs, grads))  # each weight module's output, and its gradient
+        stage.held[i] = outputs  # each weight module's output, where W starts, and its gradient: W's input
+        stage.output_grads[i] = grads[:len(outputs)]
     return None if stage.is_first else grads[-1]
 
 
@@ -249,7 +254,7 @@ def backward_weight_step(stage, i):
     gradient B kept) to its own weights: the matmuls B skipped, the same operations on the same values as a
     whole backward, so the same gradients. Then the microbatch's activations go."""
     with timed(stage, 'W', i):
-        for (module, y), dy in stage.held.pop(i):
+        for (module, y), dy in zip(stage.held.pop(i), stage.output_grads.pop(i)):
             if dy is not None:
                 torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
 

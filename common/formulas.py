@@ -179,6 +179,28 @@ def peak_microbatches_formula(schedule_name, p, m, stage, v=1):
     return min(p - stage, m)
 
 
+def zb1_output_grad_bytes_formula(config, b, s, n_blocks, first, last, linear_bytes=4):
+    """Bytes zb1's B keeps for W per microbatch of b sequences of s tokens: the gradient of every weight
+    module's output (W's input; the ZB-H1 paper's M_W), on a stage of n_blocks dense blocks: per token the
+    two norms' h, the attention's q, k, v and projection (n_head + 2·n_kv_head)·head_dim + h, the MLP's
+    hidden (twice with SwiGLU's gate) and projection h; the first stage's token embedding h (and the learned
+    positions' s·h once), the last's final norm h and head vocab_size. Linear outputs in linear_bytes (2
+    under bf16 autocast), the rest fp32. None for a mixture of experts (how many slots reach each expert's
+    matmuls is the routing's)."""
+    c = config
+    if any(c.is_moe(i) for i in range(c.n_layer)):
+        return None
+    hidden = c.n_hidden * (2 if c.mlp == 'swiglu' else 1)
+    linears = (c.n_head + 2 * c.n_kv_head) * (c.n_embd // c.n_head) + c.n_embd + hidden + c.n_embd
+    per_token = n_blocks * (2 * c.n_embd * 4 + linears * linear_bytes)
+    if first:
+        per_token += c.n_embd * 4
+    if last:
+        per_token += c.n_embd * 4 + c.vocab_size * linear_bytes
+    positions = s * c.n_embd * 4 if first and c.pos == 'learned' else 0
+    return b * s * per_token + positions
+
+
 def p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=None, v=1):
     """Bytes one stage sends per schedule of m microbatches of b sequences: each microbatch's activation (b,
     s, h) out of each of its v chunks (but the model's last) and its gradient back into each (but the model's

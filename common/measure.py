@@ -227,11 +227,50 @@ def schedule_measurements(clock, comms, wire, sent_p2p):
             'n_schedules': len(splits),
             'peak_microbatches_held': clock.peak_held, 'peak_activation_bytes': clock.peak_held_bytes,
             'activation_bytes_per_microbatch': clock.microbatch_bytes,
+            'peak_output_grad_bytes': clock.peak_grad_bytes,
             'peak_pending_sends': clock.peaks.get('pending_sends', 0), 'p2p_bytes_per_step': sent_p2p,
             'collective_bytes': sum(sent['collective_bytes'].values()),
             'collective_bytes_by_kind': sent['collective_bytes'], 'wire_bytes': wire.sent,
             'wire_bytes_note': wire.why_not, 'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
             'records': clock.schedules[-1][0], 'step_s': clock.schedules[-1][1]}
+
+
+def unit_time_bubbles(tracks):
+    """Each stage's idle fraction if every op took one unit (F = B = W = 1; a whole backward, B with its W,
+    2), replayed in the order each stage ran its ops: a stage starts its next op when it is free and the op's
+    input is there (an F after the previous virtual stage's F of that microbatch, a B after the next one's B).
+    The wall clock's bubble moves from run to run with the machine's load; this one is the schedule's own.
+    tracks: each stage's records [(op, key, start, end)], stage 0 first; keys (microbatch, chunk) with v
+    chunks a stage."""
+    p = len(tracks)
+    ops = [[(op, tuple(k) if isinstance(k, list) else k) for op, k, *_ in records if op in 'FBW']
+           for records in tracks]
+    v = 1 + max((k[1] for track in ops for _, k in track if isinstance(k, tuple)), default=0)
+    split = any(op == 'W' for track in ops for op, _ in track)
+    done, free, nxt = {}, [0] * p, [0] * p
+
+    def waits_for(r, op, key):  # (stage, op, key) that must end first: the neighbouring virtual stage's
+        i, c = key if v > 1 else (key, 0)
+        place = c * p + r + (-1 if op == 'F' else 1)
+        if op == 'W' or place in (-1, p * v):
+            return None
+        r2, c2 = place % p, place // p
+        return r2, op, ((i, c2) if v > 1 else i)
+    while any(nxt[r] < len(ops[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while nxt[r] < len(ops[r]):
+                op, key = ops[r][nxt[r]]
+                dep = waits_for(r, op, key)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep else 0)
+                free[r] = done[(r, op, key)] = start + (2 if op == 'B' and not split else 1)
+                nxt[r], moved = nxt[r] + 1, True
+        if not moved:
+            return None  # (not an order that runs: a test's made-up records)
+    total = max(free)
+    return [1 - sum(2 if op == 'B' and not split else 1 for op, _ in track) / total for track in ops]
 
 
 def op_label(op, i):
@@ -298,6 +337,9 @@ def print_schedule_report(title, stages, formulas, trace, clock):
     """pipeline.py's measured step: the stages' timelines (a slot ~ one F), the schedule as a Perfetto trace,
     then each stage's (quantity, measured, counted, modelled) lines. stages: the stages' log rows."""
     tracks, total, r0 = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s'], stages[0]
+    in_order = sorted(stages, key=lambda r: r['stage'])
+    unit = unit_time_bubbles([r['records'] for r in in_order]) or []
+    unit = dict(zip([r['stage'] for r in in_order], unit))
     work = 3 * len({i for op, i, _, _ in r0['records'] if op == 'F'})  # F + B (~2F), or F + B + W: 3 slots
     print_timelines(title, tracks, total, round(work / (1 - r0['bubble_fraction_formula'])), clock)
     write_schedule_trace(tracks, total, trace)
@@ -310,14 +352,20 @@ def print_schedule_report(title, stages, formulas, trace, clock):
                        ('in send/recv', r['send_recv_fraction'], None, None),
                        ('other', r['other_fraction'], None, None),
                        ('bubble (not computing)', r['bubble_fraction'], None, r['bubble_fraction_formula']),
+                       ('bubble in unit time, as run', None, unit.get(r['stage']),
+                        r['bubble_fraction_formula']),
                        ('microbatches held at peak', r['peak_microbatches_held'], None,
                         r['peak_microbatches_held_formula']),
                        ('activation bytes at peak', r['peak_activation_bytes'], None,
                         r['peak_activation_bytes_formula']),
+                       *((('  of them output gradients for W', r['peak_output_grad_bytes'], None,
+                           r['peak_output_grad_bytes_formula']),) if r['schedule'] == 'zb1' else ()),
                        ('p2p bytes sent', None, r['p2p_bytes_per_step'], r['p2p_bytes_per_step_formula']),
                        ('bytes sent, all groups', r['wire_bytes'], r['collective_bytes'],
                         r['wire_bytes_formula']))],
-                   [f"the schedule as a trace, one track per stage: {trace} (open at ui.perfetto.dev)"] +
+                   ["bubble in unit time: the order each stage ran its ops, replayed with F = B = W = 1 (a "
+                    "whole backward 2): the schedule's own (the clock's moves with the machine's load)",
+                    f"the schedule as a trace, one track per stage: {trace} (open at ui.perfetto.dev)"] +
                    [f"wire bytes {r['wire_bytes_note']}" for r in stages[:1] if r['wire_bytes'] is None])
 
 
@@ -325,19 +373,20 @@ class ScheduleClock:
     """A measured step's observer of one pipeline stage (pipeline.py sets it as stage.observer and hands it
     every op through pipeline.timed). op(name, key) stamps each op's start and end on the device's clock (CUDA
     events on a GPU, where kernels run after the host has moved on; the host clock on a CPU). Around an F it
-    counts the bytes autograd saves for the microbatch (saved_bytes_counter), held until an op leaves the key
-    out of stage.held (B, or zb1's W); after a send/recv it notes the sends still pending. Around a whole
-    schedule ('schedule') the ranks of comm start together (a barrier), its length is the slowest rank's (a
-    MAX all-reduce), and it leaves (records in seconds from its start, its length) in self.schedules. One
-    synchronize per schedule. comm: the stage's pp group, in a Comm of its own (what it sends is measuring's,
-    counted apart from the algorithm's)."""
+    counts the bytes autograd saves for the microbatch (saved_bytes_counter), and after zb1's B the output
+    gradients it keeps for W (stage.output_grads), held until an op leaves the key out of stage.held (B, or
+    zb1's W); after a send/recv it notes the sends still pending. Around a whole schedule ('schedule') the
+    ranks of comm start together (a barrier), its length is the slowest rank's (a MAX all-reduce), and it
+    leaves (records in seconds from its start, its length) in self.schedules. One synchronize per schedule.
+    comm: the stage's pp group, in a Comm of its own (what it sends is measuring's, counted apart from the
+    algorithm's)."""
 
     def __init__(self, stage, comm):
         self.stage, self.comm, self.device = stage, comm, stage.device
         self.cuda = self.device.startswith('cuda')
         self.name = 'CUDA events' if self.cuda else 'host clock'
-        self.records, self.schedules, self.peaks, self.held_bytes = [], [], {}, {}
-        self.peak_held = self.peak_held_bytes = self.microbatch_bytes = 0
+        self.records, self.schedules, self.peaks, self.held_bytes, self.grad_bytes = [], [], {}, {}, {}
+        self.peak_held = self.peak_held_bytes = self.microbatch_bytes = self.peak_grad_bytes = 0
 
     def mark(self):
         if self.cuda:
@@ -360,8 +409,14 @@ class ScheduleClock:
         with self.holding(key) if name == 'F' else contextlib.nullcontext():
             yield
         self.records.append((name, key, start, self.mark()))
+        if name == 'B' and key in self.stage.output_grads:  # zb1: B left W its input, held until W
+            self.grad_bytes[key] = storage_bytes(self.stage.output_grads[key])[0]
+            self.held_bytes[key] += self.grad_bytes[key]
+            self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.grad_bytes.values()))
+            self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held_bytes.values()))
         if name in ('B', 'W') and key not in self.stage.held:
-            self.held_bytes.pop(key, None)  # released: its activations are gone
+            self.held_bytes.pop(key, None)  # released: its activations (and output gradients) are gone
+            self.grad_bytes.pop(key, None)
         if name == 'send/recv':
             pending = len(self.stage.pending_sends)
             self.peaks['pending_sends'] = max(self.peaks.get('pending_sends', 0), pending)

@@ -15,7 +15,7 @@ from common.formulas import (activation_bytes_formula, bubble_fraction_formula, 
                              cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
                              peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
-                             tp_edge_comm_bytes_formula)
+                             tp_edge_comm_bytes_formula, zb1_output_grad_bytes_formula)
 from common.formulas import fsdp_held_bytes_formula
 from common.measure import (comm_report, nbytes, print_measured, print_schedule_report, schedule_measurements,
                             storage_bytes)
@@ -148,20 +148,28 @@ def report_pipeline(stage, clock, cfg, comms, wire, iter_num, rank, dp_rank):
     held = peak_microbatches_formula(cfg.schedule, p, m, s, v)
     b, h = cfg.batch_size // m, stage.model.config.n_embd
     p2p = p2p_comm_bytes_formula(cfg.block_size, b, h, p, m, 4, s, v)
+    # zb1: after B of microbatch k stage s holds p microbatches, s + 1 of them (k-s..k) with W's input too
+    grads = zb1_output_grad_bytes_formula(stage.model.config, b, cfg.block_size, len(stage.chunks[0]),
+                                          stage.is_first, stage.is_last, 2 if cfg.dtype != 'float32' else 4)
+    grads = (s + 1) * grads if zb1 and grads is not None else (None if zb1 else 0)
     row = {'iter': iter_num, 'rank': rank, 'stage': s, 'dp_rank': dp_rank, 'schedule': cfg.schedule,
            **schedule_measurements(clock, comms, wire, stage.comm.collective_bytes['send']),
            'bubble_fraction_formula': bubble_fraction_formula(p, m, v, cfg.schedule),
            'peak_microbatches_held_formula': held,
-           'peak_activation_bytes_formula': held * clock.microbatch_bytes,
+           'peak_output_grad_bytes_formula': grads,
+           'peak_activation_bytes_formula': None if grads is None else held * clock.microbatch_bytes + grads,
            'p2p_bytes_per_step_formula': cfg.gradient_accumulation_steps // comms[0].size * p2p}
     stages = [r for r in log_rank_rows(cfg.out_dir, row) if r['dp_rank'] == 0]
     if rank == 0:
         bubble = (f"(p-1)/(3m+p-1) (= (p-1)/(3m) = {(p - 1) / (3 * m):.3f} of the ideal compute, F = B = W)"
                   if zb1 else
                   f"(p-1)/(v·m+p-1) (= (p-1)/(v·m) = {(p - 1) / (v * m):.3f} of the ideal compute)")
-        held = {'gpipe': 'm', '1f1b': 'p-r', 'zb1': 'p'}.get(cfg.schedule, '2(p-r-1)+(v-1)p+1')
+        held = {'gpipe': 'm microbatches', '1f1b': 'p-r microbatches',
+                'zb1': "p microbatches (r+1 of them with W's input, their output gradients)"}
+        held = held.get(cfg.schedule, "2(p-r-1)+(v-1)p+1 chunk-microbatches (an upper bound: the embedding's "
+                                      "and the loss's chunks hold more than the rest)")
         print_schedule_report(f"schedule {cfg.schedule}, p={p} stages, m={m} microbatches, v={v} chunks per "
-                              f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held} microbatches",
+                              f"stage, iter {iter_num}", stages, f"bubble {bubble}, held {held}",
                               os.path.join(cfg.out_dir, 'schedule_trace.json'), clock.name)
 
 
@@ -227,7 +235,9 @@ def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation
     for r in rows if dp_cp.rank == 0 else []:
         print_measured(f"[rank {r['rank']}] cp {r['cp_rank']}/{C} ({attention}), iter {iter_num}:",
                        [(name, *(r.get(k) for k in keys)) for name, *keys in CP_REPORT],
-                       [', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items())]
+                       ["bytes handed to the calls, by kind (of an all-to-all's, its own rank's block stays: "
+                        f"{C - 1}/{C} is sent): " +
+                        ', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items())]
                        + [r['wire_bytes_note']] * bool(r['wire_bytes_note']))
 
 
@@ -304,7 +314,9 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps):
         row[key], row[key + '_formula'] = value, formula[key]
     rows = log_rank_rows(cfg.out_dir, row)
     if dist.get_rank() == 0:
+        peak = ("4Ψ: unsharded, accumulated without a sync" if micro_steps > 1 else
+                "4Ψ/N: one micro-step, each gradient reduce-scattered as it is made")
         print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of "
-                       f"the gradients over {micro_steps} micro-steps: 4Ψ unsharded)",
+                       f"the gradients over {micro_steps} micro-step(s): {peak})",
                        [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
                         for r in rows for k in measured])

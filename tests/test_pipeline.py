@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from helpers import (one_error_line_per_rank, TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses, read_log, run_script, spawn,
-                     train_losses, train_py_reference)
+from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses,
+                     one_error_line_per_rank, read_log, run_script, spawn, train_losses, train_py_reference)
 
 from common import formulas
 
@@ -107,6 +107,10 @@ def _one_case(rank, world_size, p, schedule, layout):
     out['peak_held'] = st.observer.peak_held
     out['peak_held_bytes'], out['microbatch_bytes'] = st.observer.peak_held_bytes, st.observer.microbatch_bytes
     out['peak_pending_sends'] = st.observer.peaks['pending_sends']
+    # zb1: after B of microbatch k stage r keeps W's input for microbatches k-r..k: r+1 of them at the peak
+    out['peak_grad_bytes'] = st.observer.peak_grad_bytes
+    out['peak_grad_bytes_formula'] = (stage + 1) * formulas.zb1_output_grad_bytes_formula(
+        config, 8 // M, 16, len(chunks[0]), st.is_first, st.is_last) if schedule == 'zb1' else 0
     # ZB-H1 holds a microbatch until its W, r backwards after its B on stage r: p on every stage (1F1B's stage 0)
     out['peak_held_formula'] = p if schedule == 'zb1' else formulas.peak_microbatches_formula(schedule, p, M, stage, v)
     out['ops'] = ops
@@ -171,8 +175,11 @@ def test_executed_order_is_a_valid_schedule(spawned, case):
         # that many chunk-microbatches, of which the embedding's and the loss's chunks hold a little more)
         if schedule == 'interleaved':
             assert 0 < r['peak_held_bytes'] <= r['peak_held_formula'] * r['microbatch_bytes'], (rank, r)
-        else:
-            assert r['peak_held_bytes'] == r['peak_held_formula'] * r['microbatch_bytes'] > 0, (rank, r)
+        else:  # zb1: and the output gradients its B's keep for their W's (the formula's bytes, by module)
+            assert r['peak_grad_bytes'] == r['peak_grad_bytes_formula'] and (r['peak_grad_bytes'] > 0) == (
+                schedule == 'zb1'), (rank, r['peak_grad_bytes'], r['peak_grad_bytes_formula'])
+            assert r['peak_held_bytes'] == r['peak_held_formula'] * r['microbatch_bytes'] + r['peak_grad_bytes'] > 0, (
+                rank, r)
         # a send's buffer is let go one exchange later, not kept to the end of the schedule
         assert r['peak_pending_sends'] <= 2, (rank, r['peak_pending_sends'])
         stage = rank % p
@@ -213,37 +220,49 @@ def _zb_h1_order(p, m, r):
     return [('F', i) for i in range(warmup)] + ops + [('W', k) for k in range(m - r, m)]
 
 
-def _unit_time_step(orders, cost):
-    """The length of a step whose stages run their executed orders (orders[r]: stage r's (op, microbatch) list)
-    with each op taking cost[op] units and waiting for what it needs: F for the previous stage's F, B for the
-    next stage's B (the last stage: its own F), W for its own B (orders run in sequence)."""
-    p, done, pos, free = len(orders), {}, [0] * len(orders), [0] * len(orders)
-    while any(pos[r] < len(orders[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            if pos[r] < len(orders[r]):
-                op, i = orders[r][pos[r]]
-                need = (r - 1, 'F', i) if op == 'F' and r > 0 else (r + 1, 'B', i) if op == 'B' and r < p - 1 else None
-                if need is None or need in done:
-                    free[r] = done[(r, op, i)] = max(free[r], done.get(need, 0)) + cost[op]
-                    pos[r], moved = pos[r] + 1, True
-        assert moved, ('deadlock', pos)
-    return max(free)
-
-
 @pytest.mark.parametrize('p', [2, 4])
 def test_zb1_executed_order_has_a_smaller_bubble_than_1f1b(spawned, p):
     """The bubble, deterministically: each stage's executed order of one pipeline replayed with unit costs (F = B
-    = W = 1; 1F1B's whole backward B + W = 2). 1F1B's step is the ideal 3m plus 3(p-1) idle units; zb1's is 3m
-    plus (p-1), the paper's (p-1)(F+B-W): a third of the bubble. (bench.py's pp rows compare the measured
-    time.)"""
+    = W = 1; 1F1B's whole backward B + W = 2; measure.unit_time_bubbles, which the report prints). 1F1B's step is
+    the ideal 3m plus 3(p-1) idle units; zb1's is 3m plus (p-1), the paper's (p-1)(F+B-W): a third of the bubble.
+    (bench.py's pp rows compare the measured time.)"""
+    from common.measure import unit_time_bubbles
     for layout in LAYOUTS:
         for pipeline in range(4 // p):
             stages = range(pipeline * p, (pipeline + 1) * p)
-            one_f_one_b = [spawned[r][(p, '1f1b', layout)]['ops'] for r in stages]
-            zb1 = [spawned[r][(p, 'zb1', layout)]['ops'] for r in stages]
-            assert _unit_time_step(one_f_one_b, {'F': 1, 'B': 2}) == 3 * M + 3 * (p - 1)
-            assert _unit_time_step(zb1, {'F': 1, 'B': 1, 'W': 1}) == 3 * M + (p - 1)
+            for schedule, idle in (('1f1b', 3 * (p - 1)), ('zb1', p - 1)):
+                tracks = [[(op, i, 0, 0) for op, i in spawned[r][(p, schedule, layout)]['ops']] for r in stages]
+                assert unit_time_bubbles(tracks) == pytest.approx([idle / (3 * M + idle)] * p), schedule
+
+
+def test_zb1_b_skips_the_weights_matmuls_and_w_does_them():
+    """zb1's B asks autograd for no weight, so it skips the weights' matmuls; W does exactly those: W's FLOPs
+    (torch's counter) are 2 x tokens x each Linear's weights, and B + W is one whole backward's. (A B that
+    computed the weights' gradients too, with W doing nothing, passed every other zb1 test.)"""
+    import contextlib
+    from torch.utils.flop_counter import FlopCounterMode
+    import pipeline
+    from model import GPT, GPTConfig
+    for layout, extra in LAYOUTS.items():
+        torch.manual_seed(0)
+        # one stage is first and last: untied (zb1 runs on pp >= 2, where the head's weight is a copy of its own)
+        model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0,
+                              **{**extra, 'tie_embeddings': False}))
+        st = pipeline.Stage(model, pipeline.keep_stage(model, 0, 1), 0, 1, [0], (2, 16, 16), 'cpu',
+                            contextlib.nullcontext(), None)
+        x, y = [torch.randint(0, 32, (2, 16))] * 2, [torch.randint(0, 32, (2, 16))] * 2
+        flops = {}
+        for name, run in (('B', lambda: pipeline.backward_input_step(st, 0, None)),
+                          ('W', lambda: pipeline.backward_weight_step(st, 0)),
+                          ('whole', lambda: pipeline.backward_step(st, 1, None))):
+            if name != 'W':
+                pipeline.forward_step(st, 0 if name == 'B' else 1, None, x, y, 1.0, split=name == 'B')
+            with FlopCounterMode(display=False) as counter:
+                run()
+            flops[name] = counter.get_total_flops()
+        linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert flops['W'] == 2 * 2 * 16 * linear_weights, (layout, flops)
+        assert flops['B'] + flops['W'] == flops['whole'], (layout, flops)
 
 
 MEASURING = [('dist', 'barrier'), ('dist', 'all_gather_object'), ('torch.cuda', 'synchronize'),
@@ -424,10 +443,10 @@ def test_resume_with_dropout_is_exact(tmp_path):
     assert train_losses(split) == train_losses(whole)
 
 
-@pytest.mark.parametrize('schedule,v', [('interleaved', 2), ('zb1', 1)])
+@pytest.mark.parametrize('schedule,v', [('interleaved', 2)])
 def test_dp_x_pp_loss_curve_equals_train_py(baseline, tmp_path, schedule, v):
     """dp=2 x pp=2: interleaved with 2 chunks of one layer per stage (layers 0 and 2 on stage 0, 1 and 3 on stage
-    1), and zb1 (B and W apart)."""
+    1). (1F1B and zb1 at dp=2 x pp=2: tests/test_matrix.py.)"""
     out = str(tmp_path)
     check(run_script('pipeline.py', ARGS + ['--pp=2', f'--schedule={schedule}', f'--virtual_stages={v}',
                                             '--n_microbatches=2', f'--out_dir={out}', '--max_iters=6'], nproc=4))
@@ -466,12 +485,13 @@ BAD = [
     (2, ['--pp=1', '--schedule=interleaved', '--virtual_stages=2'], '--virtual_stages=2 needs pp >= 2'),
     (2, ['--pp=2', '--compile=True'], 'not supported by pipeline.py: pass --compile=False'),
     (2, ['--pp=2', '--n_expert=4', '--aux_loss_style=hf'], "aux_loss_style='hf' (a converted Mixtral's loss) pools"),
+    (2, ['--pp=2', '--schedule=zb1', '--activation_checkpointing=True'], "would re-run each block's forward once per"),
 ]
 
 
 @pytest.mark.parametrize('world,args,message', BAD,
                          ids=['world', 'layers', 'microbatches', '1f1b-m-lt-p', 'dp-gt-batch', 'schedule', 'm-0',
-                              'v-without-interleaved', 'v-on-one-stage', 'compile', 'moe-hf'])
+                              'v-without-interleaved', 'v-on-one-stage', 'compile', 'moe-hf', 'zb1-ac'])
 def test_bad_config_is_one_clear_error(monkeypatch, tmp_path, world, args, message):
     """Every check runs before the process group exists, from the world size torchrun sets."""
     import pipeline
