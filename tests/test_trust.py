@@ -1,7 +1,7 @@
 """What makes the printed numbers and the runs trustworthy, across scripts: dropout masks drawn per
 data-parallel rank the same way by DDP, ZeRO 0-3 and FSDP2 (so they give one another's loss curve with dropout
 on) and continued exactly on resume by every data-parallel script, the peak FLOP/s table, checkpoint writes
-that never hold a rank inside the training loop, and a test harness that fails on a hang instead of waiting
+that never hold a rank inside the training loop, a wire meter that reads what a rank sent, and a test harness that fails on a hang instead of waiting
 forever."""
 import time
 
@@ -67,6 +67,25 @@ def test_each_data_parallel_rank_draws_its_own_masks():
     assert not np.array_equal(masks[0], masks[1])
     torch.manual_seed(1337)
     assert np.array_equal(masks[0], torch.nn.functional.dropout(torch.ones(64), 0.5).numpy())  # rank 0 = train.py
+
+
+def _one_way(rank, world_size):
+    import torch.distributed as dist
+    from common.measure import WireMeter
+    meter, t = WireMeter(), torch.ones(1 << 18)  # 1 MiB, from rank 0 to rank 1 only
+    meter.start()
+    dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
+    return meter.stop(), meter.why_not
+
+
+def test_the_wire_meter_reads_the_bytes_this_rank_sent():
+    """One-way traffic (every collective the scripts measure sends as much as it receives, so a meter reading
+    the bytes received passed them all): the sender's own sockets show the MiB and its headers, the receiver's
+    only the barriers' few bytes."""
+    (sender, why), (receiver, _) = spawn(_one_way, 2)
+    if why is not None:
+        pytest.skip(f"the wire meter is {why}")
+    assert (1 << 20) <= sender < 1.02 * (1 << 20) and receiver < 4096, (sender, receiver)
 
 
 @pytest.mark.parametrize('name, dtype, peak', [
