@@ -104,7 +104,7 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
 # the bench: every script on the same small GPT, the same data and the same global batch
 
 # `python bench.py` runs these (about a minute on 2 cores); --full runs every row of bench_rows
-MOE, MOE_ROWS = ['--n_expert=4', '--n_expert_active=2'], ('train_moe', 'ep')
+MOE, MOE_ROWS = ['--n_expert=4', '--n_expert_active=2'], ('train_moe', 'ep', 'tp_moe', 'grid_pp_tp_ep')
 QUICK_ROWS = ['train', 'ddp', 'zero0', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
 
 
@@ -142,6 +142,11 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
         # a mixture of experts (4 experts, top-2): its own model, so its own reference row
         'train_moe': ('train.py', MOE, 1),
         'ep': ('expert_parallel.py', [f'--ep={w}'] + MOE, w),
+        'tp_moe': ('tensor_parallel.py', [f'--tp={w}'] + MOE, w),  # whole experts spread over the tp ranks
+        # the grid with experts: ep 2 folded into dp; one microbatch a micro-step, so that the routing (and
+        # the auxiliary loss) sees the tokens train.py's forward does
+        'grid_pp_tp_ep': ('parallel_4d.py', ['--pp=2', '--tp=2', '--ep=2', '--schedule=gpipe',
+                                             '--n_microbatches=1'] + MOE, 4 * w),
         # the grid: dp = world_size again, times 2 x 2 more processes (8 for the default world_size of 2)
         'grid_dp_pp_tp': ('parallel_4d.py', ['--pp=2', '--tp=2'], 4 * w),
         'grid_dp_cp_tp': ('parallel_4d.py', ['--cp=2', '--tp=2'], 4 * w),

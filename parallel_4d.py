@@ -75,7 +75,7 @@ def build_stage(model, cfg, grid, coords, comms, checkpoint):
     a time) or this rank's checkpoint. Returns (stage, tp, cp, layout)."""
     tp = TensorParallel(comms['tp'], cfg.sequence_parallel)
     cp = ContextParallel(comms['cp'], cfg.cp_attention)
-    if comms['ep'].size > 1:
+    if comms['ep'] is not None:
         cut_experts(model, comms['ep'])
     layout = shard_gpt(model, tp)
     give_tp_ranks_their_dropout(model, tp)
@@ -107,7 +107,7 @@ def build_zeros(model, cfg, comms, coords, checkpoint):
     ranks that hold the same ones; their gradients are divided by dp·cp all the same, not edp: an expert's
     sums what every rank of its ep group sent it (Megatron's expert gradient scaling). From the checkpoint on
     resume, with this rank's random stream. Returns the engines: [dense, experts (ep > 1)]."""
-    experts = [p for n, p in model.named_parameters() if '.mlp.experts.' in n] if comms['ep'].size > 1 else []
+    experts = [p for n, p in model.named_parameters() if '.mlp.experts.' in n] if comms['ep'] else []
     dense = [p for p in model.parameters() if all(p is not q for q in experts)]
     zeros = [Zero(model, 1, comm.rank, comm.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                   cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, comm,
@@ -179,8 +179,11 @@ def weight_groups(grid, rank, cfg):
     tied embedding's two stages (embed_comm)."""
     same_weights = along(grid, 'dp', 'cp')
     ep_groups, edp_groups = expert_groups(same_weights, cfg.ep)
-    return dict(dp_cp=group_comm('dp_cp', same_weights, rank), ep=group_comm('ep', ep_groups, rank),
-                edp=group_comm('edp', edp_groups, rank), embed=embed_comm(grid, rank, cfg.tie_embeddings))
+    ep, edp = None, None  # (no experts to share out)
+    if cfg.ep > 1:
+        ep, edp = group_comm('ep', ep_groups, rank), group_comm('edp', edp_groups, rank)
+    return dict(dp_cp=group_comm('dp_cp', same_weights, rank), ep=ep, edp=edp,
+                embed=embed_comm(grid, rank, cfg.tie_embeddings))
 
 
 def main(argv):

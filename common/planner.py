@@ -97,6 +97,10 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
     rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
     if ep > 1 and gpus % ep == 0:  # a mixture of experts: its experts split over ep of the dp ranks
         rows += [(f'dp={gpus} with EP={ep} (each expert on 1 of {ep} ranks)', shape(dp=gpus, ep=ep))]
+    grid_ep = math.gcd(ep, gpus // tp) if tp > 1 and gpus % tp == 0 else 1  # (ep divides dp there)
+    if grid_ep > 1:  # parallel_4d.py --tp --ep: ep folded into dp, the experts spread over tp too
+        rows += [(f'dp={gpus // tp} x TP={tp} + SP, EP={grid_ep} in dp, ZeRO-1',
+                  shape(dp=gpus // tp, tp=tp, sp=True, ep=grid_ep, stage=1))]
     if tp > 1 and gpus % tp == 0 and gpus > tp:
         rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', shape(dp=gpus // tp, tp=tp, sp=True,
                                                                          stage=zero_stage))]
@@ -112,6 +116,28 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
     if cp > 1:
         rows += [(f'CP={cp} ring', shape(dp=gpus // cp, cp=cp))]
     return rows + [('ZeRO-3 + offload', shape(dp=gpus, stage=3, offload=True))]
+
+
+def model_states_of(gptconf, k, counts, mixed_precision):
+    """(the parameters a rank holds, {param_bytes, grad_bytes, optim_bytes, ...}) for strategy shape k. With
+    experts split over ep ranks: expert_parallel.py keeps DDP's states, the dense weights whole and 1/ep of
+    the experts; parallel_4d.py (tp > 1) keeps 1/tp of the dense weights and n_expert/(ep·tp) whole experts,
+    each part's AdamW state sharded (ZeRO-1) over the ranks that hold the same: dp x cp, and dp x cp / ep."""
+    t, dp, c, ep, stage = k['tp'], k['dp'], k['cp'], k['ep'], k['stage']
+    numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
+             counts['pp_stage_max'] if k['pp'] > 1 else counts['total'])
+    if ep == 1:
+        # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0
+        # scripts keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
+        return numel, formulas.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0,
+                                                         k['offload'])
+    experts = counts['experts'] // t  # a tp rank's routed experts (whole ones)
+    dense = numel - experts if t > 1 else counts['total'] - counts['experts']
+    if t == 1:
+        return dense + experts // ep, formulas.ep_model_state_bytes_formula(dense, experts, ep)
+    parts = [formulas.model_state_bytes_formula(n, w, 1, mixed_precision)
+             for n, w in ((dense, dp * c), (experts // ep, dp * c // ep))]
+    return dense + experts // ep, {key: sum(part[key] for part in parts) for key in parts[0]}
 
 
 def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, zero_stage,
@@ -131,25 +157,13 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
             (L % p, f"n_layer {L} not divisible by pp={p}"),
             (s % (2 * c) if c > 1 else 0, f"seq_len {s} not divisible by 2 x cp={c} (the zig-zag split)"),
             (k['sp'] and s % t, f"seq_len {s} not divisible by tp={t} (sequence parallelism)"),
-            (gptconf.n_expert % k['ep'],
-             f"n_expert {gptconf.n_expert} not divisible by ep={k['ep']}")] if bad]
+            (k['ep'] > 1 and gptconf.n_expert % (k['ep'] * t),
+             f"n_expert {gptconf.n_expert} not divisible by ep={k['ep']} x tp={t}")] if bad]
         if problems:
             rows.append(dict(row, error=problems[0]))
             continue
-        counts = param_counts(gptconf, p)
-        numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
-                 counts['pp_stage_max'] if p > 1 else counts['total'])
-        # the dense weights whole, 1/ep of the experts (formulas.ep_model_state_bytes_formula)
-        if k['ep'] > 1:
-            numel = counts['total'] - counts['experts'] + counts['experts'] // k['ep']
-        row['params_per_rank'] = numel
-        # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0
-        # scripts keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
-        row.update(formulas.model_state_bytes_formula(numel, dp * c, stage, mixed_precision and stage > 0,
-                                                      k['offload']))
-        if k['ep'] > 1:
-            row.update(formulas.ep_model_state_bytes_formula(counts['total'] - counts['experts'],
-                                                             counts['experts'], k['ep']))
+        numel, states = model_states_of(gptconf, k, param_counts(gptconf, p), mixed_precision)
+        row.update(states, params_per_rank=numel)
         if gptconf.n_expert:
             row['notes'].append("a mixture of experts' activations are priced as the dense block's (one MLP "
                                 "per "
@@ -368,8 +382,8 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
             f"--batch_size={args.micro_batch * n_micro}", f"--gradient_accumulation_steps={row['dp']}"]
     else:
         script = ('train_fsdp.py' if row['strategy'].startswith('FSDP') else
-                  'expert_parallel.py' if row.get('ep', 1) > 1 else
                   'parallel_4d.py' if row['dp'] > 1 and row['tp'] > 1 else
+                  'expert_parallel.py' if row.get('ep', 1) > 1 else
                   'tensor_parallel.py' if row['tp'] > 1 else 'context_parallel.py' if row['cp'] > 1 else
                   'zero.py' if row['zero_stage'] or row['offload'] else 'train_ddp.py')
         flags = [f"--batch_size={args.micro_batch}", f"--gradient_accumulation_steps={n_micro * row['dp']}"]
@@ -390,7 +404,8 @@ def add_estimate_arguments(p):
     p.add_argument('--estimate', nargs='?', const='', default=None, metavar='CONFIG',
                    help='plan memory for the model of a config file (config keys may follow as --key=value)')
     p.add_argument('--params', default=None, help='--estimate with a parameter count only (model states)')
-    p.add_argument('--gpus', type=int, default=8)
+    p.add_argument('--gpus', type=int, default=8, help='--estimate: the GPUs the model is planned for, '
+                   'every strategy on all of them; --check: the processes run here')
     p.add_argument('--gpu_mem_gb', type=float, default=80)
     p.add_argument('--micro_batch', type=int, default=1, help='sequences per micro-batch per GPU')
     p.add_argument('--seq_len', type=int, default=None, help="default: the config's block_size")

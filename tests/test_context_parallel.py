@@ -182,14 +182,14 @@ LLAMA = ['--n_embd=32', '--n_head=4', '--n_kv_head=2', '--norm=rmsnorm', '--mlp=
          '--tie_embeddings=False']
 
 
-def test_ring_cp2_and_ulysses_dp2_x_cp2_train_train_py_curve(tmp_path, tmp_path_factory):
+def test_ring_and_ulysses_cp2_train_train_py_curve_and_measure_their_own_bytes(tmp_path, tmp_path_factory):
     ref = train_py_reference(FLAGS + LLAMA, tmp_path_factory)
     ring, ulysses = tmp_path / 'ring', tmp_path / 'ulysses'
     with LoopbackFlood():  # other traffic on the machine: each rank's wire bytes must still be its own
         check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', '--measure_every=2', f'--out_dir={ring}'],
                          nproc=2))
         check(run_script('context_parallel.py', FLAGS + LLAMA + ['--cp=2', '--cp_attention=ulysses',
-                                                                 f'--out_dir={ulysses}'], nproc=4))
+                                                                 f'--out_dir={ulysses}'], nproc=2))
     for out in (ring, ulysses):
         assert_same_losses(train_losses(out), train_losses(ref), range(4))
         assert_same_losses(eval_losses(out), eval_losses(ref), [0, 2, 4])
@@ -197,7 +197,7 @@ def test_ring_cp2_and_ulysses_dp2_x_cp2_train_train_py_curve(tmp_path, tmp_path_
         rows = [r for r in read_log(out) if 'rank' in r]
         # measured: the first step, and (ring: --measure_every=2) every 2nd; each rank's own row
         assert sorted((r['iter'], r['rank']) for r in rows) == ([(0, 0), (0, 1), (2, 0), (2, 1)]
-                                                                if attention == 'ring' else [(0, r) for r in range(4)])
+                                                                if attention == 'ring' else [(0, 0), (0, 1)])
         for r in rows:
             assert r['cp_attention'] == attention
             assert r['cp_attention_bytes'] == pytest.approx(r['cp_attention_bytes_formula'])

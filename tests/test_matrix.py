@@ -44,12 +44,13 @@ STRATEGIES = [
     ('cp2-ulysses', 'context_parallel', ROWS_2 + ['--cp=2', '--cp_attention=ulysses'], 4),
     ('4d-pp2-cp2-tp2', 'parallel_4d', PIPELINED + ['--pp=2', '--cp=2', '--tp=2'], 8),
     ('4d-dp4-tp2-ep2', 'parallel_4d', ROWS_2 + ['--tp=2', '--ep=2', '--n_microbatches=1'], 8),
-    ('4d-dp2-pp2-tp2-ep2-zb1', 'parallel_4d', PIPELINED + ['--pp=2', '--tp=2', '--ep=2', '--schedule=zb1'], 8),
+    ('4d-dp2-pp2-tp2-ep2-zb1-sp', 'parallel_4d', PIPELINED + ['--pp=2', '--tp=2', '--ep=2', '--schedule=zb1',
+                                                            '--sequence_parallel=True'], 8),
 ]
 # the cells that must refuse (a dense model has no experts to share out), and the line that says why
 REFUSED = {('ep2', 'dense'): 'n_expert=0: a dense model has no experts',
            ('4d-dp4-tp2-ep2', 'dense'): '--ep=2 needs a mixture of experts',
-           ('4d-dp2-pp2-tp2-ep2-zb1', 'dense'): '--ep=2 needs a mixture of experts'}
+           ('4d-dp2-pp2-tp2-ep2-zb1-sp', 'dense'): '--ep=2 needs a mixture of experts'}
 
 
 def run_cells(rank, world_size, cells, out_root):
@@ -94,3 +95,50 @@ def test_every_strategy_trains_train_py_first_steps_or_refuses(matrix, tmp_path_
     assert seen == [None] * world, f"{cell} stopped: {seen}"
     want = train_losses(train_py_reference(COMMON + ROWS_2 + MODELS[layout, kind], tmp_path_factory))
     assert_same_losses(train_losses(os.path.join(out_root, cell)), want, range(3))
+
+
+@pytest.mark.parametrize('layout', ['gpt2', 'llama'])
+def test_the_planner_prices_the_grid_with_experts_as_the_ranks_held_them(matrix, layout):
+    """bench.py --estimate's row for dp x tp x ep (parallel_4d.py: 1/tp of the dense weights, n_expert/(ep·tp)
+    whole experts, each part's AdamW state sharded over the ranks that hold the same) holds each rank's
+    measured bytes: its two ZeRO-1 engines' parameters, gradients and AdamW moments."""
+    from common import planner
+    from common.training import load_dataset
+    from helpers import read_log
+    outcomes, out_root = matrix
+    rows = [r for r in read_log(os.path.join(out_root, f'4d-dp4-tp2-ep2-{layout}-moe')) if 'numel' in r]
+    assert sorted(r['rank'] for r in rows) == list(range(8))
+    flags = COMMON + MODELS[layout, 'moe']
+    gptconf = planner.gpt_config_from(None, flags, load_dataset('stdlib_char')[1])
+    plan = [p for p in planner.estimate(gptconf, 8, 1, 2, 16, 2, 1, 1, 1, 1, False, 2) if p['ep'] == p['tp'] == 2]
+    assert len(plan) == 1 and 'error' not in plan[0], plan
+    for r in rows:
+        assert (r['param_bytes'], r['grad_bytes'], r['optim_bytes']) == (
+            plan[0]['param_bytes'], plan[0]['grad_bytes'], plan[0]['optim_bytes']), (r, plan[0])
+
+
+GRIDS = {'4d-pp2-cp2-tp2': (1, 2, 2, 2), '4d-dp4-tp2-ep2': (4, 1, 1, 2), '4d-dp2-pp2-tp2-ep2-zb1-sp': (2, 2, 1, 2)}
+
+
+@pytest.mark.parametrize('cell', [f'{g}-{layout}-{kind}' for g in GRIDS for layout, kind in MODELS
+                                  if ('ep2' not in g or kind == 'moe')])
+def test_the_grid_logs_its_groups_and_holds_zero_1s_slices(matrix, cell):
+    """Each grid cell: every rank's groups are the rows of torch.arange(8).view(dp, pp, cp, tp), its ep group a run
+    of ep ranks of its dp x cp group and its expert-data-parallel group the ranks of that group with its ep rank;
+    its ZeRO-1 engines hold the formula's bytes (AdamW's chunks up to their padding)."""
+    from test_parallel_4d import assert_groups_are_the_grids_rows
+    from helpers import read_log
+    outcomes, out_root = matrix
+    out_dir, shape = os.path.join(out_root, cell), GRIDS[cell.rsplit('-', 2)[0]]
+    assert_groups_are_the_grids_rows(out_dir, shape)
+    ep = 2 if '-ep2' in cell else 1
+    for r in [r for r in read_log(out_dir) if 'groups' in r]:
+        g, me = r['groups'], r['rank']
+        run = g['dp_cp'].index(me) // ep * ep
+        assert g.get('ep', [me]) == g['dp_cp'][run:run + ep], r
+        assert g.get('edp', g['dp_cp']) == g['dp_cp'][g['dp_cp'].index(me) % ep::ep], r
+    rows = [r for r in read_log(out_dir) if 'numel' in r]
+    assert sorted(r['rank'] for r in rows) == list(range(8))
+    for r in rows:
+        assert (r['param_bytes'], r['grad_bytes']) == (r['param_bytes_formula'], r['grad_bytes_formula']), r
+        assert r['optim_bytes_formula'] <= r['optim_bytes'] <= r['optim_bytes_formula'] + 2 * 16 * 2 * 8, r
