@@ -17,15 +17,14 @@ The same model and loss curve in one process: python train.py --n_expert=4 --n_e
 --gradient_accumulation_steps=4 (this script's default: every rank takes whole micro-batches of the batch).
 """
 
-import os
 from types import SimpleNamespace
 
 import torch
 
 from model import MoE, balance_routers, combine
 from common.training import (autocast_context, config_defaults, configure, load_dataset, loss_function,
-                             micro_batches, model_config, outputs_line, print_sample, profiled, refuse,
-                             run_main, run_shape, shared_refusals, training_loop)
+                             make_out_dir, micro_batches, model_config, outputs_line, print_sample, profiled,
+                             refuse, run_main, run_shape, shared_refusals, training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
                                 materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, init_distributed, world_size_from_env
@@ -224,7 +223,7 @@ def main(argv):
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
     comms = ep_comms(world_size, rank, cfg.ep)
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    make_out_dir(cfg)  # (a new run: a log of its own)
     torch.manual_seed(cfg.seed)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)
@@ -243,7 +242,8 @@ def main(argv):
     training_loop(cfg, run, iter_num, best_val_loss)
     writer.wait()
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates: each forward dispatches to the others
-        print_sample(model, cfg, ctx, show=rank == 0)
+        print_sample(model, cfg, ctx, show=rank == 0, hint=f"python consolidate.py {cfg.out_dir} && "
+                     f"python sample.py --out_dir={cfg.out_dir}")
     if rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_ep_rank*.pt (each rank's experts and the dense weights: "
                                         f"resume; python consolidate.py {cfg.out_dir} makes one ckpt.pt)",

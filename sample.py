@@ -18,7 +18,7 @@ import os
 import torch
 
 from model import GPT, GPTConfig
-from common.training import autocast_context, config_defaults, configure, get_codec, run_main
+from common.training import autocast_context, configure, get_codec, run_main
 
 # -----------------------------------------------------------------------------
 # config
@@ -34,8 +34,10 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
 compile = False
 export_hf = ''                  # a directory: save the model there in Hugging Face's format, then exit
-# sampling has no model keys: the model is what the checkpoint (or GPT-2) says it is
-config = {k: v for k, v in config_defaults(globals()).items() if k not in GPTConfig.__dataclass_fields__}
+# only the keys above: the model is what the checkpoint (or GPT-2) says it is, and nothing trains
+config = {k: v for k, v in globals().items() if k in (
+    'init_from', 'out_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'seed',
+    'device', 'dtype', 'compile', 'export_hf')}
 # -----------------------------------------------------------------------------
 
 
@@ -48,6 +50,7 @@ def load_model(cfg):
             raise SystemExit(f"error: no checkpoint at {ckpt_path}; " + (
                 f"if {cfg.out_dir} holds a sharded one, join it first: python consolidate.py {cfg.out_dir}"
                 if shards else "train one first (python train.py) or set --out_dir"))
+        warn_if_older_than_shards(ckpt_path)
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
@@ -58,6 +61,18 @@ def load_model(cfg):
         from common.hf import from_pretrained  # (needs transformers
         return from_pretrained(cfg.init_from), None
     raise SystemExit(f"error: init_from must be 'resume' or a GPT-2 name, got {cfg.init_from!r}")
+
+
+def warn_if_older_than_shards(ckpt_path):
+    """A sharded run writes rank files beside ckpt.pt; consolidate.py joins them into ckpt.pt. Rank files
+    newer than ckpt.pt are a later run that was not joined: say so, and how to sample it."""
+    out_dir, written = os.path.dirname(ckpt_path), os.path.getmtime(ckpt_path)
+    newer = sorted(n for n in os.listdir(out_dir) if n.endswith('.pt') and n != 'ckpt.pt'
+                   and os.path.getmtime(os.path.join(out_dir, n)) > written)
+    if newer:
+        print(f"note: {ckpt_path} is older than the rank files beside it ({', '.join(newer[:3])}"
+              f"{', ...' if len(newer) > 3 else ''}): this samples the older run; to sample the newer one, "
+              f"join it first: python consolidate.py {out_dir}")
 
 
 def read_prompt(start):

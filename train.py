@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from common.training import (StepLogger, autocast_context, config_defaults, configure, evaluate, get_lr,
-                             load_dataset, log_row, loss_function, micro_batches, outputs_line, print_sample,
-                             profiled, run_main, run_shape, set_lr, should_evaluate, should_save,
-                             step_profiler)
+from common.training import (StepLogger, autocast_context, busy_cpu_note, config_defaults, configure,
+                             evaluate, get_lr, load_dataset, log_row, loss_function, make_out_dir,
+                             micro_batches, outputs_line, print_sample, profiled, run_main, run_shape, set_lr,
+                             should_evaluate, should_save, step_profiler)
 from common.checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
 from model import balance_routers
 
@@ -152,9 +152,10 @@ def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_va
 
 def main(argv):
     cfg = configure(config, argv)
+    print(busy_cpu_note(cfg.device) or '', end='')  # (a laptop doing other work: what to expect, what to do)
 
     # setup
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    make_out_dir(cfg)  # (a new run: a log of its own)
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
     ctx = autocast_context(device_type, cfg.dtype)

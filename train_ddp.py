@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.training import (StepLogger, autocast_context, batch_refusal, config_defaults, configure,
-                             evaluate, get_lr, load_dataset, loss_function, micro_batches, outputs_line,
-                             print_sample, profiled, refuse, run_main, run_shape, set_lr, should_evaluate,
-                             should_save, step_profiler)
+                             evaluate, get_lr, load_dataset, loss_function, make_out_dir, micro_batches,
+                             outputs_line, print_sample, profiled, refuse, run_main, run_shape, set_lr,
+                             should_evaluate, should_save, step_profiler)
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
                                 train_checkpoint)
 from common.distributed import Comm, finish_distributed, init_distributed, world_size_from_env
@@ -142,7 +142,7 @@ def main(argv):
     dp = Comm(None, 'dp')  # the whole world
 
     # setup
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    make_out_dir(cfg)  # (a new run: a log of its own)
     torch.manual_seed(cfg.seed)
     ctx = autocast_context(cfg.device.split(':')[0], cfg.dtype)
 

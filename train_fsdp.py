@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
+from common.training import (autocast_context, config_defaults, configure, load_dataset, make_out_dir,
+                             micro_batches, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
                              shared_refusals, training_loop)
 from common.checkpoints import (gather_rng_states, init_model, init_values, load_params, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
@@ -181,7 +181,7 @@ def main(argv):
     dp_rank, _, dp_size, device = init_distributed(cfg.dist_timeout, group_of_one=True)  # FSDP2 needs a group
     if 'RANK' in os.environ:
         cfg.device = device  # cuda:LOCAL_RANK with NCCL, else cpu with gloo
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    make_out_dir(cfg)  # (a new run: a log of its own)
     torch.manual_seed(cfg.seed)
     ctx = autocast_context(cfg.device.split(':')[0], 'float32')  # no autocast: the MixedPrecisionPolicy casts
     data, vocab_size = load_dataset(cfg.dataset)
@@ -195,7 +195,8 @@ def main(argv):
                           flops_per_token=model.flops_per_token(cfg.block_size), kind='fsdp')
     training_loop(cfg, run, iter_num, best_val_loss)
     if cfg.sample_at_end and not cfg.eval_only:  # every rank generates (each forward gathers the shards)
-        print_sample(model, cfg, ctx, show=dp_rank == 0)
+        print_sample(model, cfg, ctx, show=dp_rank == 0, hint=f"python consolidate.py {cfg.out_dir} && "
+                     f"python sample.py --out_dir={cfg.out_dir}")
     if dp_rank == 0:
         print(outputs_line(cfg.out_dir, f"ckpt_dcp/ (every rank's shards: resume; python consolidate.py "
                                         f"{cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))

@@ -10,8 +10,19 @@ import os
 
 DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer'}, 'train_micro_batch_size_per_gpu': None,
            'gradient_accumulation_steps': None, 'gradient_clipping': None, 'bf16': {'enabled'},
-           'optimizer': {'type', 'params'}, 'train_batch_size': None}
+           'optimizer': {'type', 'params'}, 'train_batch_size': None, 'scheduler': {'type', 'params'}}
 DS_OPTIMIZER_PARAMS = {'lr', 'betas', 'eps', 'weight_decay'}
+DS_SCHEDULER_PARAMS = {'total_num_steps', 'warmup_num_steps', 'warmup_type', 'warmup_min_ratio',
+                       'cos_min_ratio'}
+
+
+def scheduler_of(cfg):
+    """Our learning rate as DeepSpeed's WarmupCosineLR: a linear warm-up from 0 over warmup_iters, a cosine
+    to min_lr at lr_decay_iters, then min_lr. One difference: our warm-up step i takes (i+1)/(warmup_iters+1)
+    of the peak (nanoGPT's), DeepSpeed's i/warmup_iters. Without decay_lr: no scheduler (a constant rate)."""
+    return {'type': 'WarmupCosineLR', 'params': {
+        'total_num_steps': cfg.lr_decay_iters, 'warmup_num_steps': cfg.warmup_iters, 'warmup_type': 'linear',
+        'warmup_min_ratio': 0.0, 'cos_min_ratio': cfg.min_lr / cfg.learning_rate}}
 
 
 def deepspeed_config_of(cfg, world_size):
@@ -26,7 +37,8 @@ def deepspeed_config_of(cfg, world_size):
                 'device': 'cpu', 'pin_memory': True}} if cfg.offload_optimizer else {})),
             'optimizer': {'type': 'AdamW',
                           'params': {'lr': cfg.learning_rate, 'betas': [cfg.beta1, cfg.beta2],
-                                                      'eps': cfg.adam_eps, 'weight_decay': cfg.weight_decay}}}
+                                     'eps': cfg.adam_eps, 'weight_decay': cfg.weight_decay}},
+            **({'scheduler': scheduler_of(cfg)} if cfg.decay_lr else {})}
 
 
 def apply_deepspeed_config(cfg, path, world_size):
@@ -60,6 +72,7 @@ def apply_deepspeed_config(cfg, path, world_size):
                              "zero.py; "
                              f"supported: {', '.join(sorted(DS_OPTIMIZER_PARAMS))}")
     params = opt.get('params', {})
+    apply_scheduler(cfg, ds.get('scheduler'), params.get('lr', cfg.learning_rate))
     zero_opt = ds.get('zero_optimization', {})
     offload = zero_opt.get('offload_optimizer', {}).get('device', 'none')
     if offload not in ('cpu', 'none'):
@@ -88,9 +101,27 @@ def apply_deepspeed_config(cfg, path, world_size):
 
 
 
+def apply_scheduler(cfg, scheduler, lr):
+    """A DeepSpeed WarmupCosineLR section onto cfg (scheduler_of read back); none: a constant rate."""
+    if scheduler is None:
+        cfg.decay_lr = False
+        return
+    params = scheduler.get('params', {})
+    ours = scheduler.get('type') == 'WarmupCosineLR' and set(params) <= DS_SCHEDULER_PARAMS and \
+        params.get('warmup_type', 'linear') == 'linear' and params.get('warmup_min_ratio', 0.0) == 0.0
+    if not ours:
+        raise SystemExit("error: deepspeed_config scheduler: zero.py runs a WarmupCosineLR with a linear "
+                         f"warm-up from 0 ({', '.join(sorted(DS_SCHEDULER_PARAMS))}); got "
+                         f"{json.dumps(scheduler)}")
+    cfg.decay_lr = True
+    cfg.lr_decay_iters = params.get('total_num_steps', cfg.lr_decay_iters)
+    cfg.warmup_iters = params.get('warmup_num_steps', cfg.warmup_iters)
+    cfg.min_lr = float(params.get('cos_min_ratio', cfg.min_lr / cfg.learning_rate) * lr)
+
+
 def print_deepspeed_config(cfg, world_size):
     """--print_ds_config: print this run's DeepSpeed JSON (to take the run to DeepSpeed) and say so (True: the
-    caller stops there). The learning-rate schedule is DeepSpeed's 'scheduler' section: not written here."""
+    caller stops there). The learning-rate schedule is its 'scheduler' section (scheduler_of)."""
     if cfg.print_ds_config:
         print(json.dumps(deepspeed_config_of(cfg, world_size), indent=2))
     return cfg.print_ds_config

@@ -124,7 +124,10 @@ def configure(defaults, argv):
 
     def set_key(key, value, source):
         if key not in defaults:
-            raise SystemExit(f"error: unknown config key '{key}' (from {source}); "
+            import difflib
+            near = difflib.get_close_matches(key, defaults, n=1)
+            raise SystemExit(f"error: unknown config key '{key}' (from {source}); " +
+                             (f"did you mean {near[0]}? " if near else '') +
                              f"valid keys: {', '.join(sorted(defaults))}")
         cfg[key] = _checked(key, value, defaults[key])
 
@@ -383,6 +386,20 @@ def profiled(cfg):
     return ['trace_rank*.json (--profile: open at ui.perfetto.dev)'] if cfg.profile else []
 
 
+def busy_cpu_note(device):
+    """One line when torch would share a busy CPU: its threads (one per core) wait for one another while other
+    work holds the cores, and a step can take 10-20x longer than on an idle machine. torchrun gives each
+    process one thread already; this is for a script run alone. None when the CPU is idle enough."""
+    if not device.startswith('cpu') or torch.get_num_threads() == 1 or not hasattr(os, 'getloadavg'):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load < 0.5 * cores:
+        return None
+    return (f"note: this CPU is busy (load {load:.1f} on {cores} cores) and torch runs "
+            f"{torch.get_num_threads()} threads, which wait for one another behind the other work: expect a "
+            "much slower run; OMP_NUM_THREADS=1 in front of the command is often several times faster\n")
+
+
 def outputs_line(out_dir, *files):
     """The line every training script prints when it ends: where its outputs are."""
     return f"done; outputs in {out_dir}/: log.jsonl (every logged row as JSON), " + ', '.join(files)
@@ -617,12 +634,20 @@ def refuse(*checks):
             raise SystemExit(f"error: {message}")
 
 
+def make_out_dir(cfg):
+    """out_dir, made if missing. A new run (not a resume) starts out_dir/log.jsonl afresh: its rows are this
+    run's alone (rank 0 writes it)."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if cfg.init_from != 'resume' and is_master():
+        open(os.path.join(cfg.out_dir, 'log.jsonl'), 'w').close()
+
+
 def start_run(cfg):
     """A parallel script's start, its config checked: join torchrun's process group (cfg.device becomes this
     rank's GPU under torchrun), make out_dir, seed torch (every rank builds the same weights). Returns (rank,
     world_size)."""
     rank, _, world_size, device = distributed.init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    make_out_dir(cfg)
     torch.manual_seed(cfg.seed)
     return rank, world_size

@@ -85,3 +85,21 @@ def test_export_hf_of_a_mixed_layout_is_one_line(trained, tmp_path):
     proc = run_script('sample.py', [f'--out_dir={trained}', f'--export_hf={tmp_path / "hf"}', '--device=cpu'])
     assert proc.returncode == 1 and proc.stderr.strip().count('\n') == 0, proc.stderr
     assert proc.stderr.startswith('error: --export_hf:') and 'GPT-2 layout' in proc.stderr
+
+
+def test_a_checkpoint_older_than_the_rank_files_beside_it_is_named(tmp_path, capsys):
+    """A sharded run after the one consolidated into ckpt.pt: sampling says the checkpoint is the older run and
+    how to join the newer one (it once sampled "iteration 50" while the shards held a new 20-iteration run)."""
+    import shutil
+    import sample
+    ckpt = tmp_path / 'ckpt.pt'
+    ckpt.write_bytes(b'')
+    sample.warn_if_older_than_shards(str(ckpt))
+    assert capsys.readouterr().out == ''  # nothing newer beside it
+    for rank in range(2):
+        shutil.copy(ckpt, tmp_path / f'zero_rank{rank}.pt')
+    os.utime(ckpt, (1, 1))  # (written long before)
+    sample.warn_if_older_than_shards(str(ckpt))
+    out = capsys.readouterr().out
+    assert 'older than the rank files beside it (zero_rank0.pt, zero_rank1.pt)' in out, out
+    assert f'python consolidate.py {tmp_path}' in out

@@ -170,7 +170,7 @@ def test_unknown_key_in_config_file(tmp_path):
     import train
     bad = tmp_path / 'bad.py'
     bad.write_text("n_layer = 2\nlearnig_rate = 1e-3\n")
-    with pytest.raises(SystemExit, match="'learnig_rate'"):
+    with pytest.raises(SystemExit, match="'learnig_rate' .*did you mean learning_rate\\?"):
         train.main([str(bad)])
 
 
@@ -308,3 +308,30 @@ def test_train_py_trains_a_mixture_of_experts_and_logs_its_load(tmp_path):
     cfg = training.configure(train.config, ['--n_expert=4', '--n_expert_active=5'])
     with pytest.raises(SystemExit, match=r'^error: n_expert_active \(top-k, 5\) must be 1 to n_expert \(4\)'):
         training.model_config(cfg, 40)  # top-k > n_expert: one line
+
+
+def test_a_new_run_starts_its_own_log_and_a_resume_continues_it(tmp_path):
+    """log.jsonl once held five runs' iteration-0 rows: a second run into the same out_dir replaces the first's
+    rows; a resume appends to them."""
+    import train
+    from helpers import TINY, read_log
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', '--log_interval=1']
+    train.main(flags)
+    train.main(flags)
+    assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1]
+    train.main(flags + ['--init_from=resume', '--max_iters=4'])
+    assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1, 2, 3]
+
+
+def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
+    """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
+    says so before the run; an idle CPU, one thread, or a GPU gets none."""
+    from common import training
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: 2)
+    monkeypatch.setattr(os, 'cpu_count', lambda: 2)
+    monkeypatch.setattr(os, 'getloadavg', lambda: (2.3, 2.0, 1.0))
+    note = training.busy_cpu_note('cpu')
+    assert note.startswith('note: this CPU is busy (load 2.3 on 2 cores)') and 'OMP_NUM_THREADS=1' in note
+    assert note.count('\n') == 1 and training.busy_cpu_note('cuda') is None
+    monkeypatch.setattr(os, 'getloadavg', lambda: (0.2, 0.2, 0.2))
+    assert training.busy_cpu_note('cpu') is None

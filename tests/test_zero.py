@@ -488,7 +488,8 @@ def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     from common.training import configure
     monkeypatch.setenv('WORLD_SIZE', '4')
     argv = ['--stage=3', '--dtype=bfloat16', '--batch_size=4', '--gradient_accumulation_steps=8', '--grad_clip=0.5',
-            '--learning_rate=3e-4', '--beta2=0.95', '--weight_decay=0.05', '--adam_eps=1e-6']
+            '--learning_rate=3e-4', '--beta2=0.95', '--weight_decay=0.05', '--adam_eps=1e-6', '--warmup_iters=7',
+            '--lr_decay_iters=900', '--min_lr=2e-5']
     zero.main(argv + ['--print_ds_config=True'])
     ds = json.loads(capsys.readouterr().out)
     assert ds['gradient_accumulation_steps'] == 2 and ds['train_batch_size'] == 32  # per rank; 4 x 8 sequences
@@ -496,9 +497,10 @@ def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     path.write_text(json.dumps(ds))
     back = deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(path), 4)
     want = configure(zero.config, argv)
+    assert ds['scheduler']['type'] == 'WarmupCosineLR'  # DeepSpeed runs our warm-up and cosine too
     for key in ('stage', 'dtype', 'batch_size', 'gradient_accumulation_steps', 'grad_clip', 'learning_rate', 'beta1',
-                'beta2', 'weight_decay', 'adam_eps'):
-        assert getattr(back, key) == getattr(want, key), key
+                'beta2', 'weight_decay', 'adam_eps', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr'):
+        assert getattr(back, key) == pytest.approx(getattr(want, key)), key
 
 
 def test_consolidate_bad_input_is_one_line(tmp_path):
