@@ -152,16 +152,24 @@ def peak_memory_bytes(device):
     return peak_resident_bytes()
 
 
+def resident_bytes(key='VmRSS'):
+    """This process's resident set now (VmRSS; VmHWM: its peak) from Linux's /proc, else None."""
+    try:
+        with open('/proc/self/status') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ':'))
+    except (OSError, StopIteration):
+        return None
+
+
 def peak_resident_bytes():
     """This process's peak resident set: Linux's VmHWM, which starts afresh at exec (getrusage's ru_maxrss
     keeps the parent's resident set from before the exec, so a child of a big process would report the
     parent's)."""
-    try:
-        with open('/proc/self/status') as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
-    except (OSError, StopIteration):
+    peak = resident_bytes('VmHWM')
+    if peak is None:
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == 'darwin' else 1024)
+    return peak
 
 
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down

@@ -22,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 from common import distributed
-from common.distributed import is_master, peak_memory_bytes
+from common.distributed import is_master, peak_memory_bytes, resident_bytes
 from model import GPTConfig
+
+# the resident set once torch is imported, before a run builds anything: the log's 'by the run' counts from it
+START_RESIDENT_BYTES = resident_bytes()
 
 
 # The config keys every training script shares, with nanoGPT's names. train.py spells them out in its own
@@ -386,18 +389,33 @@ def profiled(cfg):
     return ['trace_rank*.json (--profile: open at ui.perfetto.dev)'] if cfg.profile else []
 
 
+def cpu_busy_elsewhere(seconds=0.2):
+    """The cores other processes kept busy over the next `seconds`, while this one sleeps (Linux's /proc/stat:
+    the time every core spent running, summed), e.g. 1.9 of 2; None where /proc/stat is not there. The load
+    average would lag by a minute and still count the run that just ended."""
+    def busy_and_total():
+        with open('/proc/stat') as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # (idle and iowait left out)
+    try:
+        (b0, t0), _, (b1, t1) = busy_and_total(), time.sleep(seconds), busy_and_total()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) * (b1 - b0) / max(t1 - t0, 1)
+
+
 def busy_cpu_note(device):
     """One line when torch would share a busy CPU: its threads (one per core) wait for one another while other
     work holds the cores, and a step can take 10-20x longer than on an idle machine. torchrun gives each
     process one thread already; this is for a script run alone. None when the CPU is idle enough."""
-    if not device.startswith('cpu') or torch.get_num_threads() == 1 or not hasattr(os, 'getloadavg'):
+    if not device.startswith('cpu') or torch.get_num_threads() == 1:
         return None
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load < 0.5 * cores:
+    busy, cores = cpu_busy_elsewhere(), os.cpu_count() or 1
+    if busy is None or busy < 0.5 * cores:
         return None
-    return (f"note: this CPU is busy (load {load:.1f} on {cores} cores) and torch runs "
-            f"{torch.get_num_threads()} threads, which wait for one another behind the other work: expect a "
-            "much slower run; OMP_NUM_THREADS=1 in front of the command is often several times faster\n")
+    return (f"note: this CPU is busy ({busy:.1f} of its {cores} cores running other work) and torch runs "
+            f"{torch.get_num_threads()} threads, which wait for one another behind it: expect a much slower "
+            "run; OMP_NUM_THREADS=1 in front of the command is often several times faster\n")
 
 
 def outputs_line(out_dir, *files):
@@ -416,7 +434,8 @@ def log_row(out_dir, row):
         mfu = f"{100 * row['mfu']:.2f}%" if row.get('mfu') is not None else 'n/a'
         print(f"iter {row['iter']}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
               f"{row['tokens_per_sec']:.0f} tok/s, mfu {mfu}, peak mem {row['peak_mem_bytes'] / 2**20:.0f} "
-              "MiB",
+              "MiB" + ('' if row.get('mem_added_bytes') is None else
+                       f" ({row['mem_added_bytes'] / 2**20:+.0f} by the run)"),
               flush=True)
 
 
@@ -510,7 +529,16 @@ class StepLogger:
                                        'tokens_per_sec': tokens_per_sec,
                                        'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices,
                                                   self.peak),
-                                       'peak_mem_bytes': peak_memory_bytes(self.cfg.device)})
+                                       'peak_mem_bytes': peak_memory_bytes(self.cfg.device),
+                                       'mem_added_bytes': self.added_memory()})
+
+    def added_memory(self):
+        """On a CPU, the peak resident set minus the one the process had once torch was imported (most of
+        the ~380 MiB a step shows is torch itself): what the run added, where ZeRO's saving shows. None on a
+        GPU, whose peak (the allocator's) holds only the run's tensors already."""
+        if self.cfg.device.startswith('cuda') or START_RESIDENT_BYTES is None:
+            return None
+        return peak_memory_bytes('cpu') - START_RESIDENT_BYTES
 
 
 def run_step(run, cfg, iter_num, first_iter):

@@ -433,16 +433,6 @@ def test_each_stage_measures_its_own_wire_bytes(tmp_path):
         assert r['collective_bytes_by_kind']['pp scalars'] == 2 * 4, r['collective_bytes_by_kind']
 
 
-def test_resume_with_dropout_is_exact(tmp_path):
-    """pp=2 with dropout (each stage its own stream): 2 iterations, resumed to 4, equal the uninterrupted 4."""
-    flags = ARGS + ['--pp=2', '--n_microbatches=2', '--dropout=0.3', '--eval_interval=2', '--max_iters=4']
-    whole, split = str(tmp_path / 'whole'), str(tmp_path / 'split')
-    check(run_script('pipeline.py', flags + [f'--out_dir={whole}'], nproc=2))
-    check(run_script('pipeline.py', flags + ['--max_iters=2', f'--out_dir={split}'], nproc=2))
-    check(run_script('pipeline.py', flags + ['--init_from=resume', f'--out_dir={split}'], nproc=2))
-    assert train_losses(split) == train_losses(whole)
-
-
 @pytest.mark.parametrize('schedule,v', [('interleaved', 2)])
 def test_dp_x_pp_loss_curve_equals_train_py(baseline, tmp_path, schedule, v):
     """dp=2 x pp=2: interleaved with 2 chunks of one layer per stage (layers 0 and 2 on stage 0, 1 and 3 on stage
@@ -457,7 +447,7 @@ def test_dp_x_pp_loss_curve_equals_train_py(baseline, tmp_path, schedule, v):
         assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0, r
 
 
-@pytest.mark.parametrize('schedule,m', [('gpipe', 2), ('zb1', 4)])
+@pytest.mark.parametrize('schedule,m', [('gpipe', 2)])
 def test_pp4_loss_curve_equals_train_py(baseline, tmp_path, schedule, m):
     out = str(tmp_path)
     proc = check(run_script('pipeline.py', ARGS + ['--pp=4', f'--schedule={schedule}', f'--n_microbatches={m}',

@@ -320,18 +320,23 @@ def test_a_new_run_starts_its_own_log_and_a_resume_continues_it(tmp_path):
     train.main(flags)
     assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1]
     train.main(flags + ['--init_from=resume', '--max_iters=4'])
-    assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1, 2, 3]
+    rows = [r for r in read_log(tmp_path) if 'loss' in r]
+    assert [r['iter'] for r in rows] == [0, 1, 2, 3]
+    # beside the peak resident set (mostly torch itself), what the run added to the process's start
+    assert all(0 < r['mem_added_bytes'] < r['peak_mem_bytes'] for r in rows), rows
 
 
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
     says so before the run; an idle CPU, one thread, or a GPU gets none."""
     from common import training
+    busy = training.cpu_busy_elsewhere(0.05)  # the real reading: a share of the cores
+    assert busy is None or 0 <= busy <= os.cpu_count()
     monkeypatch.setattr(torch, 'get_num_threads', lambda: 2)
     monkeypatch.setattr(os, 'cpu_count', lambda: 2)
-    monkeypatch.setattr(os, 'getloadavg', lambda: (2.3, 2.0, 1.0))
+    monkeypatch.setattr(training, 'cpu_busy_elsewhere', lambda: 1.9)
     note = training.busy_cpu_note('cpu')
-    assert note.startswith('note: this CPU is busy (load 2.3 on 2 cores)') and 'OMP_NUM_THREADS=1' in note
-    assert note.count('\n') == 1 and training.busy_cpu_note('cuda') is None
-    monkeypatch.setattr(os, 'getloadavg', lambda: (0.2, 0.2, 0.2))
+    assert note.startswith('note: this CPU is busy (1.9 of its 2 cores running other work)'), note
+    assert 'OMP_NUM_THREADS=1' in note and note.count('\n') == 1 and training.busy_cpu_note('cuda') is None
+    monkeypatch.setattr(training, 'cpu_busy_elsewhere', lambda: 0.1)
     assert training.busy_cpu_note('cpu') is None

@@ -21,13 +21,17 @@ DROPOUT = TINY + ['--dropout=0.2', '--gradient_accumulation_steps=4', '--max_ite
 # masks are its own (its model is built on the meta device and cut for the grid): held to its own curve only.
 DATA_PARALLEL = [('ddp', 'train_ddp', []), ('fsdp', 'train_fsdp', [])] + \
     [(f'zero{s}', 'zero', [f'--stage={s}']) for s in range(4)] + [('grid', 'parallel_4d', [])]
+# the model-parallel scripts that train with dropout, each rank its own stream (tp: Megatron's per-rank one for
+# the heads it holds; pp: per stage; ep: per data-parallel rank): held to their own curve, split and resumed
+MODEL_PARALLEL = [('tp', 'tensor_parallel', ['--tp=2']), ('pp', 'pipeline', ['--pp=2', '--n_microbatches=2']),
+                  ('ep', 'expert_parallel', ['--ep=2', '--n_expert=4', '--n_expert_active=2'])]
 
 
 def data_parallel_runs(rank, world_size, out):
     """In each spawned rank, one process group: every DATA_PARALLEL script straight to 4 and split at 2, and
     DDP without dropout."""
     import importlib
-    for name, module, flags in DATA_PARALLEL:
+    for name, module, flags in DATA_PARALLEL + MODEL_PARALLEL:
         main = importlib.import_module(module).main
         main(DROPOUT + flags + [f'--out_dir={out}/{name}'])
         main(DROPOUT + flags + [f'--out_dir={out}/{name}_split', '--max_iters=2'])
@@ -39,8 +43,9 @@ def test_data_parallel_strategies_agree_and_resume_exactly_with_dropout_on(tmp_p
     """Each rank draws its own masks (its own stream), the same way in every data-parallel script: the curves
     of DDP, FSDP2 and ZeRO 0-3 on 2 ranks are one curve, and it is not the dropout-free one. Stopped at 2 and
     resumed, each rank must go on with its own stream: every split curve (the 4D grid's too) equals its
-    uninterrupted one exactly. A bug that restored rank 0's stream on every rank moved DDP's loss after the
-    resume by 4e-5, which the cross-script 1e-5 would catch only just; a script's own curve must not move."""
+    uninterrupted one exactly, and so must tensor_parallel.py's, pipeline.py's and expert_parallel.py's. A bug
+    that restored rank 0's stream on every rank moved DDP's loss after the resume by 4e-5, which the
+    cross-script 1e-5 would catch only just; a script's own curve must not move."""
     out = str(tmp_path)
     spawn(data_parallel_runs, 2, out)
     ddp = train_losses(f'{out}/ddp')
@@ -50,6 +55,9 @@ def test_data_parallel_strategies_agree_and_resume_exactly_with_dropout_on(tmp_p
         assert split == got, (name, 'resumed at 2:', split, 'uninterrupted:', got)
         for it in ddp if name != 'grid' else ():
             assert got[it] == pytest.approx(ddp[it], rel=1e-5), (name, it, got[it], ddp[it])
+    for name, _, _ in MODEL_PARALLEL:  # (tensor_parallel.py's and expert_parallel.py's resume once lost a stream)
+        got, split = train_losses(f'{out}/{name}'), train_losses(f'{out}/{name}_split')
+        assert split == got and sorted(got) == [0, 1, 2, 3], (name, 'resumed at 2:', split, 'uninterrupted:', got)
     plain = train_losses(f'{out}/no_dropout')
     assert all(abs(plain[it] - ddp[it]) > 1e-4 for it in ddp), "dropout changed nothing"
     assert_mfu_per_device(f'{out}/ddp', 2)
