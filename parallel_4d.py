@@ -11,7 +11,8 @@ is new: it imports each piece from its file and composes them.
 
 tp  tensor_parallel.py: every block's layers split over the tp ranks (Megatron's f and g; --sequence_parallel)
 cp  context_parallel.py: every sequence split over the cp ranks; attention across them (ring or Ulysses)
-pp  pipeline.py: the blocks split into stages, microbatches scheduled through them (GPipe, 1F1B, interleaved)
+pp  pipeline.py: the blocks split into stages, microbatches scheduled through them (GPipe, 1F1B, interleaved,
+    ZB-H1)
 dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW
     state (Megatron's distributed optimizer shards over the same group)
 ep  expert_parallel.py, folded into dp x cp (Megatron-Core's MoE parallel folding, torchtitan's): runs of ep
@@ -58,7 +59,7 @@ tp = 1                          # tensor-parallel ranks per layer
 ep = 1                          # expert-parallel ranks, taken from the dp x cp ranks: n_expert/(ep·tp) each
 sequence_parallel = False       # tp: shard norms and dropout along the sequence (not with cp > 1)
 cp_attention = 'ring'           # cp: 'ring' or 'ulysses'
-schedule = '1f1b'               # pp: 'gpipe', '1f1b' or 'interleaved'
+schedule = '1f1b'               # pp: 'gpipe', '1f1b', 'interleaved' or 'zb1'
 virtual_stages = 1              # pp, interleaved: chunks per stage
 n_microbatches = 2              # pp: microbatches per micro-step
 bucket_size = 100_000           # dp (ZeRO-1): elements per flat bucket
@@ -158,7 +159,7 @@ def train_step(stage, zeros, batches, cfg, tp, layout, embed, weights, lr):
     for z in zeros:
         z.step(lr)  # AdamW on this rank's chunk, then all-gather the updated weights
     balance_routers(stage.model, lambda loads: zero.comm.summed(loads, 'router loads'))  # (x cp: sign())
-    loss_sum = stage.loss_sum.clone()  # nonzero on the last stage: summed over the stages, then dp x cp
+    loss_sum = stage.loss_sum.clone()  # the head's loss and MoE aux: summed over the stages, then dp x cp
     stage.comm.all_reduce(loss_sum, kind='scalars')
     zero.comm.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / zero.comm.size
@@ -247,7 +248,7 @@ def check_config(cfg, world_size):
            (cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp)
             or (cfg.schedule == 'interleaved' and m % cfg.pp),
             f"batch_size ({cfg.batch_size}) must split into n_microbatches ({m}), at least pp ({cfg.pp}) of "
-            "them for 1f1b (a multiple: interleaved)"),
+            "them for 1f1b and zb1 (a multiple: interleaved)"),
            (cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)),
             f"block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with sequence_parallel)"),
            (cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel), "with cp > 1, dropout must be 0.0 "

@@ -111,7 +111,8 @@ class Stage:
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
         self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
-        self.observer, self.loss_sum = None, torch.zeros((), device=device)  # (the last stage's losses)
+        # loss_sum: the last stage's losses, and each stage's MoE auxiliary loss
+        self.observer, self.loss_sum = None, torch.zeros((), device=device)
         self.held = {}           # microbatch (and chunk) -> what its backward needs; its graph is alive
         self.output_grads = {}   # zb1: microbatch -> its weight modules' output gradients, from B until W
         self.pending_sends = []  # sends not yet complete: each holds its tensor until it is
@@ -232,8 +233,8 @@ def backward_step(stage, i, grad_output, chunk=0):
 def backward_input_step(stage, i, grad_output):
     """zb1's B of microbatch i: its input's gradient alone, which the previous stage waits for. Asked for no
     weight, autograd skips the weights' matmuls, and gives on its way each weight module's output gradient,
-    kept with the graph (retain_graph) for W. A weight used outside its module (parallel_4d.py's vocabulary-
-    parallel embedding) gets its gradient here."""
+    kept with the graph (retain_graph) for W. A trainable weight that no weight module's forward hook saw
+    (none in this repo's models) gets its whole gradient here."""
     with timed(stage, 'B', i):
         x, out, outputs, extra = stage.held[i]
         own = {p for module, _ in outputs for p in module.parameters(recurse=False)}
@@ -447,7 +448,7 @@ def train_step(stage, optimizer, batches, cfg, dp, embed):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     balance_routers(model, lambda loads: dp.summed(loads, 'router loads'))  # (each stage its layers)
-    loss_sum = stage.loss_sum.clone()  # nonzero on the last stages only: summed over the stages, then over dp
+    loss_sum = stage.loss_sum.clone()  # the head's loss (and each stage's MoE aux): over the stages, then dp
     stage.comm.all_reduce(loss_sum, kind='scalars')
     dp.all_reduce(loss_sum, kind='scalars')
     return loss_sum.item() / dp.size

@@ -87,7 +87,7 @@ def model_states(numel, dp, stage, mixed_precision):
     return formulas.model_state_bytes_formula(numel, dp, stage, mixed_precision)
 
 
-def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
+def strategies(gpus, tp, pp, cp, zero_stage, ep=1, n_expert=0):
     """(name, shape) of each strategy the estimate prices, from the least added cost to the most:
     communication volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives),
     then the pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
@@ -97,7 +97,9 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1):
     rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
     if ep > 1 and gpus % ep == 0:  # a mixture of experts: its experts split over ep of the dp ranks
         rows += [(f'dp={gpus} with EP={ep} (each expert on 1 of {ep} ranks)', shape(dp=gpus, ep=ep))]
-    grid_ep = math.gcd(ep, gpus // tp) if tp > 1 and gpus % tp == 0 else 1  # (ep divides dp there)
+    # parallel_4d.py's ep: the largest that divides dp and ep and leaves whole experts on each ep x tp rank
+    grid_ep = max((d for d in range(1, ep + 1) if tp > 1 and gpus % tp == 0 and ep % d == 0
+                   and (gpus // tp) % d == 0 and n_expert % (d * tp) == 0), default=1)
     if grid_ep > 1:  # parallel_4d.py --tp --ep: ep folded into dp, the experts spread over tp too
         rows += [(f'dp={gpus // tp} x TP={tp} + SP, EP={grid_ep} in dp, ZeRO-1',
                   shape(dp=gpus // tp, tp=tp, sp=True, ep=grid_ep, stage=1))]
@@ -146,7 +148,7 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
     checkpointing, bytes communicated per step, and whether it fits (activations_of, comm_per_step)."""
     s, a, L = seq_len, gptconf.n_head, gptconf.n_layer
     rows = []
-    for name, k in strategies(gpus, tp, pp, cp, zero_stage, ep):
+    for name, k in strategies(gpus, tp, pp, cp, zero_stage, ep, gptconf.n_expert):
         dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
         row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
                    schedule=k['schedule'], offload=k['offload'], notes=[], ep=k['ep'],
@@ -164,6 +166,10 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
             continue
         numel, states = model_states_of(gptconf, k, param_counts(gptconf, p), mixed_precision)
         row.update(states, params_per_rank=numel)
+        if k['schedule'] == 'zb1':
+            row['notes'].append("ZB-H1 also holds W's input, each weight module's output gradient, for "
+                                "r+1 microbatches on stage r (formulas.zb1_output_grad_bytes_formula): not "
+                                "priced here; and pipeline.py refuses it with activation checkpointing")
         if gptconf.n_expert:
             row['notes'].append("a mixture of experts' activations are priced as the dense block's (one MLP "
                                 "per "
@@ -387,6 +393,7 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
                   'tensor_parallel.py' if row['tp'] > 1 else 'context_parallel.py' if row['cp'] > 1 else
                   'zero.py' if row['zero_stage'] or row['offload'] else 'train_ddp.py')
         flags = [f"--batch_size={args.micro_batch}", f"--gradient_accumulation_steps={n_micro * row['dp']}"]
+        flags += ['--n_microbatches=1'] * (script == 'parallel_4d.py')  # (no pipeline: one forward a step)
     if script == 'zero.py':
         flags += [f"--deepspeed_config={ds_path}"] if ds_path else [f"--stage={row['zero_stage']}"]
     flags += ['--sequence_parallel=True'] * row['sequence_parallel']

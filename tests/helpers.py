@@ -125,9 +125,25 @@ def train_py_reference(args, tmp_path_factory):
     key = tuple(args)
     if key not in _TRAIN_PY_RUNS:
         out = str(tmp_path_factory.mktemp('train_py'))
-        check(run_script('train.py', list(args) + [f'--out_dir={out}']))
-        _TRAIN_PY_RUNS[key] = out
+        _TRAIN_PY_RUNS[key] = run_train_py_here(list(args) + [f'--out_dir={out}'])
     return _TRAIN_PY_RUNS[key]
+
+
+def run_train_py_here(argv):
+    """train.py's main in this process (no interpreter and torch to start: ~3 s less than a subprocess), on
+    one thread as run_script's processes run; its printing swallowed. Returns its out_dir."""
+    import contextlib
+    import io
+    import torch
+    import train
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return next(a.split('=', 1)[1] for a in reversed(argv) if a.startswith('--out_dir='))
 
 
 def free_port():

@@ -14,8 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
-from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses, read_log,
-                     run_script, spawn, train_losses, train_py_reference)
+from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
+                     read_log, run_script, run_train_py_here, spawn, train_losses, train_py_reference)
 
 from common import formulas
 
@@ -220,7 +220,7 @@ def test_resume_is_exact_and_train_py_continues(tmp_path, tmp_path_factory):
     for name in ('ckpt.pt', 'log.jsonl'):
         (copy_dir / name).write_bytes((split / name).read_bytes())
     check(run_script('context_parallel.py', FLAGS + ['--cp=2', '--init_from=resume', f'--out_dir={split}'], nproc=2))
-    check(run_script('train.py', FLAGS + ['--init_from=resume', f'--out_dir={copy_dir}']))
+    run_train_py_here(FLAGS + ['--init_from=resume', f'--out_dir={copy_dir}'])
     assert_same_losses(train_losses(split), train_losses(ref), range(4))
     assert_same_losses(train_losses(copy_dir), train_losses(ref), range(4))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, free_port,
-                     run_script, spawn, train_losses, train_py_reference)
+                     run_script, run_train_py_here, spawn, train_losses, train_py_reference)
 
 # gradient accumulation (6 micro-batches: 3 per rank on 2 ranks, 2 on 3), clipping that always bites (0.1), and a
 # learning rate large enough that the parameters move well away from their initial values in 8 steps
@@ -31,8 +31,8 @@ def runs(tmp_path_factory):
     d['a4'] = os.path.join(d['a'], 'ckpt4.pt')
     shutil.copy(os.path.join(d['a'], 'ckpt.pt'), d['a4'])
     d['a_log4'] = train_losses(d['a'])
-    check(run_script('train.py', ARGS + [f'--out_dir={d["a"]}', '--max_iters=8', '--init_from=resume']))
-    check(run_script('train.py', ARGS + [f'--out_dir={d["b"]}', '--max_iters=4']))
+    run_train_py_here(ARGS + [f'--out_dir={d["a"]}', '--max_iters=8', '--init_from=resume'])
+    run_train_py_here(ARGS + [f'--out_dir={d["b"]}', '--max_iters=4'])
     d['ref4'] = os.path.join(d['b'], 'ckpt4.pt')
     shutil.copy(os.path.join(d['b'], 'ckpt.pt'), d['ref4'])
     check(run_script('train_ddp.py', ARGS + [f'--out_dir={d["b"]}', '--max_iters=8', '--init_from=resume'], nproc=3))

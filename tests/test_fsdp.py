@@ -8,8 +8,10 @@ import sys
 
 import torch
 
+from consolidate import consolidate
 from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses,
-                     measuring_calls_per_step, read_log, run_script, spawn, train_losses, train_py_reference)
+                     measuring_calls_per_step, read_log, run_script, run_train_py_here, spawn, train_losses,
+                     train_py_reference)
 from test_ddp import ARGS, assert_survivors_fail_when_a_rank_dies
 
 import pytest
@@ -25,18 +27,18 @@ def runs(tmp_path_factory):
     d['g'], d['h'] = d['f'] + '_g', d['f'] + '_h'
     d['ref'] = train_py_reference(ARGS + ['--max_iters=8'], tmp_path_factory)
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=4'], nproc=2))
-    check(run_script('consolidate.py', [str(d["f"])]))
+    consolidate(str(d["f"]))
     d['f_log4'] = train_losses(d['f'])
     for copy in ('g', 'h'):
         shutil.copytree(d['f'], d[copy])
         shutil.rmtree(os.path.join(d[copy], 'ckpt_dcp'))  # only the consolidated ckpt.pt: make sure of it
-    check(run_script('train.py', ARGS + [f'--out_dir={d["g"]}', '--max_iters=8', '--init_from=resume']))
+    run_train_py_here(ARGS + [f'--out_dir={d["g"]}', '--max_iters=8', '--init_from=resume'])
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["h"]}', '--max_iters=8', '--init_from=resume',
                                               '--activation_checkpointing=True'], nproc=3))
-    check(run_script('consolidate.py', [str(d["h"])]))
+    consolidate(str(d["h"]))
     os.remove(os.path.join(d['f'], 'ckpt.pt'))  # resume from the shards alone
     check(run_script('train_fsdp.py', ARGS + [f'--out_dir={d["f"]}', '--max_iters=8', '--init_from=resume'], nproc=2))
-    check(run_script('consolidate.py', [str(d["f"])]))
+    consolidate(str(d["f"]))
     return d
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from consolidate import consolidate
 from helpers import (TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
                      measuring_calls_per_step, one_error_line_per_rank, read_log, run_script, spawn, train_losses,
                      train_py_reference)
@@ -47,7 +48,7 @@ def test_dp2_cp2_tp2_resumes_and_consolidates_to_train_py(tmp_path, tmp_path_fac
     assert_same_losses(train_losses(tmp_path), train_losses(ref), range(4))
     assert_same_losses(eval_losses(tmp_path), eval_losses(ref), [0, 2, 4])
     assert_groups_are_the_grids_rows(tmp_path, (2, 1, 2, 2))
-    check(run_script('consolidate.py', [str(tmp_path)]))
+    consolidate(str(tmp_path))
     assert_same_checkpoint(tmp_path / 'ckpt.pt', Path(ref) / 'ckpt.pt')
 
 

@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from helpers import (TINY, LoopbackFlood, assert_config_error, assert_same_losses, check, eval_losses,
-                     one_error_line_per_rank, read_log, run_script, spawn, train_losses, train_py_reference)
+from consolidate import consolidate
+from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
+                     one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, train_losses,
+                     train_py_reference)
 
 from common import formulas
 
@@ -393,9 +395,9 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
     pipe, full = str(tmp_path / 'pipe'), str(tmp_path / 'full')
     pargs = ARGS + ['--pp=2', '--schedule=1f1b', '--n_microbatches=2', f'--out_dir={pipe}']
     check(run_script('pipeline.py', pargs + ['--max_iters=3'], nproc=2))
-    check(run_script('consolidate.py', [str(pipe), str(full)]))
+    consolidate(str(pipe), str(full))
     check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=4))
-    check(run_script('train.py', ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume']))
+    run_train_py_here(ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume'])
     want = train_losses(baseline)
     assert_same_losses(train_losses(pipe), want, range(6))
     assert_same_losses(eval_losses(pipe), eval_losses(baseline), [0, 3, 6])

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (TINY, LoopbackFlood, assert_same_losses, check, read_log, run_script,
+from consolidate import consolidate
+from helpers import (LoopbackFlood, TINY, assert_same_losses, check, read_log, run_script, run_train_py_here,
                      spawn, train_losses, train_py_reference)
 
 from common import formulas
@@ -340,13 +341,13 @@ def test_dp_x_tp_resume_and_consolidate_match_train_py(tmp_path, tmp_path_factor
     # dp=2 x tp=2: the first 2 iterations, one checkpoint per rank; consolidated offline into a train.py ckpt.pt
     proc = check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--max_iters=2', f'--out_dir={tp_dir}'], nproc=4))
     assert 'wire bytes, rank 3' in proc.stdout and 'reduce-scatter' not in proc.stdout  # no SP: no SP note
-    check(run_script('consolidate.py', [str(tp_dir)]))
+    consolidate(str(tp_dir))
     full.mkdir()
     shutil.move(str(tp_dir / 'ckpt.pt'), str(full / 'ckpt.pt'))
     shutil.copy(tp_dir / 'log.jsonl', full / 'log.jsonl')
     # resume the tp run to iter 4, and continue the consolidated checkpoint in train.py
     check(run_script('tensor_parallel.py', FLAGS + ['--tp=2', '--init_from=resume', f'--out_dir={tp_dir}'], nproc=4))
-    check(run_script('train.py', FLAGS + ['--init_from=resume', f'--out_dir={full}']))
+    run_train_py_here(FLAGS + ['--init_from=resume', f'--out_dir={full}'])
     assert_same_losses(train_losses(tp_dir), want, range(4))
     assert_same_losses(train_losses(full), want, range(4))  # 0-1 from the tp run, 2-3 from train.py
     rows = [r for r in read_log(tp_dir) if 'rank' in r]
