@@ -383,9 +383,9 @@ def tp_moe_forward(moe, tp, x):
     A rank's weights meet only its experts' outputs, so their gradient is summed over tp (f) before reaching
     the router: the router's gradients are then whole and alike on every rank, and so is what it sends back
     to x, which f (or the all-gather) before the layer sums over the ranks: each sends 1/tp of it
-    (TakeAShare). A shared expert is cut as the dense MLP, and reduces on its own."""
+    (take_a_share). A shared expert is cut as the dense MLP, and reduces on its own."""
     flat = x.reshape(-1, x.size(-1))
-    index, weights = moe.route(TakeAShare.apply(flat, tp.group.size))
+    index, weights = moe.route(take_a_share(flat, tp.group.size))
     # the slots of the other tp ranks' experts go nowhere here (as the dropped ones: index n_expert)
     index = index.masked_fill(~moe.on_this_tp_rank.to(index.device)[index], moe.n_expert)
     weights = CopyToTP.apply(weights, tp.group) if tp.group.size > 1 else weights
@@ -393,17 +393,13 @@ def tp_moe_forward(moe, tp, x):
     return y if moe.shared_expert is None else y + moe.shared_expert(x)
 
 
-class TakeAShare(torch.autograd.Function):
-    """Identity forward; backward 1/n of the gradient: for a gradient that every one of n ranks computes whole
-    on its way into a sum over them."""
-    @staticmethod
-    def forward(ctx, x, n):
-        ctx.n = n
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.n, None
+def take_a_share(x, n):
+    """x forward; 1/n of its gradient backward (a hook on a view): for a gradient that each of n ranks
+    computes whole on its way into a sum over them."""
+    x = x.view_as(x)
+    if x.requires_grad and n > 1:
+        x.register_hook(lambda grad: grad / n)
+    return x
 
 
 def keep_slices(layout, tp, config):

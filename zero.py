@@ -13,9 +13,8 @@ stage 1  + optimizer state sharded: gradients reduce-scattered, each rank update
 stage 2  + gradients sharded: reduce-scattered at every micro-step; a rank keeps only its chunk of them
 stage 3  + parameters sharded: each block gathered just before its forward and backward, then freed (zero3.py)
 
-Each stage is a row of the table STAGES below: reduce_stage_S (a bucket's gradients, once backward has
-produced them) and how the updated chunk gets back into the model (publish_by_all_gather in stages 1 and 2,
-publish_by_copy in 0 and 3).
+Each stage is a row of the table STAGES: reduce_stage_S (a bucket's gradients, once backward made them) and
+how the updated chunk gets back (publish_by_all_gather in stages 1 and 2, publish_by_copy in 0 and 3).
 """
 
 import math
@@ -125,8 +124,7 @@ class Bucket:
 
 
 # -----------------------------------------------------------------------------
-# What each stage does: reduce_stage_S once backward has produced a bucket's gradients, a publish function
-# after this rank's AdamW step on its chunks
+# What each stage does with a bucket's gradients (reduce_stage_S) and with its updated chunk (publish_by_*)
 
 def reduce_stage_0(z, b):
     """Plain data parallelism: all-reduce the full gradients in place, asynchronously, so backward goes on
@@ -186,8 +184,6 @@ def publish_by_all_gather(z, b):
     return z.comm.all_gather(b.flat, b.master.to(z.device, z.dtype, copy=True), async_op=True)
 
 
-# The table of the stages: what each does with a bucket's gradients once backward has produced them, and how
-# the chunk each rank updated gets back into the model
 STAGES = {0: (reduce_stage_0, publish_by_copy),        # every rank updated the whole bucket
           1: (reduce_stage_1, publish_by_all_gather),  # each rank its chunk; every rank holds every parameter
           2: (reduce_stage_2, publish_by_all_gather),  # as stage 1
@@ -280,13 +276,12 @@ class Zero:
                 for b in self.buckets]
 
     def clip_grad_norm(self, max_norm, weights=None, other_comms=(), also=()):
-        """clip_grad_norm_ over the whole model: each rank sums the squares of its chunks (padding is 0),
-        an all-reduce of that scalar gives the global norm. parallel_4d.py sums on over other_comms (ranks
-        holding other parts); weights {id(parameter): w} count a parameter several ranks hold w times; also:
-        its experts' engine, whose chunks join the squares (its ranks, ep x edp, are this one's)."""
+        """clip_grad_norm_ over the model: this rank's chunks' squares, all-reduced. parallel_4d.py adds
+        other_comms (ranks holding other parts), weights {id(parameter): w} (held by w ranks) and also, its
+        experts' engine: its chunks join the squares (its ranks, ep x edp, are this one's)."""
         grads = [g for z in (self, *also) for g in z.grads()]
-        counted = [(g, 1.0) for g in grads]  # (the padding is 0)
-        for b, g in zip([b for z in (self, *also) for b in z.buckets], grads):  # weighed w: w - 1 times more
+        counted = [(g, 1.0) for g in grads]
+        for b, g in zip([b for z in (self, *also) for b in z.buckets], grads):
             for j, p in enumerate(b.params):
                 if weights and weights.get(id(p), 1.0) != 1.0:
                     start, end, _ = b.owned_part(j)

@@ -140,13 +140,10 @@ def tcp_bytes_sent_by_socket():
 
 
 class WireMeter:
-    """Measured: the bytes this rank itself sent over a window of steps. gloo moves every collective and send
-    over TCP sockets that this process owns, and the kernel counts each socket's payload bytes (TCP_INFO):
-    summed over the process's sockets at the end of the window minus at its start, that is exactly this rank's
-    traffic, whoever else uses the network, on one machine or between machines. Both ends sit behind a
-    barrier, so every collective of the window has finished on every rank (what this rank sent has left it).
-    NCCL moves its bytes over NVLink or InfiniBand, past the process's sockets: then the meter reports None
-    and says why."""
+    """Measured: the bytes this rank itself sent over a window of steps. gloo sends over TCP sockets this
+    process owns, and the kernel counts each socket's payload bytes (TCP_INFO): their sum at the window's end
+    minus at its start is this rank's traffic alone, whoever else uses the network. Both ends sit behind a
+    barrier (what this rank sent has left it). NCCL's bytes pass its sockets by: None, and why."""
 
     def __init__(self):
         self.why_not = None
@@ -202,8 +199,6 @@ def print_measured(title, lines, notes=()):
 # Executed schedules (pipeline.py): what each rank ran, as ops with a start and an end on its clock, drawn as
 # a text timeline and as a Perfetto trace.
 
-
-
 COMPUTE = ('F', 'B', 'W')  # forward, backward (zb1: of the input), the weights' gradients (zb1)
 
 
@@ -238,39 +233,38 @@ def schedule_measurements(clock, comms, wire, sent_p2p):
 def unit_time_bubbles(tracks):
     """Each stage's idle fraction if every op took one unit (F = B = W = 1; a whole backward, B with its W,
     2), replayed in the order each stage ran its ops: a stage starts its next op when it is free and the op's
-    input is there (an F after the previous virtual stage's F of that microbatch, a B after the next one's B).
-    The wall clock's bubble moves from run to run with the machine's load; this one is the schedule's own.
-    tracks: each stage's records [(op, key, start, end)], stage 0 first; keys (microbatch, chunk) with v
-    chunks a stage."""
+    input is there (neighbour_op). The wall clock's bubble moves with the machine's load; this one is the
+    schedule's own. tracks: each stage's records [(op, key, start, end)], stage 0 first; keys (microbatch,
+    chunk) with v chunks a stage. None for an order that cannot run."""
     p = len(tracks)
     ops = [[(op, tuple(k) if isinstance(k, list) else k) for op, k, *_ in records if op in 'FBW']
            for records in tracks]
     v = 1 + max((k[1] for track in ops for _, k in track if isinstance(k, tuple)), default=0)
-    split = any(op == 'W' for track in ops for op, _ in track)
+    cost = {'F': 1, 'W': 1, 'B': 1 if any(op == 'W' for track in ops for op, _ in track) else 2}
     done, free, nxt = {}, [0] * p, [0] * p
-
-    def waits_for(r, op, key):  # (stage, op, key) that must end first: the neighbouring virtual stage's
-        i, c = key if v > 1 else (key, 0)
-        place = c * p + r + (-1 if op == 'F' else 1)
-        if op == 'W' or place in (-1, p * v):
-            return None
-        r2, c2 = place % p, place // p
-        return r2, op, ((i, c2) if v > 1 else i)
     while any(nxt[r] < len(ops[r]) for r in range(p)):
         moved = False
         for r in range(p):
             while nxt[r] < len(ops[r]):
                 op, key = ops[r][nxt[r]]
-                dep = waits_for(r, op, key)
-                if dep is not None and dep not in done:
+                before = neighbour_op(r, op, key, p, v)
+                if before is not None and before not in done:
                     break
-                start = max(free[r], done[dep] if dep else 0)
-                free[r] = done[(r, op, key)] = start + (2 if op == 'B' and not split else 1)
+                free[r] = done[(r, op, key)] = max(free[r], done.get(before, 0)) + cost[op]
                 nxt[r], moved = nxt[r] + 1, True
         if not moved:
-            return None  # (not an order that runs: a test's made-up records)
-    total = max(free)
-    return [1 - sum(2 if op == 'B' and not split else 1 for op, _ in track) / total for track in ops]
+            return None
+    return [1 - sum(cost[op] for op, _ in track) / max(free) for track in ops]
+
+
+def neighbour_op(r, op, key, p, v):
+    """(stage, op, key) that must end before stage r runs op of key: an F waits for the previous virtual
+    stage's F of that microbatch, a B for the next one's B; a W (and the ends of the pipe) for nobody else."""
+    i, c = key if v > 1 else (key, 0)
+    place = c * p + r + (-1 if op == 'F' else 1)
+    if op == 'W' or place in (-1, p * v):
+        return None
+    return place % p, op, ((i, place // p) if v > 1 else i)
 
 
 def op_label(op, i):
@@ -337,16 +331,14 @@ def print_schedule_report(title, stages, formulas, trace, clock):
     """pipeline.py's measured step: the stages' timelines (a slot ~ one F), the schedule as a Perfetto trace,
     then each stage's (quantity, measured, counted, modelled) lines. stages: the stages' log rows."""
     tracks, total, r0 = {f"stage {r['stage']}": r['records'] for r in stages}, stages[0]['step_s'], stages[0]
-    in_order = sorted(stages, key=lambda r: r['stage'])
-    unit = unit_time_bubbles([r['records'] for r in in_order]) or []
-    unit = dict(zip([r['stage'] for r in in_order], unit))
+    order = sorted(stages, key=lambda r: r['stage'])
+    unit = dict(zip([r['stage'] for r in order], unit_time_bubbles([r['records'] for r in order]) or []))
     work = 3 * len({i for op, i, _, _ in r0['records'] if op == 'F'})  # F + B (~2F), or F + B + W: 3 slots
     print_timelines(title, tracks, total, round(work / (1 - r0['bubble_fraction_formula'])), clock)
     write_schedule_trace(tracks, total, trace)
     print_measured(f"measured at iter {r0['iter']}, the median of {r0['n_schedules']} schedule(s); formulas: "
-                   f"{formulas} x the most one held; bytes: counted at the calls, the ring formula, on the "
-                   "stage's "
-                   f"own sockets",
+                   f"{formulas} x the most one held, measured; bytes: counted at the calls, the ring "
+                   "formula, on the stage's own sockets",
                    [(f"stage {r['stage']} {name}", *values) for r in stages for name, *values in (
                        ('in compute', r['compute_fraction'], None, None),
                        ('in send/recv', r['send_recv_fraction'], None, None),
@@ -370,16 +362,13 @@ def print_schedule_report(title, stages, formulas, trace, clock):
 
 
 class ScheduleClock:
-    """A measured step's observer of one pipeline stage (pipeline.py sets it as stage.observer and hands it
-    every op through pipeline.timed). op(name, key) stamps each op's start and end on the device's clock (CUDA
-    events on a GPU, where kernels run after the host has moved on; the host clock on a CPU). Around an F it
-    counts the bytes autograd saves for the microbatch (saved_bytes_counter), and after zb1's B the output
-    gradients it keeps for W (stage.output_grads), held until an op leaves the key out of stage.held (B, or
-    zb1's W); after a send/recv it notes the sends still pending. Around a whole schedule ('schedule') the
-    ranks of comm start together (a barrier), its length is the slowest rank's (a MAX all-reduce), and it
-    leaves (records in seconds from its start, its length) in self.schedules. One synchronize per schedule.
-    comm: the stage's pp group, in a Comm of its own (what it sends is measuring's, counted apart from the
-    algorithm's)."""
+    """A measured step's observer of one pipeline stage (stage.observer; pipeline.timed hands it every op).
+    op(name, key) stamps each op's start and end on the device's clock (CUDA events on a GPU; the host clock
+    on a CPU). It counts the bytes autograd saves in an F (saved_bytes_counter) and the output gradients zb1's
+    B keeps for W (stage.output_grads), held until the key leaves stage.held; after a send/recv, the sends
+    pending. Around a whole schedule the ranks of comm start together (a barrier) and its length is the
+    slowest rank's (a MAX all-reduce): (records, length) in self.schedules. comm: the stage's pp group in a
+    Comm of its own (what measuring sends is counted apart from the algorithm's)."""
 
     def __init__(self, stage, comm):
         self.stage, self.comm, self.device = stage, comm, stage.device

@@ -49,9 +49,8 @@ def config_vocab_size(config_path):
 
 
 def gpt_config_from(config_path, overrides, vocab_size):
-    """The GPTConfig that `python train.py config_path overrides...` would build, with vocab_size given (it
-    comes from the data set in a real run); else the one the config file names (config_vocab_size), else
-    50304."""
+    """The GPTConfig `python train.py config_path overrides...` would build, with vocab_size given (a real
+    run's data set sets it), else the one the config file names (config_vocab_size), else 50304."""
     vocab_size = vocab_size or config_vocab_size(config_path) or 50304
     cfg = configure(config_defaults({}), ([config_path] if config_path else []) + list(overrides))
     return model_config(cfg, vocab_size)
@@ -97,10 +96,10 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1, n_expert=0):
     rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
     if ep > 1 and gpus % ep == 0:  # a mixture of experts: its experts split over ep of the dp ranks
         rows += [(f'dp={gpus} with EP={ep} (each expert on 1 of {ep} ranks)', shape(dp=gpus, ep=ep))]
-    # parallel_4d.py's ep: the largest that divides dp and ep and leaves whole experts on each ep x tp rank
+    # parallel_4d.py --tp --ep: the largest ep dividing ep and dp, whole experts on each ep x tp rank
     grid_ep = max((d for d in range(1, ep + 1) if tp > 1 and gpus % tp == 0 and ep % d == 0
                    and (gpus // tp) % d == 0 and n_expert % (d * tp) == 0), default=1)
-    if grid_ep > 1:  # parallel_4d.py --tp --ep: ep folded into dp, the experts spread over tp too
+    if grid_ep > 1:
         rows += [(f'dp={gpus // tp} x TP={tp} + SP, EP={grid_ep} in dp, ZeRO-1',
                   shape(dp=gpus // tp, tp=tp, sp=True, ep=grid_ep, stage=1))]
     if tp > 1 and gpus % tp == 0 and gpus > tp:
@@ -167,14 +166,11 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         numel, states = model_states_of(gptconf, k, param_counts(gptconf, p), mixed_precision)
         row.update(states, params_per_rank=numel)
         if k['schedule'] == 'zb1':
-            row['notes'].append("ZB-H1 also holds W's input, each weight module's output gradient, for "
-                                "r+1 microbatches on stage r (formulas.zb1_output_grad_bytes_formula): not "
-                                "priced here; and pipeline.py refuses it with activation checkpointing")
+            row['notes'].append("ZB-H1 also holds W's input (formulas.zb1_output_grad_bytes_formula), not "
+                                "priced here; pipeline.py refuses it with activation checkpointing")
         if gptconf.n_expert:
-            row['notes'].append("a mixture of experts' activations are priced as the dense block's (one MLP "
-                                "per "
-                                "token): an MoE layer keeps about k times the MLP's, and the k dispatched "
-                                "rows")
+            row['notes'].append("MoE activations are priced as the dense block's (one MLP a token): an MoE "
+                                "layer keeps about k times the MLP's, and the k dispatched rows")
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
         if p > 1:
@@ -379,8 +375,7 @@ def largest_divisor(limit, *numbers):
 
 def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     """The torchrun command that runs a planned strategy with this repo's scripts: the script of its idea, its
-    degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (the same command on every node; they meet at HOST).
-    """
+    degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (one command on every node; they meet at HOST)."""
     shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp', 'ep') if row.get(d, 1) > 1]
     if row['pp'] > 1:  # a pipeline's micro-step is n_micro microbatches of micro_batch sequences
         script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 else 'parallel_4d.py'), [

@@ -319,6 +319,10 @@ def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
     bad.write_text('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}')
     with pytest.raises(SystemExit, match='zero_optimization.offload_param'):
         deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+    assert (cfg.decay_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.min_lr) == (True, 50, 1250, pytest.approx(2e-4))
+    bad.write_text('{"scheduler": {"type": "OneCycle", "params": {}}}')
+    with pytest.raises(SystemExit, match="scheduler: zero.py runs a WarmupCosineLR"):
+        deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
     bad.write_text('{"fp16": {"enabled": true}}')
     with pytest.raises(SystemExit, match="'fp16'"):
         deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
