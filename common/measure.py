@@ -111,13 +111,14 @@ def comm_report(comms):
     return out
 
 
-TCPI_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in struct tcp_info (linux/tcp.h, Linux >= 4.19)
+TCPI_BYTES_SENT = 200  # offsets of tcpi_bytes_sent and tcpi_bytes_retrans (u64s) in struct tcp_info
+TCPI_BYTES_RETRANS = 208  # (linux/tcp.h, Linux >= 4.19)
 
 
 def tcp_bytes_sent_by_socket():
-    """{socket inode: payload bytes sent} for every TCP socket this process holds open, from the kernel's own
-    per-socket count (getsockopt TCP_INFO, tcpi_bytes_sent), or None where the kernel does not keep it. gloo
-    talks over TCP sockets of the process itself, so this is this rank's own traffic and nobody else's."""
+    """{socket inode: payload bytes sent once} for each TCP socket of this process (TCP_INFO's bytes sent less
+    those TCP resent when an acknowledgement came late, as on a busy machine), or None where the kernel keeps
+    no such count. gloo talks over the process's own TCP sockets: this rank's traffic and nobody else's."""
     if not hasattr(socket, 'TCP_INFO') or not os.path.isdir('/proc/self/fd'):
         return None
     sent = {}
@@ -133,9 +134,10 @@ def tcp_bytes_sent_by_socket():
             if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 continue
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-        if len(info) < TCPI_BYTES_SENT + 8:
+        if len(info) < TCPI_BYTES_RETRANS + 8:
             return None  # a kernel older than 4.19
-        sent[target] = int.from_bytes(info[TCPI_BYTES_SENT:TCPI_BYTES_SENT + 8], sys.byteorder)
+        sent[target] = (int.from_bytes(info[TCPI_BYTES_SENT:TCPI_BYTES_SENT + 8], sys.byteorder)
+                        - int.from_bytes(info[TCPI_BYTES_RETRANS:TCPI_BYTES_RETRANS + 8], sys.byteorder))
     return sent
 
 
