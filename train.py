@@ -60,6 +60,7 @@ compile = False
 seed = 1337
 peak_flops = None               # a device's peak FLOP/s for MFU; None: looked up by GPU name (unknown on CPU)
 profile = 0                     # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
+memory_limit_mib = 0            # cap each rank's memory in the kernel (a memory cgroup); 0: no cap
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ TRAIN_DEFAULTS = dict(
     seed=1337,                      # the seed of the initialization, the batches and the dropout streams
     peak_flops=None,                # the device's peak FLOP/s for MFU; None: looked up by GPU name
     profile=0,                      # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
+    memory_limit_mib=0,             # cap each rank's memory in the kernel (a memory cgroup); 0: no cap
 )
 
 
@@ -119,7 +120,9 @@ def _checked(key, value, default):
 def configure(defaults, argv):
     """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order. A config
     file is Python that assigns keys; values on the command line are Python literals (or plain strings). An
-    unknown key or a value of the wrong type exits before any work, naming the key and the valid ones."""
+    unknown key or a value of the wrong type exits before any work, naming the key and the valid ones.
+    --memory_limit_mib=M takes effect here, before any work: the process joins a memory cgroup of its own
+    that the kernel holds to M MiB (common/memory_limit.py)."""
     cfg = dict(defaults)
     if '--help' in argv or '-h' in argv:
         print(config_help(defaults, os.path.abspath(sys.argv[0])))
@@ -154,6 +157,9 @@ def configure(defaults, argv):
             set_key(key, value, arg)
     if cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    if cfg.get('memory_limit_mib'):
+        from common.memory_limit import limit_this_rank
+        limit_this_rank(cfg['memory_limit_mib'], os.environ.get('RANK', '0'))
     return SimpleNamespace(**cfg)
 
 

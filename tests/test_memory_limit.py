@@ -1,0 +1,58 @@
+"""--memory_limit_mib: each rank's memory capped by the kernel (a memory cgroup per rank), as a GPU's
+memory caps a GPU rank. A GPT whose full training state (16 bytes a parameter: fp32 weights, gradients,
+AdamW's two moments) is larger than the cap trains train.py's curve under ZeRO-3 and FSDP2 on 4 ranks, each
+holding its quarter; DDP, which holds all of it on every rank, is killed by the kernel, and the run says so
+in one line."""
+import os
+import re
+
+import pytest
+
+from common import memory_limit
+from helpers import REPO, assert_same_losses, check, run_script, train_losses, train_py_reference
+
+WHY_NOT = memory_limit.why_not_here()
+needs_a_cgroup = pytest.mark.skipif(WHY_NOT is not None, reason=f"this machine cannot limit memory: "
+                                    f"{WHY_NOT}")
+
+LIMIT_MIB = 256
+# README's commands (18.9M parameters: 16 bytes each is 289 MiB, over the limit; a quarter of it, and a block or
+# two gathered at a time, fit under it), for 3 iterations
+ARGS = [os.path.join(REPO, 'config', 'limited_memory.py'), '--max_iters=3', '--eval_interval=100',
+        '--log_interval=1', '--dropout=0.0', '--dtype=float32', '--compile=False', '--device=cpu']
+
+
+def parameters_of(proc):
+    """Ψ as the run's first line states it ('18.93M parameters')."""
+    return float(re.search(r'([\d.]+)M parameters', proc.stdout).group(1)) * 1e6
+
+
+@needs_a_cgroup
+@pytest.mark.parametrize('script', ['zero.py --stage=3', 'train_fsdp.py'])
+def test_sharded_training_fits_under_a_limit_its_full_state_exceeds(script, tmp_path, tmp_path_factory):
+    name, *flags = script.split()
+    proc = check(run_script(name, flags + ARGS + [f'--out_dir={tmp_path}', f'--memory_limit_mib={LIMIT_MIB}'],
+                            nproc=4))
+    assert 16 * parameters_of(proc) > LIMIT_MIB * 2**20, proc.stdout[:300]
+    assert_same_losses(train_losses(tmp_path), train_losses(train_py_reference(ARGS, tmp_path_factory)))
+    peaks = re.findall(r'\[rank \d\] memory at its peak .*: (\d+) MiB of its (\d+) MiB limit', proc.stderr)
+    assert len(peaks) == 4 and all(int(limit) == LIMIT_MIB for _, limit in peaks), proc.stderr[-2000:]
+
+
+@needs_a_cgroup
+def test_ddp_is_killed_by_the_kernel_under_the_same_limit(tmp_path):
+    proc = run_script('train_ddp.py', ARGS + [f'--out_dir={tmp_path}', f'--memory_limit_mib={LIMIT_MIB}'],
+                      nproc=4)
+    assert proc.returncode != 0
+    killed = re.findall(rf'\[rank (\d)\] error: killed by the kernel: its memory went over the {LIMIT_MIB} '
+                        r'MiB limit', proc.stderr)
+    assert killed and len(killed) == len(set(killed)), proc.stderr[-3000:]
+    assert 'iter 0:' not in proc.stdout, proc.stdout[-2000:]  # killed before its first step was over
+
+
+def test_a_machine_that_cannot_limit_memory_refuses_in_one_line(monkeypatch):
+    monkeypatch.setattr(memory_limit, 'cgroup_of_this_process', lambda: (None, 'no memory cgroup controller'))
+    with pytest.raises(SystemExit) as stop:
+        memory_limit.limit_this_rank(256, 0)
+    assert str(stop.value.code).startswith('error: --memory_limit_mib needs a memory cgroup') \
+        and str(stop.value.code).endswith('no memory cgroup controller'), stop.value.code
