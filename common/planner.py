@@ -77,13 +77,11 @@ def param_counts(gptconf, pp=1):
         stages[-1] += last
     experts = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.' in n)
     idle = experts * (1 - gptconf.n_expert_active / gptconf.n_expert) if gptconf.n_expert else 0
-    return dict(total=total, active=total - round(idle), experts=experts,
-                pp_stage_max=max(stages) if stages else None)
+    return dict(total=total, active=total - round(idle), experts=experts, block_max=max(per_block),
+                root=total - sum(per_block), pp_stage_max=max(stages) if stages else None)
 
 
-def model_states(numel, dp, stage, mixed_precision):
-    """Bytes per rank of parameters, gradients and optimizer state (the ZeRO paper's formula)."""
-    return formulas.model_state_bytes_formula(numel, dp, stage, mixed_precision)
+model_states = formulas.model_state_bytes_formula  # bytes per rank of the model states: the ZeRO paper's
 
 
 def strategies(gpus, tp, pp, cp, zero_stage, ep=1, n_expert=0):
@@ -172,14 +170,20 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
             row['notes'].append("MoE activations are priced as the dense block's (one MLP a token): an MoE "
                                 "layer keeps about k times the MLP's, and the k dispatched rows")
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
+        if stage == 3 and ep == 1:  # ZeRO-3, FSDP2 at their peak (zero.py's Zero.held measures it): whole
+            whole = param_counts(gptconf)  # the root (gathered all step), two blocks and their gradients
+            row['gathered_bytes'] = (whole['root'] + 4 * whole['block_max']) * (2 if mixed_precision else 4)
+            row['notes'].append("ZeRO-3 and FSDP2 rows count, at their peak, the embeddings and head, the "
+                                "block computing and the one prefetched, and their gradients, whole")
         row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
         if p > 1:
             row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches,
                                                                       schedule=k['schedule'])
         row['comm_bytes_per_step'] = comm_per_step(gptconf, k, s, micro_batch, n_microbatches, numel,
                                                    mixed_precision)
-        row['total_bytes'] = row['model_state_bytes'] + row['activations_and_logits_bytes']
-        row['total_bytes_ckpt'] = row['model_state_bytes'] + row['activations_and_logits_bytes_ckpt']
+        held = row['model_state_bytes'] + row.get('gathered_bytes', 0)
+        row['total_bytes'] = held + row['activations_and_logits_bytes']
+        row['total_bytes_ckpt'] = held + row['activations_and_logits_bytes_ckpt']
         limit = gpu_mem_gb * GB
         row['fits'] = ('yes' if row['total_bytes'] <= limit else
                        'with ckpt' if row['total_bytes_ckpt'] <= limit else 'no')
@@ -344,10 +348,9 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
         "parameter, and a bf16 copy of each block's weights among its activations); the ZeRO rows hold bf16 "
         "weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count)",
         "not counted: the loss's transients (a few more logits-sized tensors for a moment: the fp32 copy of "
-        "bf16 logits, their gradients in backward), the embedding's output, ZeRO-3's and FSDP2's gathered "
-        "parameters (the block computing and the one prefetched) and communication buffers, a pipeline's "
-        "in-flight send and receive buffers, the optimizer step's temporaries, the framework's own memory "
-        "(CUDA context, NCCL) and the allocator's caching and fragmentation: leave headroom",
+        "bf16 logits, their gradients in backward), the embedding's output, communication buffers, a "
+        "pipeline's in-flight send and receive buffers, the optimizer step's temporaries, the framework's own "
+        "memory (CUDA context, NCCL) and the allocator's caching and fragmentation: leave headroom",
         "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / "
         "no)"]
     return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
