@@ -10,13 +10,13 @@ Needs a memory cgroup this process may create (Linux, as root: cgroup v1, or v2 
 cgroup may hold children); elsewhere --memory_limit_mib is refused in one line.
 """
 
-import contextlib
-import ctypes
 import os
 import subprocess
 import sys
 
 import torch
+
+from common.distributed import return_freed_buffers_to_the_os
 
 MiB = 1 << 20
 
@@ -104,11 +104,8 @@ def limit_this_rank(limit_mib, rank):
     # torch's meta kernels (~800 Python modules, ~70 MiB) load at the first operation on the meta device (a
     # sharded script's build makes one): library code, loaded here, outside the limit, with the rest of torch
     torch.empty(1, device='meta').normal_()
-    # glibc keeps the blocks a process frees for its next allocations, and serves blocks of up to 32 MiB from
-    # that heap once a large one was freed: kept, they would count against the limit though no tensor holds
-    # them. Blocks of 1 MiB and more (every sizeable tensor) go back to the kernel when freed.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(-3, MiB)  # M_MMAP_THRESHOLD (glibc's malloc.h); elsewhere nothing to set
+    # glibc keeps freed blocks of up to 32 MiB in its heap, resident, where they would count against the limit
+    return_freed_buffers_to_the_os()
     # the watcher starts outside the cgroup; the pipe's write end stays open here until this process ends
     args = [group, str(rank), str(limit_mib), str(version)]
     limit_this_rank.watcher = subprocess.Popen([sys.executable, '-c', WATCHER, *args], stdin=subprocess.PIPE)
