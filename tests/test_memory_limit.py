@@ -17,8 +17,8 @@ needs_a_cgroup = pytest.mark.skipif(WHY_NOT is not None, reason=f"this machine c
                                     f"{WHY_NOT}")
 
 CONFIG = os.path.join(REPO, 'config', 'limited_memory.py')
-# README's model (18.9M parameters: 16 bytes each is 289 MiB), for 3 iterations
-ARGS = [CONFIG, '--max_iters=3', '--eval_interval=100', '--log_interval=1', '--dropout=0.0',
+# README's model (18.9M parameters: 16 bytes each is 289 MiB), for 2 iterations
+ARGS = [CONFIG, '--max_iters=2', '--eval_interval=100', '--log_interval=1', '--dropout=0.0',
         '--dtype=float32', '--compile=False', '--device=cpu']
 MARGIN = 1.25  # what the planner leaves out: the framework's own memory, the loss's transients, buffers
 
