@@ -349,8 +349,8 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
         "weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count)",
         "not counted: the loss's transients (a few more logits-sized tensors for a moment: the fp32 copy of "
         "bf16 logits, their gradients in backward), the embedding's output, communication buffers, a "
-        "pipeline's in-flight send and receive buffers, the optimizer step's temporaries, the framework's own "
-        "memory (CUDA context, NCCL) and the allocator's caching and fragmentation: leave headroom",
+        "pipeline's in-flight send and receive buffers, the optimizer step's temporaries, the framework's "
+        "own memory (CUDA context, NCCL) and the allocator's caching and fragmentation: leave headroom",
         "GB = 1e9 bytes; fits: total <= --gpu_mem_gb (yes / with ckpt: only with activation checkpointing / "
         "no)"]
     return '\n'.join(lines + [''] + [f"- {n}" for n in notes])
