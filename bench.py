@@ -372,6 +372,23 @@ def select_rows(args):
     return rows, selected
 
 
+def repeated_times(times, results):
+    """--repeat: each row's ms/step over its runs, which alternated with the other rows' (the median of the
+    runs' medians, and their spread; the table shows it), and for two rows their ratio run by run: a moment
+    when the machine was busy slows both runs of a pair, so the median ratio is steadier than either time."""
+    lines = []
+    for name, ms in times.items():
+        results[name]['ms'] = statistics.median(ms)
+        lines.append(f"{name}: {statistics.median(ms):.1f} ms/step, the median of {len(ms)} runs "
+                     f"({min(ms):.1f} to {max(ms):.1f})")
+    if len(times) == 2:
+        (a, ms_a), (b, ms_b) = times.items()
+        ratios = [x / y for x, y in zip(ms_a, ms_b)]
+        lines.append(f"{a} / {b}, run by run: median {statistics.median(ratios):.3f} "
+                     f"({min(ratios):.3f} to {max(ratios):.3f})")
+    return '\n'.join(lines)
+
+
 def run_bench(args):
     rows, selected = select_rows(args)
     load_dataset('stdlib_char')  # prepare the data once, before the rows race to do it
@@ -380,15 +397,18 @@ def run_bench(args):
     machine = machine_description(args)
     print(f"bench: {len(selected)} rows on {machine}; {args.max_iters} iterations each, "
           f"timing after {args.warmup}; logs in {runs_dir}", flush=True)
-    results, t_start = {}, time.time()
-    for i, name in enumerate(selected):
+    results, times, t_start = {}, {}, time.time()
+    for i, name in [(i, name) for _ in range(args.repeat) for i, name in enumerate(selected)]:  # alternated
         script, flags, nproc = rows[name]
         print(f"[{i + 1}/{len(selected)}] {name}: {' '.join([script] + flags)} on {nproc} process(es) ...",
               end=' ', flush=True)
-        results[name] = run_row(name, script, flags, nproc, args, runs_dir)  # its flags override the bench's
-        r = results[name]
+        r = run_row(name, script, flags, nproc, args, runs_dir)  # its flags override the bench's
+        results.setdefault(name, r)
+        times.setdefault(name, []).append(r.get('ms'))
         detail = f"{r['ms']:.1f} ms/step, loss {r['final_loss']:.6f}" if r['status'] == 'ok' else r['status']
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
+    if args.repeat > 1 and all(None not in v for v in times.values()):
+        print(repeated_times(times, results))
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
@@ -443,6 +463,9 @@ def parse_args(argv):
     p.add_argument('--threads', type=int, default=None,
                    help='threads per process in every row (default: cores / world_size, at least 1)')
     p.add_argument('--row_timeout', type=int, default=600)
+    p.add_argument('--repeat', type=int, default=1,
+                   help='run the rows this many times, alternating (zero0,ddp,zero0,ddp,...), and report the '
+                        'median ms/step of each, and of two rows their ratio run by run')
     p.add_argument('--out', default='out_bench')
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')
@@ -461,8 +484,8 @@ def parse_args(argv):
     if args.estimate is None and args.max_iters <= args.warmup:
         raise SystemExit(f"error: --max_iters ({args.max_iters}) must be more than --warmup ({args.warmup})")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.world_size)
-    if args.gpus < 1 or args.world_size < 1 or args.micro_batch < 1:
-        raise SystemExit("error: --gpus, --world_size and --micro_batch must be at least 1")
+    if min(args.gpus, args.world_size, args.micro_batch, args.repeat) < 1:
+        raise SystemExit("error: --gpus, --world_size, --micro_batch and --repeat must be at least 1")
     return args, rest
 
 

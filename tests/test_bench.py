@@ -264,3 +264,13 @@ def test_the_planner_prints_a_command_that_runs_its_recommendation(tmp_path):
     check(run_script(command[3], command[4:] + TINY[:4] + ['--max_iters=2', '--eval_interval=2',
                                                            f'--out_dir={out}/run'], nproc=2))
     assert [r['iter'] for r in read_log(f'{out}/run') if 'loss' in r] == [0, 1]
+
+
+def test_repeated_rows_report_each_median_and_the_ratio_run_by_run():
+    """--repeat: a busy moment (the third pair) slows both rows; the ratio run by run stays near the truth."""
+    times = {'zero0': [110.0, 99.0, 200.0], 'ddp': [100.0, 100.0, 180.0]}
+    results = {'zero0': {'ms': None}, 'ddp': {'ms': None}}
+    text = bench.repeated_times(times, results)
+    assert results == {'zero0': {'ms': 110.0}, 'ddp': {'ms': 100.0}}  # each row's median of its runs
+    assert 'zero0: 110.0 ms/step, the median of 3 runs (99.0 to 200.0)' in text
+    assert 'zero0 / ddp, run by run: median 1.100 (0.990 to 1.111)' in text, text
