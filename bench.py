@@ -19,6 +19,7 @@ measured beside the estimate.
 """
 
 import argparse
+import contextlib
 import json
 import re
 import os
@@ -155,31 +156,25 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
 
 def model_flags(args):
     """The small GPT and the batch every row trains: the same global batch (batch_size x world_size sequences)
-    for every script; dp ranks split it, tp/pp ranks share it. fp32, dropout 0: every row must give one loss.
-    """
+    for every script; dp ranks split it, tp/pp ranks share it. fp32, dropout 0: every row gives one loss."""
     return [f'--n_layer={args.n_layer}', f'--n_head={args.n_head}', f'--n_embd={args.n_embd}',
             f'--block_size={args.block_size}', f'--batch_size={args.batch_size}',
             f'--gradient_accumulation_steps={args.world_size}', f'--max_iters={args.max_iters}',
             f'--lr_decay_iters={args.max_iters}', '--warmup_iters=2', f'--learning_rate={args.learning_rate}',
-            '--log_interval=1',
-            f'--eval_interval={args.max_iters}', '--eval_iters=1', '--dropout=0.0', f'--dtype={args.dtype}',
-            '--compile=False', '--sample_at_end=False', '--always_save_checkpoint=False',
-            f'--seed={args.seed}'] + (
+            '--log_interval=1', f'--eval_interval={args.max_iters}', '--eval_iters=1', '--dropout=0.0',
+            f'--dtype={args.dtype}', '--compile=False', '--sample_at_end=False',
+            '--always_save_checkpoint=False', f'--seed={args.seed}'] + (
         [f'--peak_flops={args.peak_flops}'] if args.peak_flops else [])
 
 
 def command(script, flags, nproc):
-    if nproc == 1:
-        return [sys.executable, script] + flags
-    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-            script] + flags
+    torchrun = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
+    return [sys.executable] + (torchrun if nproc > 1 else []) + [script] + flags
 
 
 def read_log(out_dir):
     path = os.path.join(out_dir, 'log.jsonl')
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
+    with open(path) if os.path.exists(path) else contextlib.nullcontext([]) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -373,9 +368,8 @@ def select_rows(args):
 
 
 def repeated_times(times, results):
-    """--repeat: each row's ms/step over its runs, which alternated with the other rows' (the median of the
-    runs' medians, and their spread; the table shows it), and for two rows their ratio run by run: a moment
-    when the machine was busy slows both runs of a pair, so the median ratio is steadier than either time."""
+    """--repeat: each row's median ms/step over its runs (alternated with the other rows'), and for two rows
+    their ratio run by run: a busy moment slows both runs of a pair, so that ratio is the steadier number."""
     lines = []
     for name, ms in times.items():
         results[name]['ms'] = statistics.median(ms)
@@ -452,20 +446,16 @@ def parse_args(argv):
     p.add_argument('--learning_rate', type=float, default=3e-4,
                    help='low enough that the 512-wide model trains without a loss spike: a spike amplifies '
                         'the rounding differences between strategies past the same-loss tolerance')
-    p.add_argument('--batch_size', type=int, default=8,
-                   help='sequences per dp rank; global batch x world_size')
-    p.add_argument('--dtype', default=None,
-                   help='bench default float32; estimate default bfloat16 (mixed precision)')
+    p.add_argument('--batch_size', type=int, default=8, help='sequences per dp rank (x world_size)')
+    p.add_argument('--dtype', default=None, help='bench default float32; estimate default bfloat16 (mixed)')
     p.add_argument('--seed', type=int, default=1337)
-    p.add_argument('--peak_flops', type=float, default=None,
-                   help="the device's peak FLOP/s, for MFU on a CPU")
+    p.add_argument('--peak_flops', type=float, default=None, help="the device's peak FLOP/s (CPU MFU)")
     p.add_argument('--loss_rtol', type=float, default=None, help='default 1e-4 (fp32), 2e-2 (16-bit)')
     p.add_argument('--threads', type=int, default=None,
                    help='threads per process in every row (default: cores / world_size, at least 1)')
     p.add_argument('--row_timeout', type=int, default=600)
-    p.add_argument('--repeat', type=int, default=1,
-                   help='run the rows this many times, alternating (zero0,ddp,zero0,ddp,...), and report the '
-                        'median ms/step of each, and of two rows their ratio run by run')
+    p.add_argument('--repeat', type=int, default=1, help='run the rows this many times, alternating (zero0,'
+                   'ddp,zero0,...): the median of each, and two rows\' ratio run by run')
     p.add_argument('--out', default='out_bench')
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')

@@ -57,8 +57,8 @@ def shard_model(model, device_type, dp_size, dtype):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     # every step gathers and frees each block's parameters (and their gradients): on the host, glibc kept the
-    # freed buffers resident (config/limited_memory.py, 4 ranks: a rank's peak ~470 MiB above its start, ~150
-    # with this); on a GPU the caching allocator reuses them
+    # freed buffers resident (config/limited_memory.py, 4 ranks: the kernel's count of a rank's peak 470-550
+    # MiB, 150-175 with this); on a GPU the caching allocator reuses them
     return_freed_buffers_to_the_os()
     return model
 

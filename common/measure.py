@@ -148,14 +148,13 @@ class WireMeter:
     barrier (what this rank sent has left it). NCCL's bytes pass its sockets by: None, and why."""
 
     def __init__(self):
-        self.why_not = None
+        self.why_not, self.start_sent = None, None
         if not dist.is_initialized():
             self.why_not = 'not measured: one process'
         elif dist.get_backend() != 'gloo':
             self.why_not = 'not measured: NCCL moves its bytes past the process\'s sockets'
         elif tcp_bytes_sent_by_socket() is None:
             self.why_not = 'not measured: this OS gives no per-socket TCP counters'
-        self.start_sent = None
 
     def start(self):
         if self.why_not is None:

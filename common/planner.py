@@ -1,8 +1,7 @@
 """
 The memory planner: per-GPU memory and communication of every strategy for a model too large to run here, from
 the same formulas (formulas.py) the scripts print beside what they measure; the cheapest strategy that fits,
-its DeepSpeed config, and --check: three of the strategies run here on a small shape, estimate beside
-measured.
+its DeepSpeed config, and --check: three strategies run here on a small shape, estimate beside measured.
 
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
     python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # as JSON; the cheapest that fits
@@ -184,9 +183,8 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         held = row['model_state_bytes'] + row.get('gathered_bytes', 0)
         row['total_bytes'] = held + row['activations_and_logits_bytes']
         row['total_bytes_ckpt'] = held + row['activations_and_logits_bytes_ckpt']
-        limit = gpu_mem_gb * GB
-        row['fits'] = ('yes' if row['total_bytes'] <= limit else
-                       'with ckpt' if row['total_bytes_ckpt'] <= limit else 'no')
+        row['fits'] = ('yes' if row['total_bytes'] <= gpu_mem_gb * GB else
+                       'with ckpt' if row['total_bytes_ckpt'] <= gpu_mem_gb * GB else 'no')
         rows.append(row)
     return rows
 
@@ -269,7 +267,8 @@ def cheapest(rows, gpus):
 def estimate_json(rows):
     """{name: {param_bytes, grad_bytes, optim_bytes, activation_bytes, logits_bytes, total_bytes, fits, ...}}:
     each strategy twice, as is and '+ ckpt' (full activation checkpointing). total_bytes = the model states +
-    activations_and_logits_bytes (the blocks' activations plus the logits, on the stage where they peak)."""
+    gathered_bytes (ZeRO-3's whole blocks at its peak) + activations_and_logits_bytes (the blocks' activations
+    plus the logits, on the stage where they peak)."""
     out = {}
     for r in rows:
         for ckpt in (False, True):
@@ -284,15 +283,13 @@ def estimate_json(rows):
                 continue
             suffix = '_ckpt' if ckpt else ''
             out[name] = dict(entry, activation_bytes=r['activation_bytes' + suffix],
-                             logits_bytes=r['logits_bytes'],
                              activations_and_logits_bytes=r['activations_and_logits_bytes' + suffix],
                              total_bytes=r['total_bytes' + suffix],
                              fits=r['fits'] == 'yes' or (ckpt and r['fits'] == 'with ckpt'),
-                             host_bytes=r.get('host_bytes', 0), comm_bytes_per_step=r['comm_bytes_per_step'],
-                             activation_bytes_per_layer=r['activation_bytes_per_layer'],
-                             layers_per_rank=r['layers_per_rank'],
-                             microbatches_in_flight=r['microbatches_in_flight'],
-                             params_per_rank=r['params_per_rank'])
+                             host_bytes=r.get('host_bytes', 0), gathered_bytes=r.get('gathered_bytes', 0),
+                             **{k: r[k] for k in ('logits_bytes', 'comm_bytes_per_step', 'params_per_rank',
+                                                  'activation_bytes_per_layer', 'layers_per_rank',
+                                                  'microbatches_in_flight')})
     return out
 
 

@@ -157,6 +157,9 @@ def configure(defaults, argv):
             set_key(key, value, arg)
     if cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    if cfg.get('memory_limit_mib', 0) < 0:
+        raise SystemExit(f"error: --memory_limit_mib must be a size in MiB, or 0 for none, got "
+                         f"{cfg['memory_limit_mib']}")
     if cfg.get('memory_limit_mib'):
         from common.memory_limit import limit_this_rank
         limit_this_rank(cfg['memory_limit_mib'], os.environ.get('RANK', '0'))

@@ -85,3 +85,10 @@ def test_a_machine_that_cannot_limit_memory_refuses_in_one_line(monkeypatch):
         memory_limit.limit_this_rank(256, 0)
     assert str(stop.value.code).startswith('error: --memory_limit_mib needs a memory cgroup') \
         and str(stop.value.code).endswith('no memory cgroup controller'), stop.value.code
+
+
+def test_a_negative_limit_is_one_line():
+    import train
+    with pytest.raises(SystemExit) as stop:
+        train.main(['--memory_limit_mib=-5'])
+    assert stop.value.code == 'error: --memory_limit_mib must be a size in MiB, or 0 for none, got -5'
