@@ -84,25 +84,6 @@ class GPTConfig:
         return self.n_expert > 0 and (layer + 1) % self.moe_every == 0
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
-
-    def __init__(self, ndim, bias, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-        self.eps = eps
-
-    # (what __init__ set: checkpoints.init_params replays it on a model built on the meta device)
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
 class RMSNorm(nn.Module):
     """LLaMA's norm: scale by the root mean square, no centring, no bias; in fp32, as Hugging Face."""
 
@@ -111,6 +92,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(ndim))
         self.eps = eps
 
+    # (what __init__ set: checkpoints.init_params replays it on a model built on the meta device)
     def reset_parameters(self):
         nn.init.ones_(self.weight)
 
@@ -123,7 +105,7 @@ class RMSNorm(nn.Module):
 def make_norm(config):
     if config.norm == 'rmsnorm':
         return RMSNorm(config.n_embd, config.norm_eps)
-    return LayerNorm(config.n_embd, config.bias, config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)  # (GPT-2's)
 
 
 def rope_cos_sin(seq_len, head_dim, theta, device, start=0):
