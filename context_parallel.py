@@ -389,8 +389,9 @@ def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_pat
     to consolidate), with every rank's random streams; rank 0 writes it in the background."""
     rng_states = gather_rng_states(dp_cp)
     if dp_cp.rank == 0:
-        writer.save(train_checkpoint(model.state_dict(), optimizer.state_dict(), rng_states,
-                                     vars(model.config), iter_num, best_val_loss, vars(cfg)), ckpt_path)
+        checkpoint = train_checkpoint(model.state_dict(), optimizer.state_dict(), rng_states,
+                                      vars(model.config), iter_num, best_val_loss, vars(cfg))
+        writer.save(checkpoint, ckpt_path, iter_num)
 
 
 def main(argv):
@@ -402,7 +403,7 @@ def main(argv):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')  # train.py's: the weights are whole on every rank
     model, optimizer, cp, dp, dp_cp, iter_num, best_val_loss = build_cp(cfg, vocab_size, rank, world_size,
                                                                         ckpt_path)
-    writer = CheckpointWriter()  # rank 0 writes the checkpoint in the background
+    writer = CheckpointWriter(cfg.max_iters)  # rank 0 writes the checkpoint in the background
     step = lambda it: train_step(model, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), ctx,
                                  cfg.grad_clip, cp, dp_cp)
     training_loop(cfg, SimpleNamespace(

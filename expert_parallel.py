@@ -229,13 +229,13 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     model, params, optimizer, iter_num, best_val_loss, flops = build(cfg, vocab_size, comms[0], rank,
                                                                      world_size)
-    writer, dp = CheckpointWriter(), comms[2]
+    writer, dp = CheckpointWriter(cfg.max_iters), comms[2]
     step = lambda it: train_step(model, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), ctx,
                                  cfg.grad_clip, params, comms)
 
     def save(it, best):
         writer.save(rank_checkpoint(model, optimizer, comms[0], rank, cfg, world_size, it, best),
-                    rank_path(cfg.out_dir, RANK_FILE, rank))
+                    rank_path(cfg.out_dir, RANK_FILE, rank), it)
     run = SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_function(model, ctx), dp=dp,
                           data=data, step=step, save=save, flops_per_token=flops, n_devices=world_size,
                           rank=rank, kind='expert_parallel', comms=list(comms))

@@ -206,11 +206,11 @@ def main(argv):
                         model.get_num_params()))
     stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
     zeros, embed = build_zeros(model, cfg, comms, coords, checkpoint), comms['embed']
-    weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter()
+    weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter(cfg.max_iters)
     step = lambda it: train_step(stage, zeros, micro_batches(data, cfg, it, coords['dp'], dp_size), cfg, tp,
                                  layout, embed, weights, get_lr(it, cfg))
     save = lambda it, best: writer.save(rank_checkpoint(model, zeros, layout, tp, coords, cfg, world_size, it,
-                                                        best), rank_path(cfg.out_dir, RANK_FILE, rank))
+                                                        best), rank_path(cfg.out_dir, RANK_FILE, rank), it)
     run = SimpleNamespace(model=model, optimizer=None, step=step,
                           loss_of=partial(grid_loss, stage, cp, cfg.n_microbatches),
                           save=save, dp=comms['dp'], data=data, flops_per_token=flops, n_devices=world_size,

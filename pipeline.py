@@ -500,7 +500,7 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
                                       vars(stage.model.config), iter_num, best_val_loss, vars(cfg))
         checkpoint.update(pieces=held_pieces(stage.model, optimizer, cut, True), files=(STAGE_FILE, cfg.pp),
                           grid={'pp': cfg.pp, 'virtual_stages': cfg.virtual_stages}, dp_rank=None)
-        writer.save(checkpoint, rank_path(cfg.out_dir, STAGE_FILE, stage.index))
+        writer.save(checkpoint, rank_path(cfg.out_dir, STAGE_FILE, stage.index), iter_num)
 
 
 def main(argv):
@@ -509,7 +509,7 @@ def main(argv):
     rank, world_size = start_run(cfg)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)
-    writer = CheckpointWriter()
+    writer = CheckpointWriter(cfg.max_iters)
     step = lambda it: train_step(stage, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), cfg, dp,
                                  embed)
     training_loop(cfg, SimpleNamespace(

@@ -555,7 +555,7 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     model, layout, optimizer, iter_num, best_val_loss, flops = build_sharded(cfg, vocab_size, tp, dp.rank,
                                                                              world_size, rank)
-    writer = CheckpointWriter()  # each rank writes its own checkpoint in the background
+    writer = CheckpointWriter(cfg.max_iters)  # each rank writes its own checkpoint in the background
 
     def loss_of(x, y):
         with ctx:
@@ -567,7 +567,7 @@ def main(argv):
 
     def save(it, best):
         writer.save(rank_checkpoint(model, layout, optimizer, tp, dp.rank, cfg, world_size, it, best),
-                    rank_path(cfg.out_dir, RANK_FILE, rank))
+                    rank_path(cfg.out_dir, RANK_FILE, rank), it)
     training_loop(cfg, SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_of, dp=dp, data=data,
                                        step=step, save=save, flops_per_token=flops, n_devices=world_size,
                                        rank=rank, kind='tensor_parallel', tp=tp, comms=[tp.group, dp]),

@@ -120,7 +120,7 @@ def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_va
     line; until max_iters. (raw_model: the model itself where model is torch.compile's)"""
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     loss_of = loss_function(model, ctx)  # what evaluation calls: the mean loss of a batch, under autocast
-    writer = CheckpointWriter()  # writes in the background: the next iteration need not wait for the disk
+    writer = CheckpointWriter(cfg.max_iters)  # in the background: the next iteration need not wait
     profiler = step_profiler(cfg, 0)  # --profile=N: a trace per rank (None without)
     logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=1)
     while True:
@@ -134,7 +134,7 @@ def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_va
                 best_val_loss = min(best_val_loss, losses['val'])
                 writer.save(train_checkpoint(raw_model.state_dict(), optimizer.state_dict(), [rng_state()],
                                              vars(raw_model.config), iter_num, best_val_loss, vars(cfg),
-                                             scaler.state_dict()), ckpt_path)
+                                             scaler.state_dict()), ckpt_path, iter_num)
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break

@@ -101,7 +101,7 @@ def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_va
     and its log line; until max_iters."""
     ckpt_path, master_process = os.path.join(cfg.out_dir, 'ckpt.pt'), dp.rank == 0  # rank 0 logs and saves
     loss_of = loss_function(raw_model, ctx)  # each rank its share of the eval batches: no DDP hooks needed
-    writer = CheckpointWriter()  # rank 0 writes in the background: the others never wait on its disk
+    writer = CheckpointWriter(cfg.max_iters)  # rank 0 writes in the background: no rank waits on its disk
     profiler = step_profiler(cfg, dp.rank)  # --profile=N: a trace per rank (None without)
     logger = StepLogger(cfg, raw_model.flops_per_token(cfg.block_size), n_devices=dp.size)
     while True:
@@ -117,7 +117,7 @@ def train(cfg, model, raw_model, optimizer, scaler, data, ctx, iter_num, best_va
                 if master_process:
                     writer.save(train_checkpoint(raw_model.state_dict(), optimizer.state_dict(), rng_states,
                                                  vars(raw_model.config), iter_num, best_val_loss, vars(cfg),
-                                                 scaler.state_dict()), ckpt_path)
+                                                 scaler.state_dict()), ckpt_path, iter_num)
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break

@@ -468,7 +468,7 @@ def main(argv):
     data, vocab_size = load_dataset(cfg.dataset)
     model, zero, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
     compiled = torch.compile(model) if cfg.compile else model
-    writer = CheckpointWriter()
+    writer = CheckpointWriter(cfg.max_iters)
 
     step = lambda it: train_step(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx,
                                  cfg.grad_clip, get_lr(it, cfg), dp)
@@ -478,7 +478,7 @@ def main(argv):
         writer.save(checkpoint_of({'zero': zero.state_dict(), 'buffers': dict(model.named_buffers())}, pieces,
                                   (RANK_FILE, world_size), {'stage': cfg.stage, 'ranks': world_size}, rank,
                                   vars(model.config), it, best, vars(cfg)),
-                    rank_path(cfg.out_dir, RANK_FILE, rank))
+                    rank_path(cfg.out_dir, RANK_FILE, rank), it)
 
     run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_function(compiled, ctx), dp=dp,
                           data=data, step=step, save=save, n_devices=world_size, rank=rank,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.distributed import is_master
+from common.distributed import is_master, load_meta_kernels
 from common.training import model_config
 from model import GPT, GPTConfig
 
@@ -64,13 +64,14 @@ class CheckpointWriter:
     a slow disk never keeps a rank out of the next collective while its peers wait there under the process
     group's timeout: a 7B model's checkpoint takes minutes, the timeout is one. save() copies the state to CPU
     memory (training goes on changing the tensors), waits for the previous write, starts this one and returns.
-    """
+    The run's last save (iter_num is last_iter: nothing changes the tensors after it) writes them as they are:
+    on a CPU the copy would be a second copy of the rank's whole state, at the end of the run its peak."""
 
-    def __init__(self):
-        self.thread, self.error = None, None
+    def __init__(self, last_iter=None):
+        self.thread, self.error, self.last_iter = None, None, last_iter
 
-    def save(self, obj, path):
-        snapshot = cpu_copy(obj)
+    def save(self, obj, path, iter_num=None):
+        snapshot = obj if iter_num is not None and iter_num == self.last_iter else cpu_copy(obj)
         self.wait()
         self.thread = threading.Thread(target=self._write, args=(snapshot, path), daemon=False)
         self.thread.start()
@@ -100,6 +101,8 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
     on_meta = torch.device('meta') if meta else contextlib.nullcontext()
+    if meta:
+        load_meta_kernels()  # (torch's code: not counted as the run's memory)
     if cfg.init_from == 'scratch':
         with on_meta:
             model = GPT(model_config(cfg, vocab_size))

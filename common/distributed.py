@@ -2,8 +2,9 @@
 Process groups and the collectives every parallel script calls: init_distributed / finish_distributed
 (torchrun's group: NCCL on GPUs, gloo on CPU), the dp x pp x cp x tp grid, and Comm, one group's collectives
 with every byte handed to them counted (the papers' ring formula beside it); the gradient average and the
-global-norm clip over ranks; and two collectives written for gloo's memory (all_gather_direct,
-reduce_scatter_of) with glibc's allocator setting that ZeRO-3 needs (return_freed_buffers_to_the_os).
+global-norm clip over ranks; two collectives written for gloo's memory (all_gather_direct,
+reduce_scatter_of) with glibc's allocator setting that ZeRO-3 needs (return_freed_buffers_to_the_os); and the
+process's memory: its peak, and what the run added to it (torch's own code left out).
 """
 
 import json
@@ -172,6 +173,28 @@ def peak_resident_bytes():
     return peak
 
 
+# the resident set once torch is imported, before a run builds anything: what the run adds counts from it
+START_RESIDENT_BYTES = resident_bytes()
+
+
+def load_meta_kernels():
+    """torch's meta-device kernels (~800 Python modules of its own, ~70 MiB), which the first operation on a
+    meta tensor loads (a sharded script's build), loaded now and added to the start: torch's code, like
+    `import torch` itself, is not what the run holds. (Where it is loaded already, this adds nothing.)"""
+    global START_RESIDENT_BYTES
+    before = resident_bytes()
+    torch.empty(1, device='meta').normal_()
+    if START_RESIDENT_BYTES is not None and before is not None:
+        START_RESIDENT_BYTES += resident_bytes() - before
+
+
+def added_resident_bytes():
+    """What the run added: the peak resident set minus the start (most of the ~380 MiB a CPU step shows is
+    torch itself); None where /proc is not there."""
+    peak = peak_resident_bytes()
+    return None if START_RESIDENT_BYTES is None or peak is None else peak - START_RESIDENT_BYTES
+
+
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down
 
 
@@ -212,18 +235,30 @@ def finish_distributed(cfg=None):
     collective can abort it)."""
     global _GROUP_IS_OURS
     if cfg is not None and dist.is_initialized():
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak_memory_bytes(cfg.device))
+        on_gpu = cfg.device.startswith('cuda')
+        rows = [None] * dist.get_world_size()
+        mine = (peak_memory_bytes(cfg.device), None if on_gpu else added_resident_bytes())
+        dist.all_gather_object(rows, mine)
         if dist.get_rank() == 0:
-            kind = 'allocated on the GPU' if cfg.device.startswith('cuda') else 'resident set'
-            print(f"peak memory per rank ({kind}, measured): " + ', '.join(f"{p / 2**20:.0f}" for p in peaks)
-                  + f" MiB; the largest {max(peaks) / 2**20:.0f} MiB", flush=True)
+            peaks, added = [p for p, _ in rows], [a for _, a in rows]
+            print(peak_memory_line(peaks, added, on_gpu), flush=True)
             with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
-                f.write(json.dumps({'peak_mem_bytes_by_rank': peaks}) + '\n')
+                row = {'peak_mem_bytes_by_rank': peaks, 'mem_added_bytes_by_rank': added}
+                f.write(json.dumps(row) + '\n')
     if dist.is_initialized() and _GROUP_IS_OURS:
         dist.barrier()
         dist.destroy_process_group()
         _GROUP_IS_OURS = False
+
+
+def peak_memory_line(peaks, added, on_gpu):
+    """The line a distributed run ends with: every rank's peak, and on a CPU what the run added to each."""
+    mib = lambda values: ', '.join(f"{v / 2**20:.0f}" for v in values)
+    line = (f"peak memory per rank ({'allocated on the GPU' if on_gpu else 'resident set'}, measured): "
+            f"{mib(peaks)} MiB; the largest {max(peaks) / 2**20:.0f} MiB")
+    if None in added:
+        return line
+    return line + f"; by the run: {mib(added)} MiB, the largest {max(added) / 2**20:.0f} MiB"
 
 
 def world_size_from_env():

@@ -14,9 +14,7 @@ import os
 import subprocess
 import sys
 
-import torch
-
-from common.distributed import return_freed_buffers_to_the_os
+from common.distributed import load_meta_kernels, return_freed_buffers_to_the_os
 
 MiB = 1 << 20
 
@@ -103,7 +101,7 @@ def limit_this_rank(limit_mib, rank):
                          f"as root, cgroup v1 or v2): {e}")
     # torch's meta kernels (~800 Python modules, ~70 MiB) load at the first operation on the meta device (a
     # sharded script's build makes one): library code, loaded here, outside the limit, with the rest of torch
-    torch.empty(1, device='meta').normal_()
+    load_meta_kernels()
     # glibc keeps freed blocks of up to 32 MiB in its heap, resident, where they would count against the limit
     return_freed_buffers_to_the_os()
     # the watcher starts outside the cgroup; the pipe's write end stays open here until this process ends

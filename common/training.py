@@ -22,12 +22,8 @@ import torch
 import torch.distributed as dist
 
 from common import distributed
-from common.distributed import is_master, peak_memory_bytes, resident_bytes
+from common.distributed import added_resident_bytes, is_master, peak_memory_bytes
 from model import GPTConfig
-
-# the resident set once torch is imported, before a run builds anything: the log's 'by the run' counts from it
-START_RESIDENT_BYTES = resident_bytes()
-
 
 # The config keys every training script shares, with nanoGPT's names. train.py spells them out in its own
 # block (tests/test_train.py keeps the two equal); every other script declares only the keys of its idea (and
@@ -542,12 +538,10 @@ class StepLogger:
                                        'mem_added_bytes': self.added_memory()})
 
     def added_memory(self):
-        """On a CPU, the peak resident set minus the one the process had once torch was imported (most of
-        the ~380 MiB a step shows is torch itself): what the run added, where ZeRO's saving shows. None on a
-        GPU, whose peak (the allocator's) holds only the run's tensors already."""
-        if self.cfg.device.startswith('cuda') or START_RESIDENT_BYTES is None:
-            return None
-        return peak_memory_bytes('cpu') - START_RESIDENT_BYTES
+        """On a CPU, what the run added to the process's resident set (distributed.added_resident_bytes):
+        where ZeRO's saving shows. None on a GPU, whose peak (the allocator's) holds only the run's tensors
+        already."""
+        return None if self.cfg.device.startswith('cuda') else added_resident_bytes()
 
 
 def run_step(run, cfg, iter_num, first_iter):

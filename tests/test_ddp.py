@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses, free_port,
-                     run_script, run_train_py_here, spawn, train_losses, train_py_reference)
+                     read_log, run_script, run_train_py_here, spawn, train_losses, train_py_reference)
 
 # gradient accumulation (6 micro-batches: 3 per rank on 2 ranks, 2 on 3), clipping that always bites (0.1), and a
 # learning rate large enough that the parameters move well away from their initial values in 8 steps
@@ -161,3 +161,12 @@ def assert_survivors_fail_when_a_rank_dies(script, args, out_dir, timeout_s=10):
 
 def test_a_rank_that_dies_makes_the_others_exit_non_zero(tmp_path):
     assert_survivors_fail_when_a_rank_dies('train_ddp.py', TINY + ['--gradient_accumulation_steps=2'], str(tmp_path))
+
+
+def test_a_distributed_run_ends_with_every_ranks_peak_and_what_the_run_added(runs):
+    """The last row of a distributed run: every rank's peak resident set, and what the run added to each
+    (the peak less the start: most of a CPU peak is torch itself)."""
+    end = [r for r in read_log(runs['b']) if 'peak_mem_bytes_by_rank' in r][-1]
+    peaks, added = end['peak_mem_bytes_by_rank'], end['mem_added_bytes_by_rank']
+    assert len(peaks) == len(added) == 3
+    assert all(0 < a < p for a, p in zip(added, peaks)), end

@@ -3,6 +3,7 @@ data-parallel rank the same way by DDP, ZeRO 0-3 and FSDP2 (so they give one ano
 on) and continued exactly on resume by every data-parallel script, the peak FLOP/s table, checkpoint writes
 that never hold a rank inside the training loop, a wire meter that reads what a rank sent, and a test harness that fails on a hang instead of waiting
 forever."""
+import os
 import time
 
 import numpy as np
@@ -135,6 +136,35 @@ def test_checkpoint_writer_returns_before_the_disk_and_raises_its_errors(tmp_pat
     with pytest.raises(OSError, match='disk full'):
         writer.wait()
 
+
+
+def test_the_last_checkpoint_of_a_run_is_written_without_a_copy(tmp_path, monkeypatch):
+    """A save before the last copies the state (training changes it next); the run's last save (iter_num is
+    the writer's last_iter) hands the live tensors to the thread: a copy there would be a second copy of the
+    rank's whole state on a CPU, at the run's end."""
+    written = []
+    monkeypatch.setattr(checkpoints, 'save_checkpoint', lambda obj, path: written.append(obj['w'].data_ptr()))
+    writer, weights = checkpoints.CheckpointWriter(last_iter=10), torch.ones(1000)
+    for iter_num in (5, 10):
+        writer.save({'w': weights}, str(tmp_path / 'ckpt.pt'), iter_num)
+        writer.wait()
+    assert written[0] != weights.data_ptr()  # iteration 5: a copy
+    assert written[1] == weights.data_ptr()  # iteration 10, the last: the tensor itself
+
+
+def test_torchs_meta_kernels_count_in_the_start_not_in_the_run():
+    """'by the run' leaves out torch's own code: the meta kernels a sharded build loads (~70 MiB of Python
+    modules) move the start up by what loading them took, once. In a fresh process, where they are not
+    loaded yet."""
+    import subprocess
+    import sys
+    code = ("from common import distributed as t; s0 = t.START_RESIDENT_BYTES; t.load_meta_kernels(); "
+            "s1 = t.START_RESIDENT_BYTES; t.load_meta_kernels(); print(s0, s1, t.START_RESIDENT_BYTES)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    s0, s1, s2 = map(int, out.stdout.split())
+    assert s1 - s0 > 20 * 2**20  # the first load: tens of MiB, added to the start
+    assert s2 - s1 < 4 * 2**20   # loaded already: nothing more
 
 def _deadlock(rank, world_size):
     import torch.distributed as dist
