@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common.distributed import is_master
+from common.distributed import added_resident_bytes, is_master
 from common.formulas import (activation_bytes_formula, bubble_fraction_formula, comm_bytes_formula,
                              cp_comm_bytes_formula, ep_all_to_all_bytes_formula, ep_model_state_bytes_formula,
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
@@ -55,6 +55,8 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
                                                     cfg.gradient_accumulation_steps // z.world_size)}
     for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
         row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': peak[k]})
+    # beside the tensors, the process: its resident set's peak so far, less torch (a CPU's; None on a GPU)
+    row['mem_added_bytes'] = None if cfg.device.startswith('cuda') else added_resident_bytes()
     rows = log_rank_rows(cfg.out_dir, row)
     if z.rank != 0:
         return
@@ -62,8 +64,15 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     lines += [(f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
                r['wire_bytes_formula']) for r in rows]
     lines.append(("bytes sent per rank, the paper's (Ψ)", None, None, row['comm_bytes_formula']))
+    resident = lambda r: '' if r['mem_added_bytes'] is None else \
+        f"; its resident set, by the run, {r['mem_added_bytes']:,}"
     notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
-                                                                  for k in kinds) for r in rows]
+                                                                  for k in kinds) + resident(r) for r in rows]
+    if z.stage == 3:
+        notes.append("at its peak a ZeRO-3 rank holds, beyond its chunks, the blocks gathered whole (the one "
+                     "computing, prefetch_blocks more) and the gradient buckets being filled and reduced; "
+                     "its resident set holds more than tensors: torch's kernels as first used, each gradient "
+                     "autograd makes before the hook copies it into its bucket (docs/big_models.md)")
     by_kind = row['collective_bytes_by_kind']
     notes.append("counted by kind: " + ', '.join(f"{k} {v:,.0f}" for k, v in by_kind.items()))
     if wire_bytes is None:
