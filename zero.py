@@ -41,7 +41,7 @@ out_dir = 'out-zero'            # each script its own folder: runs never overwri
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only
 stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + gradients, 3: + parameters
-bucket_size = 100_000           # elements per gradient bucket in stages 0-2 (stage 3: one bucket per block)
+bucket_size = 0                 # elements per gradient bucket in stages 0-2; 0: default_bucket_size's
 offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state on the host (CPU)
 prefetch_blocks = 1             # stage 3: gather this many blocks ahead while one computes (0: just in time)
 adam_eps = 1e-8
@@ -372,6 +372,13 @@ class Zero:
                 b.copy_owned(j, saved[id(p)]['exp_avg_sq'], state['exp_avg_sq'])
 
 
+def default_bucket_size(stage):
+    """Stages 0-1 keep every gradient anyway: DDP's buckets (25 MiB of fp32), as few collectives as DDP makes
+    (each costs a fixed latency: 8 buckets made stage 0 5% slower than DDP on 2 CPU ranks). Stage 2 holds
+    full-size gradients one bucket at a time: a small bucket keeps them small."""
+    return 25 * 2**20 // 4 if stage <= 1 else 100_000
+
+
 def bucket_groups(model, stage, bucket_size, params=None):
     """(name, parameter) groups in the order backward produces their gradients: the model's, reversed (the
     tied token embedding gets its last contribution last). Stage 3: one per block (zero3.block_groups)."""
@@ -379,6 +386,7 @@ def bucket_groups(model, stage, bucket_size, params=None):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
     if stage == 3:
         return block_groups(model, named)
+    bucket_size = bucket_size or default_bucket_size(stage)
     groups = [[]]
     for n, p in reversed(named):
         if sum(q.numel() for _, q in groups[-1]) >= bucket_size:
@@ -449,8 +457,8 @@ def check_config(cfg, world_size):
         apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
     refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"),
            *shared_refusals(cfg, 'zero.py', world_size, world_size, compiles=cfg.stage < 3),  # (3: hooks)
-           (cfg.bucket_size < 1 or cfg.prefetch_blocks < 0,
-            f"bucket_size must be >= 1 and prefetch_blocks >= 0: {cfg.bucket_size}, {cfg.prefetch_blocks}"))
+           (cfg.bucket_size < 0 or cfg.prefetch_blocks < 0,
+            f"bucket_size and prefetch_blocks must be >= 0: {cfg.bucket_size}, {cfg.prefetch_blocks}"))
     check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0),
                       then=" (and delete the zero_rank*.pt files)")  # (the same grid as save() writes)
     return cfg
