@@ -33,7 +33,9 @@ import torch
 
 from common.plots import plot
 from common.planner import add_estimate_arguments, ds_config_for, fmt_bytes, run_estimate
+from common import step_time
 from common.training import load_dataset
+from model import GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -403,6 +405,9 @@ def run_bench(args):
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, bias=False,
+                       block_size=args.block_size, vocab_size=load_dataset('stdlib_char')[1])
+    print('\n'.join(step_time.predicted_lines(results, config, args, args.out)))
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
@@ -456,6 +461,8 @@ def parse_args(argv):
     p.add_argument('--row_timeout', type=int, default=600)
     p.add_argument('--repeat', type=int, default=1, help='run the rows this many times, alternating (zero0,'
                    'ddp,zero0,...): the median of each, and two rows\' ratio run by run')
+    p.add_argument('--remeasure', action='store_true', help="measure this machine's rates again (the "
+                   "predicted step times'; else kept in --out/machine.json)")
     p.add_argument('--out', default='out_bench')
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')

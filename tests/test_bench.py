@@ -126,6 +126,40 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
         assert row['collective_bytes'] > 0 and row['wire_bytes'] > 0 and row['wire_bytes_formula'] > 0
     md = (tmp_path / 'bench.md').read_text()
     assert 'collective bytes' in md and 'wire bytes' in md
+    # the step time predicted from this machine's measured rates (kept for the next run), beside the measured
+    assert all(r['predicted_ms'] > 0 for r in results.values())
+    assert 'predicted ms/step' in proc.stdout and (tmp_path / 'machine.json').exists()
+
+
+def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwidth():
+    """The arithmetic, on rates given by hand: 2e8 FLOPs at 1e9 FLOP/s, half of a 10 ms update, two 1 MB
+    all-reduces at 1 ms + 1 MB / (1 GB/s) (the sweep's line through 0 and 2 MB): 200 + 5 + 2 x 2 = 209 ms; a
+    call's time between the sizes the sweep measured, below the smallest and beyond the largest."""
+    from common import step_time
+    table = [(0, 1e-3), (2e6, 3e-3), (4e6, 4e-3)]
+    rates = {'flops_per_s': 1e9, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
+    work = {'flops': 2e8, 'update': 0.5, 'calls': [('all_reduce', 1e6, 2)]}
+    assert step_time.predict_ms(work, rates) == pytest.approx((209.0, 205.0, 4.0))
+    table = [(1000, 1e-3), (2000, 3e-3), (4000, 4e-3)]
+    assert [step_time.call_seconds(table, n) for n in (10, 1500, 3000, 8000)] == \
+        pytest.approx([1e-3, 2e-3, 3.5e-3, 6e-3])
+    assert step_time.ddp_buckets(60 << 20) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]  # DDP's: 1 MiB first
+
+
+def test_each_row_sends_what_its_script_sends():
+    """row_work's collectives for a 2-layer model on 2 ranks, counted by hand from the scripts: ZeRO-3 gathers
+    each block and the root twice and reduces each once; tp all-reduces 4 times a layer and twice more
+    (embedding, head) per micro-batch, plus the loss's 3 small ones."""
+    from common import step_time
+    from model import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
+    block = 12 * 32 * 32 + 2 * 32  # c_attn, c_proj, c_fc, c_proj (no biases), two norms' weights
+    zero3 = step_time.row_work('zero3', config, 4, 2, 2)
+    assert zero3['calls'][:2] == [('all_gather', 4 * block // 2, 2), ('all_reduce', 4 * block, 1)]
+    assert len(zero3['calls']) == 2 * 3 + 1 and zero3['update'] == 0.5
+    tp = step_time.row_work('tp', config, 4, 2, 2)
+    assert tp['calls'][0] == ('all_reduce', 4 * 16 * 32 * 4, (4 * 2 + 2) * 2)
+    assert step_time.row_work('zero2', config, 4, 2, 2) is None  # (not priced)
 
 
 def _results():

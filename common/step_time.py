@@ -1,0 +1,210 @@
+"""
+A step's time, predicted (modelled) from the model's FLOPs and this machine's measured rates, never from the
+run it is compared with; bench.py prints it beside every row's measured ms/step.
+
+- compute: the training FLOPs (model.flops_per_token: 6N plus attention) of the tokens a rank computes, at the
+  rate one process with a rank's threads measured on the model's own micro-batch (forward, backward, AdamW);
+- communication: each collective the strategy makes in a step, at the time a short sweep measured for that
+  kind of collective on this backend, each call posted after some compute as in training (linear between the
+  sizes measured: a latency, then a bandwidth);
+- a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
+On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add. The
+measured rates are kept in the bench's out folder (machine.json) and measured again when the machine, the
+model or the processes change, or with --remeasure.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import formulas
+from model import GPT
+
+SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
+KINDS = ('all_reduce', 'all_gather', 'send')
+
+
+def timed(fn, reps, between=None):
+    """The median seconds of reps calls of fn, after one call to warm it up; between() runs before each call,
+    untimed."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if between is not None:
+            between()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_compute(config, batch_size, threads):
+    """One process with `threads` threads on the model: (FLOP/s of a micro-batch's forward and backward,
+    model.flops_per_token's count over the measured time; the seconds of the update: clip, AdamW's step)."""
+    torch.set_num_threads(threads)
+    model = GPT(config)
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
+    x = torch.randint(0, config.vocab_size, (batch_size, config.block_size))
+    forward_backward = lambda: model(x, x)[1].backward()
+    seconds = timed(forward_backward, 5)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model.flops_per_token() * batch_size * config.block_size / seconds, timed(update, 5)
+
+
+def _sweep(rank, world_size, port, threads, out):
+    """One rank of the sweep: each kind of collective at each size, each call posted after some compute, as a
+    training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU cores that doubled the
+    time of a small all-reduce); rank 0 writes the median seconds."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group('gloo', rank=rank, world_size=world_size)
+    seconds, a = {}, torch.randn(256, 256)
+    compute = lambda: [a @ a for _ in range(3)]  # about a millisecond
+    for nbytes in SIZES:
+        t = torch.ones(nbytes // 4)
+        full = torch.empty(t.numel() * world_size)
+        peer = (rank + 1) % world_size if rank % 2 == 0 else (rank - 1) % world_size
+
+        def send():  # pairs of ranks: one sends, the other receives (then the other way round, untimed)
+            (dist.send if rank % 2 == 0 else dist.recv)(t, peer)
+        calls = {'all_reduce': lambda: dist.all_reduce(t), 'send': send,
+                 'all_gather': lambda: dist.all_gather_into_tensor(full, t)}
+        for kind in KINDS:
+            dist.barrier()
+            seconds[f'{kind} {nbytes}'] = timed(calls[kind], 20, compute)
+    if rank == 0:
+        with open(out, 'w') as f:
+            json.dump(seconds, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def call_seconds(table, nbytes):
+    """A call's seconds at nbytes from the sweep's [(bytes, seconds)]: linear between the two sizes around it,
+    along the last segment beyond the largest, and the smallest's time (the latency) below it."""
+    (n0, t0), rest = table[0], table[1:]
+    for n1, t1 in rest:
+        if nbytes <= n1 or (n1, t1) == tuple(table[-1]):
+            return max(t0, t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0))
+        n0, t0 = n1, t1
+    return t0
+
+
+def measure_collectives(world_size, threads, folder):
+    """alpha and beta of each kind of collective on gloo among world_size processes of this machine."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    out = os.path.join(folder, 'sweep.json')
+    mp.spawn(_sweep, args=(world_size, port, threads, out), nprocs=world_size)
+    seconds = json.load(open(out))
+    return {kind: [(n, seconds[f'{kind} {n}']) for n in SIZES] for kind in KINDS}
+
+
+def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
+    """The measured rates (compute FLOP/s, each kind's alpha and beta), from folder/machine.json when it was
+    measured for this model, these processes and this torch; else measured now (a few seconds) and kept."""
+    key = {'model': [config.n_layer, config.n_head, config.n_embd, config.block_size, batch_size],
+           'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count()}
+    path = os.path.join(folder, 'machine.json')
+    if not remeasure and os.path.exists(path):
+        kept = json.load(open(path))
+        if kept.get('key') == key:
+            return kept
+    os.makedirs(folder, exist_ok=True)
+    flops_per_s, update_s = measure_compute(config, batch_size, threads)
+    rates = {'key': key, 'flops_per_s': flops_per_s, 'update_s': update_s,
+             'collectives': measure_collectives(world_size, threads, folder)}
+    with open(path, 'w') as f:
+        json.dump(rates, f, indent=1)
+    return rates
+
+
+# -----------------------------------------------------------------------------
+# What each bench row computes and sends in one step, per rank (the busiest)
+
+def ddp_buckets(nbytes, first=1 << 20, cap=25 << 20):
+    """The sizes of torch DDP's gradient buckets: the first 1 MiB (its all-reduce starts early), then 25."""
+    sizes, left = [], nbytes
+    while left > 0:
+        sizes.append(min(left, first if not sizes else cap))
+        left -= sizes[-1]
+    return sizes
+
+
+def row_work(name, config, batch_size, world_size, n_microbatches):
+    """What one rank of a bench row does in a step: FLOPs of forward and backward (with a pipeline's bubble:
+    each schedule of m micro-batches takes m + p - 1 slots), the share of the model it updates (clip, AdamW),
+    and its collectives [(kind, bytes a call, calls)]; None for a row not priced here. The global batch is
+    batch_size x world_size sequences in world_size micro-batches (bench.py's flags). A scalar all-reduce (the
+    loss, the clip's norm) costs its latency."""
+    w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
+    with torch.device('meta'):
+        model = GPT(config)
+    numel = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    flops = model.flops_per_token() * batch_size * w * s  # the whole step's forward and backward
+    act = batch_size * s * h * 4  # one micro-batch's residual stream, fp32
+    scalars = ('all_reduce', 4, 2)
+    work = lambda share, update, calls: {'flops': flops * share, 'update': update, 'calls': calls}
+    if name == 'train':
+        return work(1, 1, [])
+    if name in ('ddp', 'zero0'):  # every rank updates the whole model
+        sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, 25 << 20)
+        return work(1 / w, 1, [('all_reduce', n, 1) for n in sizes] + [scalars])
+    if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
+        buckets = [block] * L + [numel - L * block]
+        calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
+        return work(1 / w, 1 / w, calls + [scalars])
+    if name == 'tp':  # every micro-batch on every rank: 4 all-reduces a layer, the embedding and the loss's
+        per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
+        return work(1 / w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars])
+    if name == 'pp_1f1b':  # w schedules of m micro-batches; each stage sends and receives one per micro-batch
+        m = n_microbatches
+        tied = [('all_reduce', 4 * config.vocab_size * h, 1)] if config.tie_embeddings else []
+        return work((m + w - 1) / m / w, 1 / w, [('send', act // m, 2 * m * w)] + tied + [scalars])
+    if name == 'cp_ring':  # a kv block around the ring (cp - 1) times forward, it and its gradient backward
+        ring = formulas.cp_comm_bytes_formula(s, batch_size, config.n_head, config.n_kv_head,
+                                              h // config.n_head, w, 'ring')
+        sends = 3 * (w - 1) + 1
+        return work(1 / w, 1, [('send', ring / sends, sends * L * w), ('all_reduce', 4 * numel, 1), scalars])
+    return None
+
+
+def predict_ms(work, rates):
+    """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates."""
+    compute = work['flops'] / rates['flops_per_s'] + work['update'] * rates['update_s']
+    table = rates['collectives']
+    comm = sum(count * call_seconds(table[kind], nbytes) for kind, nbytes, count in work['calls'])
+    return 1000 * (compute + comm), 1000 * compute, 1000 * comm
+
+
+def predicted_lines(results, config, args, folder):
+    """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
+    that say so (the rates measured for this machine, kept in folder)."""
+    if torch.cuda.is_available():
+        return ["(predicted step time: priced for a CPU's gloo processes only, not yet for GPUs)"]
+    rates = machine_rates(folder, config, args.batch_size, args.world_size, args.threads, args.remeasure)
+    (n0, t0), (n1, t1) = rates['collectives']['all_reduce'][0], rates['collectives']['all_reduce'][-1]
+    lines = [f"predicted ms/step (modelled: {rates['flops_per_s'] / 1e9:.1f} GFLOP/s measured on the model's "
+             f"micro-batch, the update {1e3 * rates['update_s']:.1f} ms, an all-reduce {1e3 * t0:.2f} ms at "
+             f"{n0 >> 10} KiB, {(n1 - n0) / (t1 - t0) / 1e9:.2f} GB/s beyond; "
+             f"{os.path.join(folder, 'machine.json')}) beside measured:"]
+    for name, r in results.items():
+        work = row_work(name, config, args.batch_size, args.world_size, args.n_microbatches)
+        if r.get('status') != 'ok' or work is None:
+            continue
+        ms, compute, comm = predict_ms(work, rates)
+        r['predicted_ms'] = ms
+        lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}), "
+                     f"measured {r['ms']:6.1f}: {100 * (ms / r['ms'] - 1):+.0f}%")
+    return lines
