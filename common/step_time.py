@@ -2,8 +2,10 @@
 A step's time, predicted (modelled) from the model's FLOPs and this machine's measured rates, never from the
 run it is compared with; bench.py prints it beside every row's measured ms/step.
 
-- compute: the training FLOPs (model.flops_per_token: 6N plus attention) of the tokens a rank computes, at the
-  rate one process with a rank's threads measured on the model's own micro-batch (forward, backward, AdamW);
+- compute: for every forward and backward pass a rank makes (a micro-batch; a pipeline stage's slot: 1/p of
+  one), the ops' fixed cost, plus the training FLOPs (model.flops_per_token: 6N plus attention) of the tokens
+  it computes at the rate one process with a rank's threads measured on the model (measure_compute), plus the
+  update (clip, AdamW) of the share of the model it updates;
 - communication: each collective the strategy makes in a step, at the time a short sweep measured for that
   kind of collective on this backend, each call posted after some compute as in training (linear between the
   sizes measured: a latency, then a bandwidth);
@@ -43,19 +45,25 @@ def timed(fn, reps, between=None):
 
 
 def measure_compute(config, batch_size, threads):
-    """One process with `threads` threads on the model: (FLOP/s of a micro-batch's forward and backward,
-    model.flops_per_token's count over the measured time; the seconds of the update: clip, AdamW's step)."""
+    """One process with `threads` threads on the model, as a latency and a rate: a forward and backward timed
+    on the whole micro-batch and on one short sequence, t = fixed + FLOPs / rate (the fixed part is the ops'
+    own cost, which a strategy that cuts the work into pieces pays on every piece); and the seconds of the
+    update (clip, AdamW's step). model.flops_per_token counts the FLOPs."""
     torch.set_num_threads(threads)
     model = GPT(config)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
-    x = torch.randint(0, config.vocab_size, (batch_size, config.block_size))
-    forward_backward = lambda: model(x, x)[1].backward()
-    seconds = timed(forward_backward, 5)
+    points = []
+    for rows, tokens in ((batch_size, config.block_size), (1, max(1, config.block_size // 8))):
+        x = torch.randint(0, config.vocab_size, (rows, tokens))
+        seconds = timed(lambda: model(x, x)[1].backward(), 5)
+        points.append((model.flops_per_token(tokens) * rows * tokens, seconds))
+    (f1, t1), (f0, t0) = points
+    rate = (f1 - f0) / max(t1 - t0, 1e-9)
 
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return model.flops_per_token() * batch_size * config.block_size / seconds, timed(update, 5)
+    return {'flops_per_s': rate, 'micro_batch_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, 5)}
 
 
 def _sweep(rank, world_size, port, threads, out):
@@ -121,9 +129,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
         if kept.get('key') == key:
             return kept
     os.makedirs(folder, exist_ok=True)
-    flops_per_s, update_s = measure_compute(config, batch_size, threads)
-    rates = {'key': key, 'flops_per_s': flops_per_s, 'update_s': update_s,
-             'collectives': measure_collectives(world_size, threads, folder)}
+    rates = dict(measure_compute(config, batch_size, threads), key=key,
+                 collectives=measure_collectives(world_size, threads, folder))
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates
@@ -155,34 +162,39 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     flops = model.flops_per_token() * batch_size * w * s  # the whole step's forward and backward
     act = batch_size * s * h * 4  # one micro-batch's residual stream, fp32
     scalars = ('all_reduce', 4, 2)
-    work = lambda share, update, calls: {'flops': flops * share, 'update': update, 'calls': calls}
+    # (pieces: the forward-and-backward passes through the whole model's ops this rank makes, each paying
+    # their fixed cost: a micro-batch is one, a pipeline stage's slot 1/p of one)
+    work = lambda share, pieces, update, calls: dict(flops=flops * share, pieces=pieces, update=update,
+                                                     calls=calls)
     if name == 'train':
-        return work(1, 1, [])
+        return work(1, w, 1, [])
     if name in ('ddp', 'zero0'):  # every rank updates the whole model
         sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, 25 << 20)
-        return work(1 / w, 1, [('all_reduce', n, 1) for n in sizes] + [scalars])
+        return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars])
     if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
         buckets = [block] * L + [numel - L * block]
         calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
-        return work(1 / w, 1 / w, calls + [scalars])
+        return work(1 / w, 1, 1 / w, calls + [scalars])
     if name == 'tp':  # every micro-batch on every rank: 4 all-reduces a layer, the embedding and the loss's
         per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
-        return work(1 / w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars])
-    if name == 'pp_1f1b':  # w schedules of m micro-batches; each stage sends and receives one per micro-batch
+        return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars])
+    if name == 'pp_1f1b':  # w schedules of m + p - 1 slots; a stage sends and receives one per micro-batch
         m = n_microbatches
         tied = [('all_reduce', 4 * config.vocab_size * h, 1)] if config.tie_embeddings else []
-        return work((m + w - 1) / m / w, 1 / w, [('send', act // m, 2 * m * w)] + tied + [scalars])
+        return work((m + w - 1) / m / w, m + w - 1, 1 / w, [('send', act // m, 2 * m * w)] + tied + [scalars])
     if name == 'cp_ring':  # a kv block around the ring (cp - 1) times forward, it and its gradient backward
         ring = formulas.cp_comm_bytes_formula(s, batch_size, config.n_head, config.n_kv_head,
                                               h // config.n_head, w, 'ring')
         sends = 3 * (w - 1) + 1
-        return work(1 / w, 1, [('send', ring / sends, sends * L * w), ('all_reduce', 4 * numel, 1), scalars])
+        return work(1 / w, w, 1, [('send', ring / sends, sends * L * w), ('all_reduce', 4 * numel, 1),
+                                  scalars])
     return None
 
 
 def predict_ms(work, rates):
     """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates."""
-    compute = work['flops'] / rates['flops_per_s'] + work['update'] * rates['update_s']
+    compute = (work['pieces'] * rates['micro_batch_s'] + work['flops'] / rates['flops_per_s'] +
+               work['update'] * rates['update_s'])
     table = rates['collectives']
     comm = sum(count * call_seconds(table[kind], nbytes) for kind, nbytes, count in work['calls'])
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm
@@ -195,9 +207,10 @@ def predicted_lines(results, config, args, folder):
         return ["(predicted step time: priced for a CPU's gloo processes only, not yet for GPUs)"]
     rates = machine_rates(folder, config, args.batch_size, args.world_size, args.threads, args.remeasure)
     (n0, t0), (n1, t1) = rates['collectives']['all_reduce'][0], rates['collectives']['all_reduce'][-1]
-    lines = [f"predicted ms/step (modelled: {rates['flops_per_s'] / 1e9:.1f} GFLOP/s measured on the model's "
-             f"micro-batch, the update {1e3 * rates['update_s']:.1f} ms, an all-reduce {1e3 * t0:.2f} ms at "
-             f"{n0 >> 10} KiB, {(n1 - n0) / (t1 - t0) / 1e9:.2f} GB/s beyond; "
+    ms = lambda seconds: f"{1e3 * seconds:.1f} ms"
+    lines = [f"predicted ms/step (modelled: a forward and backward {ms(rates['micro_batch_s'])} + FLOPs at "
+             f"{rates['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {ms(rates['update_s'])}, an all-reduce "
+             f"{ms(t0)} at {n0 >> 10} KiB, {(n1 - n0) / (t1 - t0) / 1e9:.2f} GB/s beyond; "
              f"{os.path.join(folder, 'machine.json')}) beside measured:"]
     for name, r in results.items():
         work = row_work(name, config, args.batch_size, args.world_size, args.n_microbatches)

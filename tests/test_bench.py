@@ -132,14 +132,15 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
 
 
 def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwidth():
-    """The arithmetic, on rates given by hand: 2e8 FLOPs at 1e9 FLOP/s, half of a 10 ms update, two 1 MB
-    all-reduces at 1 ms + 1 MB / (1 GB/s) (the sweep's line through 0 and 2 MB): 200 + 5 + 2 x 2 = 209 ms; a
-    call's time between the sizes the sweep measured, below the smallest and beyond the largest."""
+    """The arithmetic, on rates given by hand: two passes at 2 ms fixed, 2e8 FLOPs at 1e9 FLOP/s, half of a
+    10 ms update, two 1 MB all-reduces at 1 ms + 1 MB / (1 GB/s) (the sweep's line through 0 and 2 MB):
+    4 + 200 + 5 + 2 x 2 = 213 ms; a call's time between the sizes the sweep measured, below the smallest and
+    beyond the largest."""
     from common import step_time
     table = [(0, 1e-3), (2e6, 3e-3), (4e6, 4e-3)]
-    rates = {'flops_per_s': 1e9, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
-    work = {'flops': 2e8, 'update': 0.5, 'calls': [('all_reduce', 1e6, 2)]}
-    assert step_time.predict_ms(work, rates) == pytest.approx((209.0, 205.0, 4.0))
+    rates = {'flops_per_s': 1e9, 'micro_batch_s': 2e-3, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
+    work = {'flops': 2e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 1e6, 2)]}
+    assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0))
     table = [(1000, 1e-3), (2000, 3e-3), (4000, 4e-3)]
     assert [step_time.call_seconds(table, n) for n in (10, 1500, 3000, 8000)] == \
         pytest.approx([1e-3, 2e-3, 3.5e-3, 6e-3])
@@ -159,6 +160,8 @@ def test_each_row_sends_what_its_script_sends():
     assert len(zero3['calls']) == 2 * 3 + 1 and zero3['update'] == 0.5
     tp = step_time.row_work('tp', config, 4, 2, 2)
     assert tp['calls'][0] == ('all_reduce', 4 * 16 * 32 * 4, (4 * 2 + 2) * 2)
+    pp = step_time.row_work('pp_1f1b', config, 4, 2, 2)  # 2 schedules of 2 + 2 - 1 slots, each half a pass
+    assert pp['pieces'] == 3 and pp['calls'][0] == ('send', 4 * 16 * 32 * 4 // 2, 2 * 2 * 2)
     assert step_time.row_work('zero2', config, 4, 2, 2) is None  # (not priced)
 
 
