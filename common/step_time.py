@@ -171,6 +171,11 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     if name in ('ddp', 'zero0'):  # every rank updates the whole model
         sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, 25 << 20)
         return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars])
+    if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce), its chunk gathered
+        bucket = 25 << 20 if name == 'zero1' else 4 * 100_000  # (zero.default_bucket_size's, in bytes)
+        calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
+                 for c in (('all_reduce', n, 1), ('all_gather', n // w, 1))]
+        return work(1 / w, 1, 1 / w, calls + [scalars])
     if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
         buckets = [block] * L + [numel - L * block]
         calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
@@ -178,7 +183,8 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     if name == 'tp':  # every micro-batch on every rank: 4 all-reduces a layer, the embedding and the loss's
         per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
         return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars])
-    if name == 'pp_1f1b':  # w schedules of m + p - 1 slots; a stage sends and receives one per micro-batch
+    if name in ('pp_1f1b', 'pp_gpipe'):  # w schedules of m + p - 1 slots; a stage sends and receives one per
+        # micro-batch (the two schedules' bubble is the same: 1F1B holds fewer micro-batches)
         m = n_microbatches
         tied = [('all_reduce', 4 * config.vocab_size * h, 1)] if config.tie_embeddings else []
         return work((m + w - 1) / m / w, m + w - 1, 1 / w, [('send', act // m, 2 * m * w)] + tied + [scalars])
@@ -214,7 +220,10 @@ def predicted_lines(results, config, args, folder):
              f"{os.path.join(folder, 'machine.json')}) beside measured:"]
     for name, r in results.items():
         work = row_work(name, config, args.batch_size, args.world_size, args.n_microbatches)
-        if r.get('status') != 'ok' or work is None:
+        if r.get('status') != 'ok':
+            continue
+        if work is None:
+            lines.append(f"  {name:<8} (not priced yet)")
             continue
         ms, compute, comm = predict_ms(work, rates)
         r['predicted_ms'] = ms

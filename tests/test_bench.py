@@ -155,6 +155,7 @@ def test_each_row_sends_what_its_script_sends():
     from model import GPTConfig
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
     block = 12 * 32 * 32 + 2 * 32  # c_attn, c_proj, c_fc, c_proj (no biases), two norms' weights
+    numel = 2 * block + 64 * 32 + 16 * 32 + 32  # the blocks, wte (tied to the head), wpe, ln_f
     zero3 = step_time.row_work('zero3', config, 4, 2, 2)
     assert zero3['calls'][:2] == [('all_gather', 4 * block // 2, 2), ('all_reduce', 4 * block, 1)]
     assert len(zero3['calls']) == 2 * 3 + 1 and zero3['update'] == 0.5
@@ -162,7 +163,9 @@ def test_each_row_sends_what_its_script_sends():
     assert tp['calls'][0] == ('all_reduce', 4 * 16 * 32 * 4, (4 * 2 + 2) * 2)
     pp = step_time.row_work('pp_1f1b', config, 4, 2, 2)  # 2 schedules of 2 + 2 - 1 slots, each half a pass
     assert pp['pieces'] == 3 and pp['calls'][0] == ('send', 4 * 16 * 32 * 4 // 2, 2 * 2 * 2)
-    assert step_time.row_work('zero2', config, 4, 2, 2) is None  # (not priced)
+    zero2 = step_time.row_work('zero2', config, 4, 2, 2)  # 100,000-element buckets: this model is one
+    assert zero2['calls'][:2] == [('all_reduce', 4 * numel, 1), ('all_gather', 4 * numel // 2, 1)]
+    assert step_time.row_work('cp_ulysses', config, 4, 2, 2) is None  # (not priced)
 
 
 def _results():
