@@ -13,9 +13,10 @@ a memory planner (planner.py) for models too large to run here.
 
 The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
 log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
-bench.py measures nothing itself and writes no formula: the estimate calls formulas.py, the very functions the
-scripts print beside what they measure; --check runs three of the strategies here and prints what they
-measured beside the estimate.
+bench.py measures nothing of the runs itself and writes no formula: the estimate calls formulas.py, the very
+functions the scripts print beside what they measure; --check runs three of the strategies here and prints
+what they measured beside the estimate. Under the table, each row's step time as common/step_time.py predicts
+it from rates it measures on this machine (a short sweep, kept in --out/machine.json).
 """
 
 import argparse
@@ -35,7 +36,6 @@ from common.plots import plot
 from common.planner import add_estimate_arguments, ds_config_for, fmt_bytes, run_estimate
 from common import step_time
 from common.training import load_dataset
-from model import GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -405,9 +405,7 @@ def run_bench(args):
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, bias=False,
-                       block_size=args.block_size, vocab_size=load_dataset('stdlib_char')[1])
-    print('\n'.join(step_time.predicted_lines(results, config, args, args.out)))
+    predicted = step_time.predicted_lines(results, args, load_dataset('stdlib_char')[1])
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
@@ -418,6 +416,7 @@ def run_bench(args):
               f"{args.warmup}..{args.max_iters - 1}. "
               f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
     table = bench_markdown(results, rows, all_same, rtol)
+    table += '\n\n' + '\n'.join(predicted)
     print('\n' + header + '\n\n' + table, flush=True)
     with open(os.path.join(args.out, 'bench.md'), 'w') as f:
         f.write(header + '\n\n' + table + '\n')

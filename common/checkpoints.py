@@ -47,15 +47,19 @@ def save_checkpoint(obj, path):
             os.remove(tmp)
 
 
-def cpu_copy(obj):
+def cpu_copy(obj, keep_whole=False):
     """A copy of obj (dicts, lists, tuples of tensors and plain values) with every tensor copied to CPU
-    memory."""
+    memory. keep_whole: a CPU tensor that is all of its storage is kept as it is, not copied (torch.save
+    writes a view's whole storage: a view, such as a ZeRO chunk inside its bucket, is still copied)."""
     if isinstance(obj, torch.Tensor):
+        whole = obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
+        if keep_whole and obj.device.type == 'cpu' and whole:
+            return obj.detach()
         return obj.detach().to('cpu', copy=True)
     if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
+        return {k: cpu_copy(v, keep_whole) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
+        return type(obj)(cpu_copy(v, keep_whole) for v in obj)
     return obj
 
 
@@ -64,14 +68,15 @@ class CheckpointWriter:
     a slow disk never keeps a rank out of the next collective while its peers wait there under the process
     group's timeout: a 7B model's checkpoint takes minutes, the timeout is one. save() copies the state to CPU
     memory (training goes on changing the tensors), waits for the previous write, starts this one and returns.
-    The run's last save (iter_num is last_iter: nothing changes the tensors after it) writes them as they are:
-    on a CPU the copy would be a second copy of the rank's whole state, at the end of the run its peak."""
+    The run's last save (iter_num is last_iter: nothing changes the tensors after it) writes the CPU tensors
+    that are whole as they are: there the copy would be a second copy of the rank's state, at the run's end
+    its peak."""
 
     def __init__(self, last_iter=None):
         self.thread, self.error, self.last_iter = None, None, last_iter
 
     def save(self, obj, path, iter_num=None):
-        snapshot = obj if iter_num is not None and iter_num == self.last_iter else cpu_copy(obj)
+        snapshot = cpu_copy(obj, keep_whole=iter_num is not None and iter_num == self.last_iter)
         self.wait()
         self.thread = threading.Thread(target=self._write, args=(snapshot, path), daemon=False)
         self.thread.start()

@@ -11,8 +11,9 @@ run it is compared with; bench.py prints it beside every row's measured ms/step.
   sizes measured: a latency, then a bandwidth);
 - a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
 On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add. The
-measured rates are kept in the bench's out folder (machine.json) and measured again when the machine, the
-model or the processes change, or with --remeasure.
+rates are kept in the bench's out folder (machine.json; the sweep's own times in sweep.json) and measured
+again when the model, the processes, the number of cores or torch change, or with --remeasure. Priced: fp32
+on a CPU.
 """
 
 import json
@@ -24,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from common import formulas
-from model import GPT
+from model import GPT, GPTConfig
 
+VERSION = 2  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send')
 
@@ -63,13 +65,13 @@ def measure_compute(config, batch_size, threads):
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return {'flops_per_s': rate, 'micro_batch_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, 5)}
+    return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, 5)}
 
 
 def _sweep(rank, world_size, port, threads, out):
     """One rank of the sweep: each kind of collective at each size, each call posted after some compute, as a
     training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU cores that doubled the
-    time of a small all-reduce); rank 0 writes the median seconds."""
+    time of a small all-reduce); a send is timed between ranks 0 and 1. Rank 0 writes the median seconds."""
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group('gloo', rank=rank, world_size=world_size)
@@ -78,10 +80,7 @@ def _sweep(rank, world_size, port, threads, out):
     for nbytes in SIZES:
         t = torch.ones(nbytes // 4)
         full = torch.empty(t.numel() * world_size)
-        peer = (rank + 1) % world_size if rank % 2 == 0 else (rank - 1) % world_size
-
-        def send():  # pairs of ranks: one sends, the other receives (then the other way round, untimed)
-            (dist.send if rank % 2 == 0 else dist.recv)(t, peer)
+        send = {0: lambda: dist.send(t, 1), 1: lambda: dist.recv(t, 0)}.get(rank, lambda: None)
         calls = {'all_reduce': lambda: dist.all_reduce(t), 'send': send,
                  'all_gather': lambda: dist.all_gather_into_tensor(full, t)}
         for kind in KINDS:
@@ -95,18 +94,18 @@ def _sweep(rank, world_size, port, threads, out):
 
 
 def call_seconds(table, nbytes):
-    """A call's seconds at nbytes from the sweep's [(bytes, seconds)]: linear between the two sizes around it,
-    along the last segment beyond the largest, and the smallest's time (the latency) below it."""
-    (n0, t0), rest = table[0], table[1:]
-    for n1, t1 in rest:
-        if nbytes <= n1 or (n1, t1) == tuple(table[-1]):
-            return max(t0, t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0))
-        n0, t0 = n1, t1
-    return t0
+    """A call's seconds at nbytes from the sweep's [(bytes, seconds)], sizes ascending: the smallest's time
+    (the latency) below it, linear between the two sizes around it, along the last segment beyond the largest
+    (never less than the segment's first time: a noisy sweep can measure a larger call faster)."""
+    i = 1
+    while i < len(table) - 1 and nbytes > table[i][0]:
+        i += 1
+    (n0, t0), (n1, t1) = table[i - 1], table[i]
+    return max(t0, t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0))
 
 
 def measure_collectives(world_size, threads, folder):
-    """alpha and beta of each kind of collective on gloo among world_size processes of this machine."""
+    """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
@@ -119,9 +118,10 @@ def measure_collectives(world_size, threads, folder):
 
 
 def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
-    """The measured rates (compute FLOP/s, each kind's alpha and beta), from folder/machine.json when it was
-    measured for this model, these processes and this torch; else measured now (a few seconds) and kept."""
-    key = {'model': [config.n_layer, config.n_head, config.n_embd, config.block_size, batch_size],
+    """The measured rates (measure_compute's, each kind of collective's times), from folder/machine.json when
+    it was measured for this model, these processes and this torch; else measured now (seconds) and kept."""
+    key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
+                                         batch_size],
            'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count()}
     path = os.path.join(folder, 'machine.json')
     if not remeasure and os.path.exists(path):
@@ -129,8 +129,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
         if kept.get('key') == key:
             return kept
     os.makedirs(folder, exist_ok=True)
-    rates = dict(measure_compute(config, batch_size, threads), key=key,
-                 collectives=measure_collectives(world_size, threads, folder))
+    collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
+    rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates
@@ -140,7 +140,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
 # What each bench row computes and sends in one step, per rank (the busiest)
 
 def ddp_buckets(nbytes, first=1 << 20, cap=25 << 20):
-    """The sizes of torch DDP's gradient buckets: the first 1 MiB (its all-reduce starts early), then 25."""
+    """Bucket sizes in bytes, torch DDP's by default: the first 1 MiB (its all-reduce starts early), then 25
+    MiB each."""
     sizes, left = [], nbytes
     while left > 0:
         sizes.append(min(left, first if not sizes else cap))
@@ -153,7 +154,7 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     each schedule of m micro-batches takes m + p - 1 slots), the share of the model it updates (clip, AdamW),
     and its collectives [(kind, bytes a call, calls)]; None for a row not priced here. The global batch is
     batch_size x world_size sequences in world_size micro-batches (bench.py's flags). A scalar all-reduce (the
-    loss, the clip's norm) costs its latency."""
+    loss; the clip's norm where the gradients are spread over ranks) costs its latency."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
     with torch.device('meta'):
         model = GPT(config)
@@ -161,7 +162,7 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     block = sum(p.numel() for p in model.transformer.h[0].parameters())
     flops = model.flops_per_token() * batch_size * w * s  # the whole step's forward and backward
     act = batch_size * s * h * 4  # one micro-batch's residual stream, fp32
-    scalars = ('all_reduce', 4, 2)
+    scalars = lambda calls: ('all_reduce', 4, calls)
     # (pieces: the forward-and-backward passes through the whole model's ops this rank makes, each paying
     # their fixed cost: a micro-batch is one, a pipeline stage's slot 1/p of one)
     work = lambda share, pieces, update, calls: dict(flops=flops * share, pieces=pieces, update=update,
@@ -170,59 +171,75 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
         return work(1, w, 1, [])
     if name in ('ddp', 'zero0'):  # every rank updates the whole model
         sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, 25 << 20)
-        return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars])
+        return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
     if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce), its chunk gathered
-        bucket = 25 << 20 if name == 'zero1' else 4 * 100_000  # (zero.default_bucket_size's, in bytes)
+        # (zero.default_bucket_size's buckets, in bytes; zero.py closes one at a parameter's end: about these)
+        bucket = 25 << 20 if name == 'zero1' else 4 * 100_000
         calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
                  for c in (('all_reduce', n, 1), ('all_gather', n // w, 1))]
-        return work(1 / w, 1, 1 / w, calls + [scalars])
+        return work(1 / w, 1, 1 / w, calls + [scalars(2)])
     if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
+        # (zero.py's gather on gloo is point-to-point sends into the buffer: priced as the sweep's all-gather)
         buckets = [block] * L + [numel - L * block]
         calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
-        return work(1 / w, 1, 1 / w, calls + [scalars])
+        return work(1 / w, 1, 1 / w, calls + [scalars(2)])
     if name == 'tp':  # every micro-batch on every rank: 4 all-reduces a layer, the embedding and the loss's
         per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
-        return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars])
+        return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
     if name in ('pp_1f1b', 'pp_gpipe'):  # w schedules of m + p - 1 slots; a stage sends and receives one per
         # micro-batch (the two schedules' bubble is the same: 1F1B holds fewer micro-batches)
         m = n_microbatches
         tied = [('all_reduce', 4 * config.vocab_size * h, 1)] if config.tie_embeddings else []
-        return work((m + w - 1) / m / w, m + w - 1, 1 / w, [('send', act // m, 2 * m * w)] + tied + [scalars])
+        calls = [('send', act // m, 2 * m * w)] + tied + [scalars(w + 2)]  # (a loss per schedule, the clip's)
+        return work((m + w - 1) / m / w, m + w - 1, 1 / w, calls)
     if name == 'cp_ring':  # a kv block around the ring (cp - 1) times forward, it and its gradient backward
         ring = formulas.cp_comm_bytes_formula(s, batch_size, config.n_head, config.n_kv_head,
                                               h // config.n_head, w, 'ring')
         sends = 3 * (w - 1) + 1
         return work(1 / w, w, 1, [('send', ring / sends, sends * L * w), ('all_reduce', 4 * numel, 1),
-                                  scalars])
+                                  scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
     return None
 
 
 def predict_ms(work, rates):
     """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates."""
-    compute = (work['pieces'] * rates['micro_batch_s'] + work['flops'] / rates['flops_per_s'] +
+    compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
                work['update'] * rates['update_s'])
     table = rates['collectives']
     comm = sum(count * call_seconds(table[kind], nbytes) for kind, nbytes, count in work['calls'])
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm
 
 
-def predicted_lines(results, config, args, folder):
+def rates_line(rates, folder):
+    """What the prediction stands on, in one line: the rates measured on this machine, and where they are."""
+    text = (f"a pass's fixed cost {1e3 * rates['pass_fixed_s']:.1f} ms, FLOPs at "
+            f"{rates['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {1e3 * rates['update_s']:.1f} ms")
+    if rates['collectives']:
+        (n0, t0), (n1, t1) = rates['collectives']['all_reduce'][0], rates['collectives']['all_reduce'][-1]
+        text += f", an all-reduce {1e3 * t0:.2f} ms at {n0 >> 10} KiB and {1e3 * t1:.1f} ms at {n1 >> 20} MiB"
+    return f"predicted ms/step (modelled, from rates measured on this machine: {text}; " \
+           f"{os.path.join(folder, 'machine.json')}), beside the measured:"
+
+
+def predicted_lines(results, args, vocab_size):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
-    that say so (the rates measured for this machine, kept in folder)."""
-    if torch.cuda.is_available():
-        return ["(predicted step time: priced for a CPU's gloo processes only, not yet for GPUs)"]
-    rates = machine_rates(folder, config, args.batch_size, args.world_size, args.threads, args.remeasure)
-    (n0, t0), (n1, t1) = rates['collectives']['all_reduce'][0], rates['collectives']['all_reduce'][-1]
-    ms = lambda seconds: f"{1e3 * seconds:.1f} ms"
-    lines = [f"predicted ms/step (modelled: a forward and backward {ms(rates['micro_batch_s'])} + FLOPs at "
-             f"{rates['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {ms(rates['update_s'])}, an all-reduce "
-             f"{ms(t0)} at {n0 >> 10} KiB, {(n1 - n0) / (t1 - t0) / 1e9:.2f} GB/s beyond; "
-             f"{os.path.join(folder, 'machine.json')}) beside measured:"]
+    that say so; if predicting fails, one line that says why (the rows' results are kept)."""
+    if torch.cuda.is_available() or args.dtype != 'float32':
+        return ["(predicted step time: priced for float32 on a CPU's gloo processes only, not yet for "
+                f"{'GPUs' if torch.cuda.is_available() else args.dtype})"]
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, bias=False,
+                       block_size=args.block_size, vocab_size=vocab_size)
+    try:
+        rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
+                              args.remeasure)
+    except Exception as e:  # (a broken sweep must not lose the bench's results)
+        return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
+    lines = [rates_line(rates, args.out)]
     for name, r in results.items():
-        work = row_work(name, config, args.batch_size, args.world_size, args.n_microbatches)
         if r.get('status') != 'ok':
             continue
-        if work is None:
+        work = row_work(name, config, args.batch_size, args.world_size, args.n_microbatches)
+        if work is None or any(kind not in rates['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue
         ms, compute, comm = predict_ms(work, rates)

@@ -138,7 +138,7 @@ def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwi
     beyond the largest."""
     from common import step_time
     table = [(0, 1e-3), (2e6, 3e-3), (4e6, 4e-3)]
-    rates = {'flops_per_s': 1e9, 'micro_batch_s': 2e-3, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
+    rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
     work = {'flops': 2e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 1e6, 2)]}
     assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0))
     table = [(1000, 1e-3), (2000, 3e-3), (4000, 4e-3)]

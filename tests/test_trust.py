@@ -137,19 +137,20 @@ def test_checkpoint_writer_returns_before_the_disk_and_raises_its_errors(tmp_pat
         writer.wait()
 
 
-
 def test_the_last_checkpoint_of_a_run_is_written_without_a_copy(tmp_path, monkeypatch):
     """A save before the last copies the state (training changes it next); the run's last save (iter_num is
-    the writer's last_iter) hands the live tensors to the thread: a copy there would be a second copy of the
-    rank's whole state on a CPU, at the run's end."""
+    the writer's last_iter) hands a whole CPU tensor to the thread as it is, and copies only a view (torch.save
+    would write its whole storage: a ZeRO rank's chunk inside its bucket would save the bucket)."""
     written = []
-    monkeypatch.setattr(checkpoints, 'save_checkpoint', lambda obj, path: written.append(obj['w'].data_ptr()))
-    writer, weights = checkpoints.CheckpointWriter(last_iter=10), torch.ones(1000)
+    monkeypatch.setattr(checkpoints, 'save_checkpoint', lambda obj, path: written.append(obj))
+    writer, weights, bucket = checkpoints.CheckpointWriter(last_iter=10), torch.ones(1000), torch.ones(1000)
     for iter_num in (5, 10):
-        writer.save({'w': weights}, str(tmp_path / 'ckpt.pt'), iter_num)
+        writer.save({'w': weights, 'chunk': bucket[:250]}, str(tmp_path / 'ckpt.pt'), iter_num)
         writer.wait()
-    assert written[0] != weights.data_ptr()  # iteration 5: a copy
-    assert written[1] == weights.data_ptr()  # iteration 10, the last: the tensor itself
+    assert written[0]['w'].data_ptr() != weights.data_ptr()  # iteration 5: a copy
+    assert written[1]['w'].data_ptr() == weights.data_ptr()  # iteration 10, the last: the tensor itself
+    chunk = written[1]['chunk']  # ... and the view's quarter alone
+    assert chunk.untyped_storage().nbytes() == 250 * 4 and torch.equal(chunk, bucket[:250])
 
 
 def test_torchs_meta_kernels_count_in_the_start_not_in_the_run():
@@ -165,6 +166,7 @@ def test_torchs_meta_kernels_count_in_the_start_not_in_the_run():
     s0, s1, s2 = map(int, out.stdout.split())
     assert s1 - s0 > 20 * 2**20  # the first load: tens of MiB, added to the start
     assert s2 - s1 < 4 * 2**20   # loaded already: nothing more
+
 
 def _deadlock(rank, world_size):
     import torch.distributed as dist
