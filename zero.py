@@ -374,8 +374,8 @@ class Zero:
 
 def default_bucket_size(stage):
     """Stages 0-1 keep every gradient anyway: DDP's bucket size (25 MiB of fp32), no more collectives than DDP
-    makes (each costs a fixed latency: 7 buckets made stage 0 5% slower than DDP on 2 CPU ranks). Stage 2 holds
-    full-size gradients one bucket at a time: a small bucket keeps them small."""
+    makes (each costs a fixed latency: 7 buckets made stage 0 5% slower than DDP on 2 CPU ranks). Stage 2
+    holds full-size gradients one bucket at a time: a small bucket keeps them small."""
     return 25 * 2**20 // 4 if stage <= 1 else 100_000
 
 
