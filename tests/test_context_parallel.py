@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
-                     read_log, run_script, run_train_py_here, spawn, train_losses, train_py_reference)
+                     one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, train_losses, train_py_reference)
 
 from common import formulas
 
@@ -248,10 +248,8 @@ def test_bad_config_exits_on_every_rank(tmp_path, args, key):
     """One line per rank (its own: torchrun's summary may quote it again, indented), a non-zero exit, nothing run
     (--cp_attention=foo used to run Ulysses)."""
     proc = run_script('context_parallel.py', TINY + [f'--out_dir={tmp_path}', '--cp=2'] + args, nproc=2, timeout=60)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith('[rank ') and '] error: ' in line]
-    assert sorted(line.split(']')[0] for line in lines) == ['[rank 0', '[rank 1'], proc.stderr
-    assert all(key in line for line in lines), lines
+    # (a rank still importing torch when the other has refused is stopped by torchrun: the helper allows that)
+    one_error_line_per_rank(proc, key, 'context_parallel.py')
     assert not (tmp_path / 'log.jsonl').exists()
 
 
