@@ -105,17 +105,19 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     weights are read one tensor at a time by init_values. Returns (model, the checkpoint or None, iter_num,
     best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
-    on_meta = torch.device('meta') if meta else contextlib.nullcontext()
-    if meta:
-        load_meta_kernels()  # (torch's code: not counted as the run's memory)
+
+    def on_meta():  # (torch's meta kernels loaded first, just before the build: torch's code, not the run's)
+        if meta:
+            load_meta_kernels()
+        return torch.device('meta') if meta else contextlib.nullcontext()
     if cfg.init_from == 'scratch':
-        with on_meta:
+        with on_meta():
             model = GPT(model_config(cfg, vocab_size))
     elif cfg.init_from == 'resume':
         if os.path.exists(ckpt_path):
             checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=meta)
         check_resume_files(checkpoint, ckpt_path)
-        with on_meta:
+        with on_meta():
             model = GPT(GPTConfig(**checkpoint['model_args']))
         if not meta:
             model.load_state_dict(checkpoint['model'])
@@ -126,7 +128,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         from common import hf  # (Hugging Face's files, and transformers, only here)
         overrides = dict(dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
         if meta:  # the shapes from its config; its weights come later, one tensor at a time (init_values)
-            with on_meta:
+            with on_meta():
                 model = GPT(hf.open_gpt2(cfg.init_from, **overrides)[0])
         else:
             model = hf.from_pretrained(cfg.init_from, **overrides)
