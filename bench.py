@@ -126,18 +126,14 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
         'tp': ('tensor_parallel.py', [f'--tp={w}'], w),
         'tp_sp': ('tensor_parallel.py', [f'--tp={w}', '--sequence_parallel=True'], w),
         'pp_gpipe': ('pipeline.py', [f'--pp={w}', '--schedule=gpipe', f'--n_microbatches={n_microbatches}',
-                                     last],
-                     w),
+                                     last], w),
         'pp_1f1b': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
-                                    last],
-                    w),
+                                    last], w),
         'pp_zb1': ('pipeline.py', [f'--pp={w}', '--schedule=zb1', f'--n_microbatches={n_microbatches}', last],
                    w),
-        # the same run measured on every step (a barrier, a synchronize, clocks and a MAX all-reduce per
-        # schedule)
-        'pp_1f1b_measured': ('pipeline.py',
-                             [f'--pp={w}', '--schedule=1f1b', f'--n_microbatches={n_microbatches}',
-                                             '--measure_every=1'], w),
+        # the same run measured on every step (a barrier, a synchronize, clocks, a MAX all-reduce a schedule)
+        'pp_1f1b_measured': ('pipeline.py', [f'--pp={w}', '--schedule=1f1b',
+                                             f'--n_microbatches={n_microbatches}', '--measure_every=1'], w),
         'pp_interleaved': ('pipeline.py', [f'--pp={w}', '--schedule=interleaved', '--virtual_stages=2',
                                            f'--n_microbatches={n_microbatches}', last], w),
         'cp_ring': ('context_parallel.py', [f'--cp={w}', '--cp_attention=ring'], w),
@@ -460,8 +456,7 @@ def parse_args(argv):
     p.add_argument('--row_timeout', type=int, default=600)
     p.add_argument('--repeat', type=int, default=1, help='run the rows this many times, alternating (zero0,'
                    'ddp,zero0,...): the median of each, and two rows\' ratio run by run')
-    p.add_argument('--remeasure', action='store_true', help="measure this machine's rates again (the "
-                   "predicted step times'; else kept in --out/machine.json)")
+    p.add_argument('--remeasure', action='store_true', help="measure the predicted step's rates again")
     p.add_argument('--out', default='out_bench')
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')

@@ -3,9 +3,7 @@ ZeRO by hand, stages 0 to 3 (Rajbhandari et al. 2020): data parallelism in which
 states (parameters, gradients, AdamW state) instead of each holding all of them. Every collective is written
 out with torch.distributed; no DDP, FSDP or ZeroRedundancyOptimizer inside.
 
-    torchrun --standalone --nproc_per_node=2 zero.py --stage=2
-    torchrun --standalone --nproc_per_node=2 zero.py --deepspeed_config=config/ds_zero3.json
-    WORLD_SIZE=8 python zero.py --stage=3 --gradient_accumulation_steps=8 --print_ds_config=True  # its JSON
+    torchrun --standalone --nproc_per_node=2 zero.py --stage=2   # or --deepspeed_config=config/ds_zero3.json
     python consolidate.py out-zero       # the per-rank shards -> out-zero/ckpt.pt, a train.py checkpoint
 
 stage 0  data parallelism: gradients all-reduced bucket by bucket while backward is still running
@@ -373,9 +371,8 @@ class Zero:
 
 
 def default_bucket_size(stage):
-    """Stages 0-1 keep every gradient anyway: DDP's bucket size (25 MiB of fp32), no more collectives than DDP
-    makes (each costs a fixed latency: 7 buckets made stage 0 5% slower than DDP on 2 CPU ranks). Stage 2
-    holds full-size gradients one bucket at a time: a small bucket keeps them small."""
+    """Stages 0-1 keep every gradient anyway: DDP's 25 MiB (of fp32), so no more collectives (each a fixed
+    latency) than DDP; stage 2 holds full-size gradients one bucket at a time: small ones keep them small."""
     return 25 * 2**20 // 4 if stage <= 1 else 100_000
 
 
