@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from common import formulas
+from common import formulas, step_time
 from model import GPT
 from common.training import config_defaults, configure, model_config
 from common.model_parallel import GRID_DIMS
@@ -178,8 +178,8 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         if p > 1:
             row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches,
                                                                       schedule=k['schedule'])
-        row['comm_bytes_per_step'] = comm_per_step(gptconf, k, s, micro_batch, n_microbatches, numel,
-                                                   mixed_precision)
+        row['comm_parts'] = comm_per_step(gptconf, k, s, micro_batch, n_microbatches, numel, mixed_precision)
+        row['comm_bytes_per_step'] = sum(nbytes for nbytes, _ in row['comm_parts'].values())
         held = row['model_state_bytes'] + row.get('gathered_bytes', 0)
         row['total_bytes'] = held + row['activations_and_logits_bytes']
         row['total_bytes_ckpt'] = held + row['activations_and_logits_bytes_ckpt']
@@ -218,40 +218,49 @@ def activations_of(gptconf, k, s, b, m, mixed_precision):
 
 
 def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
-    """Bytes the busiest rank of strategy shape k sends per optimizer step: m micro-batches of b sequences of
-    s tokens, then one gradient synchronisation, in the dtype each script sends: the stage-0 scripts
-    all-reduce fp32 gradients, zero.py reduces bf16 ones under bf16 (and ZeRO-2/3 at every micro-batch);
-    tensor parallelism's collectives carry bf16 activations; a pipeline sends the fp32 residual stream and its
-    fp32 gradient (pipeline.py's buffers, whatever the dtype); the ring sends bf16 kv blocks and fp32 dK, dV
-    (formulas.cp_comm_bytes_formula). A few scalars (the loss, the gradient norm) are left out."""
+    """{group: (bytes, calls)}: what the busiest rank of strategy shape k sends per optimizer step over each
+    of its groups ('dp' the gradients, 'ep', 'tp', 'pp', 'cp'), m micro-batches of b sequences of s tokens, in
+    the dtype each script sends: the stage-0 scripts all-reduce fp32 gradients, zero.py reduces bf16 ones
+    under bf16 (and ZeRO-2/3 at every micro-batch); tensor parallelism's collectives carry bf16 activations;
+    a pipeline sends the fp32 residual stream and its fp32 gradient (pipeline.py's buffers, whatever the
+    dtype); the ring sends bf16 kv blocks and fp32 dK, dV (formulas.cp_comm_bytes_formula). A few scalars (the
+    loss, the gradient norm) are left out; the calls are counted roughly (25 MB gradient buckets)."""
     dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
     h, a, L = gptconf.n_embd, gptconf.n_head, gptconf.n_layer
     act_bytes = 2 if mixed_precision else 4
     grad_bytes = act_bytes if stage > 0 else 4
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
-    # expert_parallel.py: fp32 dense gradients over all dp ranks, each expert's over its dp/ep
+    parts = {}
+    # experts split over ep ranks (numel = the dense weights + 1/ep of a tp rank's experts, model_states_of):
+    # expert_parallel.py all-reduces fp32 dense gradients over all dp ranks, each expert's over its dp/ep
+    # replicas; parallel_4d.py (tp > 1) reduces them as ZeRO-1 over dp x cp and dp x cp / ep ranks
     if k['ep'] > 1:
-        # replicas, and per MoE layer and micro-batch the all-to-alls (formulas.ep_all_to_all_bytes_formula)
-        e, experts = k['ep'], param_counts(gptconf)['experts'] // k['ep']
-        comm = formulas.comm_bytes_formula(numel - experts, dp, 0, 4) + formulas.comm_bytes_formula(
-            experts, dp // e, 0, 4)
+        # and per MoE layer and micro-batch the all-to-alls (formulas.ep_all_to_all_bytes_formula)
+        e, experts = k['ep'], param_counts(gptconf)['experts'] // t // k['ep']
+        kind = (0, 4) if t == 1 else (stage, grad_bytes)
+        comm = formulas.comm_bytes_formula(numel - experts, dp * c, *kind, m) + formulas.comm_bytes_formula(
+            experts, dp * c // e, *kind, m)
         a2a = formulas.ep_all_to_all_bytes_formula(b * s, gptconf.n_expert_active, h, e, 4, act_bytes)
-        comm += sum(map(gptconf.is_moe, range(L))) * m * a2a['wire_bytes']
+        moe_layers = sum(map(gptconf.is_moe, range(L)))
+        parts['ep'] = (moe_layers * m * a2a['wire_bytes'], 4 * moe_layers * m)
+    if comm:
+        parts['dp'] = (comm, 3 * (L // p) * m if stage == 3 else math.ceil(comm / 25e6))
     if t > 1:
         per_layer = formulas.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
         edges = formulas.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
-        comm += (per_layer * L + edges) * m
+        parts['tp'] = ((per_layer * L + edges) * m, (4 * L + 5) * m)
     # the busiest stage: a middle one, or the first, which with tied embeddings also all-reduces the
     if p > 1:
         # tied weight's fp32 gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron
         # does)
         tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, 4) if gptconf.tie_embeddings else 0
-        comm += max(formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4),
-                    formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=0) + tied)
+        parts['pp'] = (max(formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4),
+                           formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=0) + tied),
+                       2 * m + 1)
     if c > 1:
-        comm += L * m * formulas.cp_comm_bytes_formula(s, b, a, gptconf.n_kv_head, h // a, c, 'ring',
-                                                       act_bytes)
-    return comm
+        parts['cp'] = (L * m * formulas.cp_comm_bytes_formula(s, b, a, gptconf.n_kv_head, h // a, c, 'ring',
+                                                              act_bytes), L * m * (3 * (c - 1) + 1))
+    return parts
 
 
 def cheapest(rows, gpus):
@@ -426,6 +435,19 @@ def add_estimate_arguments(p):
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
     p.add_argument('--vocab_size', type=int, default=None,
                    help='default: a "# vocab_size: N" line, else 50304')
+    step_time.add_device_arguments(p)  # the stated GPUs a step is priced on
+
+
+def command_for(choice, rows, args, overrides, seq_len, n_micro, mixed, file_name='ds_config.json'):
+    """(the DeepSpeed config's path, the torchrun command) of a chosen strategy ('NAME' or 'NAME + ckpt'),
+    its config written into --out/file_name."""
+    row = next(r for r in rows if choice.removesuffix(' + ckpt') == r['strategy'])
+    os.makedirs(args.out, exist_ok=True)
+    ds_path = os.path.join(args.out, file_name)
+    with open(ds_path, 'w') as f:
+        json.dump(ds_config_for(row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f, indent=2)
+    return ds_path, launch_command(row, choice.endswith(' + ckpt'), args, overrides, seq_len, n_micro,
+                                   ds_path if row['zero_stage'] else None)
 
 
 def run_estimate(args, overrides, check=None):
@@ -445,31 +467,29 @@ def run_estimate(args, overrides, check=None):
     args.pp = args.pp or largest_divisor(min(args.gpus, 4), gptconf.n_layer)
     args.cp = args.cp or largest_divisor(min(args.gpus, 4), seq_len // 2, args.gpus)
     counts = param_counts(gptconf)
-    numel = counts['total']
     n_micro = args.n_microbatches or max(1, 2 * args.pp)
     # a mixture of experts: ep, the largest that divides the experts and the GPUs (at most 8: one node)
     ep = getattr(args, 'ep', None) or largest_divisor(min(args.gpus, 8), gptconf.n_expert or 1, args.gpus)
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
                     n_micro, args.zero_stage, mixed, ep)
     best = cheapest(rows, args.gpus)
-    ds_path = command = None
-    if best:
-        best_row = next(r for r in rows if best.startswith(r['strategy']))
-        os.makedirs(args.out, exist_ok=True)
-        ds_path = os.path.join(args.out, 'ds_config.json')
-        with open(ds_path, 'w') as f:
-            json.dump(ds_config_for(best_row, args.estimate, overrides, args.micro_batch, n_micro, mixed), f,
-                      indent=2)
-        command = launch_command(best_row, best.endswith(' + ckpt'), args, overrides, seq_len, n_micro,
-                                 ds_path if best_row['zero_stage'] else None)
+    ranked = step_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, n_micro, args)
+    fastest = ranked[0]['strategy'] if ranked else None
+    fastest_command = command_for(fastest, rows, args, overrides, seq_len, n_micro, mixed,
+                                  'ds_config_fastest.json')[1] if fastest not in (None, best) else None
+    ds_path, command = (command_for(best, rows, args, overrides, seq_len, n_micro, mixed) if best else
+                        (None, None))
     checked = check(args, overrides, rows, best, ds_path, n_micro) if args.check and check else None
     if args.json:
-        print(json.dumps({'config': args.estimate, 'params': numel, 'active_params': counts['active'],
+        print(json.dumps({'config': args.estimate, 'params': counts['total'],
+                          'active_params': counts['active'],
                           'expert_params': counts['experts'], 'gpus': args.gpus,
                           'gpu_mem_gb': args.gpu_mem_gb, 'dtype': args.dtype, 'micro_batch': args.micro_batch,
-                          'seq_len': seq_len,
-                          'n_microbatches': n_micro, 'strategies': estimate_json(rows), 'cheapest': best,
-                          'ds_config': ds_path, 'command': command, 'checked': checked}, indent=1))
+                          'seq_len': seq_len, 'n_microbatches': n_micro, 'strategies': estimate_json(rows),
+                          'cheapest': best, 'ds_config': ds_path, 'command': command, 'checked': checked,
+                          'device': {k: getattr(args, k) for k in step_time.FIGURES}, 'ranking': ranked,
+                          'fastest': fastest,
+                          'fastest_command': fastest_command or command}, indent=1))
         return
     print_estimate(args, gptconf, counts, rows, n_micro, seq_len, mixed, vocab_note)
     print(f"\ncheapest that fits on all {args.gpus} GPUs (the first in the table's order of added cost; "
@@ -477,13 +497,21 @@ def run_estimate(args, overrides, check=None):
           + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
     if best:
         print(f"run it with:\n  {command}")
+    print('\n' + '\n'.join(step_time.ranking_lines(ranked, args.gpus, args)))
+    if fastest:
+        print(f"\nfastest that fits, by this model: {fastest}" + (
+            f"; run it with:\n  {fastest_command}" if fastest_command else ': the cheapest above'))
     if checked:
-        print(f"\nThe estimate against what the scripts measured, run here on {args.gpus} processes:\n")
-        print('| strategy | script | what | estimate | measured | measured / estimate |\n'
-              '|---|---|---|---|---|---|')
-        for c in checked:
-            print(f"| {c['strategy']} | {c['script']} | {c['what']} | {c['estimate']:,} | "
-                  f"{c['measured']:,} | {c['measured'] / c['estimate']:.4f} |")
+        print_checked(checked, args.gpus)
+
+
+def print_checked(checked, gpus):
+    print(f"\nThe estimate against what the scripts measured, run here on {gpus} processes:\n")
+    print('| strategy | script | what | estimate | measured | measured / estimate |\n'
+          '|---|---|---|---|---|---|')
+    for c in checked:
+        print(f"| {c['strategy']} | {c['script']} | {c['what']} | {c['estimate']:,} | "
+              f"{c['measured']:,} | {c['measured'] / c['estimate']:.4f} |")
 
 
 def print_estimate(args, gptconf, counts, rows, n_micro, seq_len, mixed, vocab_note):

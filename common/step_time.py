@@ -17,6 +17,7 @@ on a CPU.
 """
 
 import json
+import math
 import os
 import statistics
 import time
@@ -246,4 +247,112 @@ def predicted_lines(results, args, vocab_size):
         r['predicted_ms'] = ms
         lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}), "
                      f"measured {r['ms']:6.1f}: {100 * (ms / r['ms'] - 1):+.0f}%")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# A planned strategy's step on a GPU cluster, from device figures the user states (modelled: nothing here is
+# measured; bench.py --estimate ranks the strategies that fit by it)
+
+FIGURES = ('gpu_tflops', 'flops_efficiency', 'gpus_per_node', 'nvlink_gbps', 'ib_gbps', 'pcie_gbps',
+           'latency_us')  # the flags of add_device_arguments
+
+
+def add_device_arguments(p):
+    """The stated figures of the GPUs bench.py --estimate prices a step on (defaults: an H100 SXM node)."""
+    p.add_argument('--gpu_tflops', type=float, default=989,
+                   help="--estimate: a GPU's peak TFLOP/s in the run's dtype (default: H100 SXM, dense bf16)")
+    p.add_argument('--flops_efficiency', type=float, default=0.5,
+                   help='--estimate: the fraction of that peak the model computes at (stated, not measured)')
+    p.add_argument('--gpus_per_node', type=int, default=8)
+    p.add_argument('--nvlink_gbps', type=float, default=450,
+                   help='--estimate: GB/s a GPU sends to one in its node (H100 NVLink: 450 each way)')
+    p.add_argument('--ib_gbps', type=float, default=50,
+                   help='--estimate: GB/s a GPU sends to other nodes (a 400 Gb/s NIC per GPU: 50)')
+    p.add_argument('--pcie_gbps', type=float, default=50, help='--estimate: GB/s between a GPU and its host')
+    p.add_argument('--latency_us', type=float, default=10, help="--estimate: a collective's fixed time")
+
+
+def group_gbps(row, group, figures):
+    """The bandwidth of a group's calls: NVLink when its ranks share a node, else the network. Ranks are laid
+    out as the scripts' grids are: tp varies fastest, then cp, pp, dp (ep: contiguous dp ranks); a group's
+    ranks span the product of the degrees up to its own."""
+    order = ('tp', 'cp', 'pp', 'ep' if group == 'ep' else 'dp')
+    span = math.prod(row.get(d, 1) for d in order[:order.index(group) + 1]) if group in order else 1
+    return figures.nvlink_gbps if span <= figures.gpus_per_node else figures.ib_gbps
+
+
+def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=False):
+    """{ms, compute_ms, bubble_ms, comm_ms, exposed_ms}: a step of a planner row on GPUs of stated figures.
+    compute: the step's training FLOPs (model.flops_per_token; 8N instead of 6N with activation checkpointing,
+    which runs each forward twice) split over the tp x pp x cp ranks that share a replica, at
+    gpu_tflops x flops_efficiency; a pipeline's bubble on top (formulas.bubble_fraction_formula). Each group's
+    traffic (planner.comm_per_step) at its link's bandwidth plus a latency a call; hidden behind compute where
+    the strategy overlaps it: gradients behind the backward (DDP and ZeRO-1 only the last micro-batch's;
+    ZeRO-2 every micro-batch's; ZeRO-3's gathers behind all the compute), the ring's kv blocks behind the
+    attention they feed; ZeRO-1's and 2's gather of the updated parameters after the step, tensor
+    parallelism's, the pipeline's, the all-to-alls and offload's not."""
+    with torch.device('meta'):
+        flops_per_token = GPT(gptconf).flops_per_token(seq_len)
+    m, p = n_micro, row['pp']
+    flops = flops_per_token * micro_batch * seq_len * m * (8 / 6 if ckpt else 1)
+    compute = flops / (row['tp'] * p * row['cp']) / (figures.gpu_tflops * 1e12 * figures.flops_efficiency)
+    bubble = 0.0
+    if p > 1:
+        f = formulas.bubble_fraction_formula(p, m, schedule=row['schedule'])
+        bubble = compute * f / (1 - f)
+    attention = compute * 12 * gptconf.n_layer * gptconf.n_embd * seq_len / flops_per_token
+    hidden_by = {'dp': (compute if row['zero_stage'] == 3 else 2 / 3 * compute if row['zero_stage'] == 2
+                        else 2 / 3 * compute / m), 'cp': attention}
+    parts = dict(row['comm_parts'])
+    if row['zero_stage'] in (1, 2) and 'dp' in parts:  # the updated parameters, gathered after the step
+        ranks, (nbytes, calls) = row['dp'] * row['cp'], parts['dp']
+        gathered = (ranks - 1) / ranks * row['param_bytes']
+        parts.update({'dp': (nbytes - gathered, calls), 'dp gather': (gathered, 1)})
+    if row['offload']:  # a rank's gradient shard to the host and its updated parameter shard back
+        parts['host'] = (row['grad_bytes'] + row['param_bytes'], 2)
+    comm = exposed = 0.0
+    for group, (nbytes, calls) in parts.items():
+        gbps = figures.pcie_gbps if group == 'host' else group_gbps(row, group.split()[0], figures)
+        seconds = calls * figures.latency_us * 1e-6 + nbytes / (gbps * 1e9)
+        comm += seconds
+        exposed += max(0.0, seconds - hidden_by.get(group, 0.0))
+    ms = lambda x: 1000 * x
+    return dict(ms=ms(compute + bubble + exposed), compute_ms=ms(compute), bubble_ms=ms(bubble),
+                comm_ms=ms(comm), exposed_ms=ms(exposed))
+
+
+def fastest_first(rows, gpus, gptconf, seq_len, micro_batch, n_micro, figures):
+    """The planner's rows that fit on all the gpus (with activation checkpointing where only so), each priced
+    by cluster_step_ms, with its tokens a second over the cluster (dp replicas of micro_batch x seq_len x
+    n_micro tokens a step) and its MFU (the model's 6N + attention FLOPs of those tokens, over all the GPUs'
+    peak: a recomputed forward is not counted), the fastest first."""
+    ranked = []
+    with torch.device('meta'):
+        flops_per_token = GPT(gptconf).flops_per_token(seq_len)
+    for r in rows:
+        if r.get('fits') not in ('yes', 'with ckpt') or r['gpus_used'] != gpus:
+            continue
+        ckpt = r['fits'] == 'with ckpt'
+        step = cluster_step_ms(r, gptconf, seq_len, micro_batch, n_micro, figures, ckpt)
+        tokens_per_s = r['dp'] * micro_batch * seq_len * n_micro / (step['ms'] / 1000)
+        ranked.append(dict(step, strategy=r['strategy'] + ' + ckpt' * ckpt, ckpt=ckpt,
+                           tokens_per_s=tokens_per_s,
+                           mfu=tokens_per_s * flops_per_token / (gpus * figures.gpu_tflops * 1e12)))
+    return sorted(ranked, key=lambda step: -step['tokens_per_s'])
+
+
+def ranking_lines(ranked, gpus, figures):
+    """fastest_first's rows as a table, under a line that says what the times stand on."""
+    f = figures
+    lines = [f"Step time on the stated GPUs (modelled, nothing measured: {f.gpu_tflops:g} TFLOP/s peak x "
+             f"{f.flops_efficiency:g}; NVLink {f.nvlink_gbps:g} GB/s inside nodes of {f.gpus_per_node}, "
+             f"{f.ib_gbps:g} GB/s between them, {f.latency_us:g} us a call; cluster_step_ms says what "
+             f"overlaps), the strategies that fit on all {gpus} GPUs, fastest first:",
+             '', '| | strategy | ms/step | compute | bubble | communication (exposed) | tokens/s | MFU |',
+             '|---|---|---|---|---|---|---|---|']
+    for i, s in enumerate(ranked, 1):
+        lines.append(f"| {i} | {s['strategy']} | {s['ms']:.1f} | {s['compute_ms']:.1f} | "
+                     f"{s['bubble_ms']:.1f} | {s['comm_ms']:.1f} ({s['exposed_ms']:.1f}) | "
+                     f"{s['tokens_per_s']:,.0f} | {100 * s['mfu']:.0f}% |")
     return lines

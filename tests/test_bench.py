@@ -54,6 +54,9 @@ def test_estimate_of_a_config_lists_every_strategy(tmp_path):
         'activation_bytes']
     assert rows['ZeRO-3 + offload']['optim_bytes'] == 0 < rows['ZeRO-3 + offload']['host_bytes']
     assert plan['cheapest'] in rows and rows[plan['cheapest']]['fits'] and rows[plan['cheapest']]['gpus_used'] == 8
+    ranked = plan['ranking']  # the step time on the stated GPUs: every row that fits on all 8, fastest first
+    assert plan['fastest'] == ranked[0]['strategy'] and all(rows[s['strategy']]['fits'] for s in ranked)
+    assert plan['fastest_command'].startswith('torchrun --standalone --nproc_per_node=8 ')
 
 
 # 12 layers: on 2 ranks ZeRO-3 saves half the parameters, and holds two blocks (and their gradients) whole
@@ -299,7 +302,7 @@ def test_the_planner_prints_a_command_that_runs_its_recommendation(tmp_path):
     out = str(tmp_path)
     proc = check(run_script('bench.py', ['--estimate', 'config/train_stdlib_char.py', '--gpus=2',
                                          f'--out={out}', '--vocab_size=96', '--dtype=float32']))
-    command = shlex.split(proc.stdout.split('run it with:\n')[1].strip())
+    command = shlex.split(proc.stdout.split('run it with:\n')[1].splitlines()[0])
     assert command[:3] == ['torchrun', '--standalone', '--nproc_per_node=2'], command
     check(run_script(command[3], command[4:] + TINY[:4] + ['--max_iters=2', '--eval_interval=2',
                                                            f'--out_dir={out}/run'], nproc=2))
@@ -314,3 +317,58 @@ def test_repeated_rows_report_each_median_and_the_ratio_run_by_run():
     assert results == {'zero0': {'ms': 110.0}, 'ddp': {'ms': 100.0}}  # each row's median of its runs
     assert 'zero0: 110.0 ms/step, the median of 3 runs (99.0 to 200.0)' in text
     assert 'zero0 / ddp, run by run: median 1.100 (0.990 to 1.111)' in text, text
+
+
+def figures(**changed):
+    """The stated GPUs bench.py --estimate prices by default (step_time.add_device_arguments), some changed."""
+    import argparse
+    from common import step_time
+    p = argparse.ArgumentParser()
+    step_time.add_device_arguments(p)
+    return p.parse_args([f'--{k}={v}' for k, v in changed.items()] + ['--gpus_per_node=8'])
+
+
+def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
+    """--estimate's step time (modelled from stated figures): the compute splits over the ranks of a replica,
+    recomputation adds a forward (8N against 6N), a pipeline idles (p-1)/(m+p-1) of its step; a group's traffic
+    crosses the network only where its ranks leave a node, so a faster network speeds only those; what a
+    strategy overlaps is hidden; and the ranking holds the rows that fit on every GPU, the fastest first, none
+    above the efficiency it was given."""
+    from common import step_time
+    gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
+    rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
+    price = lambda name, ckpt=False, **f: step_time.cluster_step_ms(rows[name], gptconf, 4096, 1, 8,
+                                                                    figures(**f), ckpt)
+    zero1, tp, pp = price('ZeRO-1'), price('dp=2 x TP=8 + SP, ZeRO-1'), price('dp=4 x PP=4 1F1B, ZeRO-1')
+    assert tp['compute_ms'] == pytest.approx(zero1['compute_ms'] / 8)
+    assert price('ZeRO-1', ckpt=True)['compute_ms'] == pytest.approx(zero1['compute_ms'] * 8 / 6)
+    assert price('ZeRO-1', gpu_tflops=1978)['compute_ms'] == pytest.approx(zero1['compute_ms'] / 2)
+    assert pp['bubble_ms'] / (pp['compute_ms'] + pp['bubble_ms']) == pytest.approx(3 / (8 + 3))
+    # dp x tp: tp inside a node of 8 (NVLink), dp across the two nodes: only dp's time depends on the network
+    fast_net = price('dp=2 x TP=8 + SP, ZeRO-1', ib_gbps=500)
+    assert fast_net['comm_ms'] < tp['comm_ms'] and price('TP=8 + SP', ib_gbps=500) == price('TP=8 + SP')
+    assert price('ZeRO-1', ib_gbps=500)['comm_ms'] < zero1['comm_ms']
+    assert price('TP=8 + SP')['exposed_ms'] == price('TP=8 + SP')['comm_ms'] > 0  # (tp's calls: not hidden)
+    assert zero1['exposed_ms'] < zero1['comm_ms']  # (the last backward hides part of the gradients')
+    ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, 8, figures())
+    fitting = {r['strategy'] + ' + ckpt' * (r['fits'] == 'with ckpt') for r in rows.values()
+               if r.get('fits') in ('yes', 'with ckpt') and r['gpus_used'] == 16}
+    assert {s['strategy'] for s in ranked} == fitting and len(fitting) >= 4
+    assert [s['tokens_per_s'] for s in ranked] == sorted((s['tokens_per_s'] for s in ranked), reverse=True)
+    assert all(0 < s['mfu'] <= 0.5 + 1e-9 for s in ranked)
+
+
+def test_the_grids_expert_row_reduces_each_part_over_the_ranks_that_hold_it():
+    """parallel_4d.py with tp and ep (ZeRO-1 in fp32): a rank's dense weights reduce-scattered and gathered
+    over dp x cp ranks, its experts (n_expert / (ep x tp) of each MoE layer's) over dp x cp / ep: the planner's
+    gradient traffic is the two rings (it once subtracted a whole model's experts from a tp rank's weights,
+    and came out negative)."""
+    gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/tinyllama_1b.py'),
+                                      ['--n_expert=8', '--n_expert_active=2'], None)
+    row = next(r for r in planner.estimate(gptconf, 16, 80, 1, 2048, 4, 2, 4, 4, 1, False, 2)
+               if r['tp'] == 4 and r['ep'] == 2)
+    experts = planner.param_counts(gptconf)['experts'] // (4 * 2)  # n_expert / (tp x ep) whole experts
+    dense = row['params_per_rank'] - experts
+    ring = lambda n, ranks: 2 * (ranks - 1) / ranks * n * 4
+    assert row['comm_parts']['dp'][0] == pytest.approx(ring(dense, 4) + ring(experts, 2))
+    assert dense > 0 and all(nbytes > 0 for nbytes, _ in row['comm_parts'].values())
