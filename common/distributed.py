@@ -196,6 +196,7 @@ def added_resident_bytes():
 
 
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down
+JOINED = False  # init_distributed made a process group in this process (training.exit_run then skips teardown)
 
 
 def init_distributed(timeout_s, group_of_one=False):
@@ -205,7 +206,7 @@ def init_distributed(timeout_s, group_of_one=False):
     (a notebook, a test harness) it joins that one and leaves it standing at the end. Returns (rank,
     local_rank, world_size, device). A rank that dies makes the others fail within timeout_s."""
     import datetime
-    global _GROUP_IS_OURS
+    global _GROUP_IS_OURS, JOINED
     local_rank = int(os.environ.get('LOCAL_RANK', '0'))
     device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
     if dist.is_initialized():
@@ -225,7 +226,7 @@ def init_distributed(timeout_s, group_of_one=False):
     else:
         dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0,
                                 world_size=1)
-    _GROUP_IS_OURS = True
+    _GROUP_IS_OURS = JOINED = True
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from common import formulas
+from common.distributed import all_gather_single
 from model import GPT, GPTConfig
 
 VERSION = 2  # of machine.json: a file from another version is measured again
@@ -83,7 +84,7 @@ def _sweep(rank, world_size, port, threads, out):
         full = torch.empty(t.numel() * world_size)
         send = {0: lambda: dist.send(t, 1), 1: lambda: dist.recv(t, 0)}.get(rank, lambda: None)
         calls = {'all_reduce': lambda: dist.all_reduce(t), 'send': send,
-                 'all_gather': lambda: dist.all_gather_into_tensor(full, t)}
+                 'all_gather': lambda: all_gather_single(full, t)}
         for kind in KINDS:
             dist.barrier()
             seconds[f'{kind} {nbytes}'] = timed(calls[kind], 20, compute)

@@ -629,31 +629,38 @@ def run_main(main):
     torchrun that line, or an unexpected error's traceback, is also what torchrun's summary shows."""
     try:
         main(sys.argv[1:])
-        # free what the run built (DDP's reducer, gloo's work objects) while the interpreter is whole: freed
-        # during its shutdown instead, a C++ thread can reach for the GIL too late and abort the process
-        # (SIGABRT)
-        import gc
-        gc.collect()
     except SystemExit as e:
-        if isinstance(e.code, str):
-            rank = os.environ.get('RANK')
-            line = (f"[rank {rank}] " if rank is not None else '') + e.code + '\n'
-            # the whole line in one write: the ranks share one stderr pipe, and print() writes the text and
-            # its newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run
-            # together
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            record_for_torchrun(e.code, line)
-            # an error found after joining (e.g. on resume): the group torn down here, since left to the
-            # interpreter's exit, gloo's threads can abort ('terminate called')
-            if dist.is_initialized() and distributed._GROUP_IS_OURS:
-                dist.destroy_process_group()
-            sys.exit(1)
-        raise
+        if not isinstance(e.code, str):
+            raise
+        rank = os.environ.get('RANK')
+        line = (f"[rank {rank}] " if rank is not None else '') + e.code + '\n'
+        # the whole line in one write: the ranks share one stderr pipe, and print() writes the text and its
+        # newline in two, which (unbuffered, as under PYTHONUNBUFFERED) lets two ranks' lines run together
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        record_for_torchrun(e.code, line)
+        # an error found after joining (e.g. on resume): the group torn down here, with every rank still in it
+        if dist.is_initialized() and distributed._GROUP_IS_OURS:
+            dist.destroy_process_group()
+        exit_run(1)
     except Exception as e:
         import traceback
         record_for_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
+    exit_run(0)
+
+
+def exit_run(code):
+    """Exit a run with code. A run that joined a process group leaves without the interpreter's teardown
+    (os._exit): by now its files are closed, its checkpoint writer joined and its group destroyed, and what
+    that teardown would still destroy includes torch's C++ threads, one of which, destroyed out of order, can
+    abort the finished process ('terminate called without an active exception', seen under a busy
+    machine's load)."""
+    if not distributed.JOINED:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def refuse(*checks):
