@@ -196,7 +196,7 @@ def added_resident_bytes():
 
 
 _GROUP_IS_OURS = False  # init_distributed made the process group, so finish_distributed tears it down
-JOINED = False  # init_distributed made a process group in this process (training.exit_run then skips teardown)
+JOINED = False  # init_distributed made a process group in this process (training.exit_run: no teardown)
 
 
 def init_distributed(timeout_s, group_of_one=False):

@@ -219,7 +219,8 @@ def activations_of(gptconf, k, s, b, m, mixed_precision):
 
 def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     """{group: (bytes, calls)}: what the busiest rank of strategy shape k sends per optimizer step over each
-    of its groups ('dp' the gradients, 'ep', 'tp', 'pp', 'cp'), m micro-batches of b sequences of s tokens, in
+    of its groups ('dp' the gradients, 'dp gather' ZeRO-1's and 2's updated parameters, 'ep', 'tp', 'pp',
+    'cp'), m micro-batches of b sequences of s tokens, in
     the dtype each script sends: the stage-0 scripts all-reduce fp32 gradients, zero.py reduces bf16 ones
     under bf16 (and ZeRO-2/3 at every micro-batch); tensor parallelism's collectives carry bf16 activations;
     a pipeline sends the fp32 residual stream and its fp32 gradient (pipeline.py's buffers, whatever the
@@ -230,6 +231,9 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     act_bytes = 2 if mixed_precision else 4
     grad_bytes = act_bytes if stage > 0 else 4
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
+    # ZeRO-1 and 2: of that, the updated parameters' all-gather after the step (the rest reduces gradients)
+    gather = lambda n, ranks: (ranks - 1) / ranks * n * grad_bytes if stage in (1, 2) else 0
+    gathered = gather(numel, dp * c)
     parts = {}
     # experts split over ep ranks (numel = the dense weights + 1/ep of a tp rank's experts, model_states_of):
     # expert_parallel.py all-reduces fp32 dense gradients over all dp ranks, each expert's over its dp/ep
@@ -240,15 +244,18 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
         kind = (0, 4) if t == 1 else (stage, grad_bytes)
         comm = formulas.comm_bytes_formula(numel - experts, dp * c, *kind, m) + formulas.comm_bytes_formula(
             experts, dp * c // e, *kind, m)
+        gathered = gather(numel - experts, dp * c) + gather(experts, dp * c // e) if t > 1 else 0
         a2a = formulas.ep_all_to_all_bytes_formula(b * s, gptconf.n_expert_active, h, e, 4, act_bytes)
         moe_layers = sum(map(gptconf.is_moe, range(L)))
         parts['ep'] = (moe_layers * m * a2a['wire_bytes'], 4 * moe_layers * m)
     if comm:
-        parts['dp'] = (comm, 3 * (L // p) * m if stage == 3 else math.ceil(comm / 25e6))
+        parts['dp'] = (comm - gathered, 3 * (L // p) * m if stage == 3 else math.ceil(comm / 25e6))
+    if gathered:
+        parts['dp gather'] = (gathered, math.ceil(gathered / 25e6))
     if t > 1:
         per_layer = formulas.tp_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
         edges = formulas.tp_edge_comm_bytes_formula(s, b, h, t, k['sp'], bytes_per_elem=act_bytes)
-        parts['tp'] = ((per_layer * L + edges) * m, (4 * L + 5) * m)
+        parts['tp'] = ((per_layer * L + edges) * m, (4 * L + 5) * m * (2 if k['sp'] else 1))
     # the busiest stage: a middle one, or the first, which with tied embeddings also all-reduces the
     if p > 1:
         # tied weight's fp32 gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron
@@ -473,6 +480,7 @@ def run_estimate(args, overrides, check=None):
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
                     n_micro, args.zero_stage, mixed, ep)
     best = cheapest(rows, args.gpus)
+    args.gpu_tflops = args.gpu_tflops or (989 if mixed else 67)  # (an H100 SXM's dense peak)
     ranked = step_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, n_micro, args)
     fastest = ranked[0]['strategy'] if ranked else None
     fastest_command = command_for(fastest, rows, args, overrides, seq_len, n_micro, mixed,

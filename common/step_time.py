@@ -17,7 +17,6 @@ on a CPU.
 """
 
 import json
-import math
 import os
 import statistics
 import time
@@ -29,9 +28,9 @@ from common import formulas
 from common.distributed import all_gather_single
 from model import GPT, GPTConfig
 
-VERSION = 2  # of machine.json: a file from another version is measured again
+VERSION = 3  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
-KINDS = ('all_reduce', 'all_gather', 'send')
+KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 
 
 def timed(fn, reps, between=None):
@@ -84,7 +83,8 @@ def _sweep(rank, world_size, port, threads, out):
         full = torch.empty(t.numel() * world_size)
         send = {0: lambda: dist.send(t, 1), 1: lambda: dist.recv(t, 0)}.get(rank, lambda: None)
         calls = {'all_reduce': lambda: dist.all_reduce(t), 'send': send,
-                 'all_gather': lambda: all_gather_single(full, t)}
+                 'all_gather': lambda: all_gather_single(full, t),
+                 'all_to_all': lambda: dist.all_to_all_single(full[:t.numel()], t)}
         for kind in KINDS:
             dist.barrier()
             seconds[f'{kind} {nbytes}'] = timed(calls[kind], 20, compute)
@@ -153,10 +153,11 @@ def ddp_buckets(nbytes, first=1 << 20, cap=25 << 20):
 
 def row_work(name, config, batch_size, world_size, n_microbatches):
     """What one rank of a bench row does in a step: FLOPs of forward and backward (with a pipeline's bubble:
-    each schedule of m micro-batches takes m + p - 1 slots), the share of the model it updates (clip, AdamW),
-    and its collectives [(kind, bytes a call, calls)]; None for a row not priced here. The global batch is
-    batch_size x world_size sequences in world_size micro-batches (bench.py's flags). A scalar all-reduce (the
-    loss; the clip's norm where the gradients are spread over ranks) costs its latency."""
+    pipeline_work), the share of the model it updates (clip, AdamW), and its collectives [(kind, bytes a call,
+    calls)]; None for a row not priced here (a mixture of experts: its rates are not measured; the grids: more
+    processes than the sweep's). The global batch is batch_size x world_size sequences in world_size
+    micro-batches (bench.py's flags). A scalar all-reduce (the loss; the clip's norm where the gradients are
+    spread over ranks) costs its latency; gloo's reduce-scatter is an all-reduce of the whole tensor."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
     with torch.device('meta'):
         model = GPT(config)
@@ -185,22 +186,40 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
         buckets = [block] * L + [numel - L * block]
         calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
         return work(1 / w, 1, 1 / w, calls + [scalars(2)])
-    if name == 'tp':  # every micro-batch on every rank: 4 all-reduces a layer, the embedding and the loss's
+    if name in ('tp', 'tp_sp'):  # every micro-batch on every rank: 4 all-reduces a layer, the embedding's and
+        # the head's, the loss's 3 small ones; with sequence parallelism each all-reduce is a reduce-scatter
+        # (gloo: an all-reduce) and an all-gather of a sequence chunk
         per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
+        per_micro += [('all_gather', act // w, 4 * L + 2)] if name == 'tp_sp' else []
         return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
-    if name in ('pp_1f1b', 'pp_gpipe'):  # w schedules of m + p - 1 slots; a stage sends and receives one per
-        # micro-batch (the two schedules' bubble is the same: 1F1B holds fewer micro-batches)
-        m = n_microbatches
-        tied = [('all_reduce', 4 * config.vocab_size * h, 1)] if config.tie_embeddings else []
-        calls = [('send', act // m, 2 * m * w)] + tied + [scalars(w + 2)]  # (a loss per schedule, the clip's)
-        return work((m + w - 1) / m / w, m + w - 1, 1 / w, calls)
-    if name == 'cp_ring':  # a kv block around the ring (cp - 1) times forward, it and its gradient backward
+    if name.startswith('pp_'):
+        return pipeline_work(name, config, batch_size, w, n_microbatches, work, scalars)
+    if name in ('cp_ring', 'cp_ulysses'):  # the ring: a kv block around the ring (cp - 1) times forward, it
+        # and its gradient backward; Ulysses: q, k, v and the output all-to-all'd, and their gradients back
         ring = formulas.cp_comm_bytes_formula(s, batch_size, config.n_head, config.n_kv_head,
                                               h // config.n_head, w, 'ring')
         sends = 3 * (w - 1) + 1
-        return work(1 / w, w, 1, [('send', ring / sends, sends * L * w), ('all_reduce', 4 * numel, 1),
+        attention = (('send', ring / sends, sends * L * w) if name == 'cp_ring' else
+                     ('all_to_all', act // w, 8 * L * w))
+        return work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),
                                   scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
     return None
+
+
+def pipeline_work(name, config, batch_size, w, m, work, scalars):
+    """A pipeline row of row_work: w schedules of m micro-batches on w stages, each schedule m + p - 1 slots
+    of a micro-batch's forward and backward on one stage (1F1B's and GPipe's bubble are the same: 1F1B holds
+    fewer micro-batches); interleaved with v = 2 chunks a stage, m + (p - 1)/v slots, and v times the sends;
+    ZB-H1, m + (p - 1)/3 (its cool-down filled with W, a third of a slot); a stage sends and receives one
+    tensor per micro-batch and boundary. pp_1f1b_measured adds a barrier and a MAX all-reduce a schedule."""
+    v = 2 if name == 'pp_interleaved' else 1
+    slots = m + (w - 1) / (3 if name == 'pp_zb1' else v)
+    act = batch_size * config.block_size * config.n_embd * 4
+    tied = [('all_reduce', 4 * config.vocab_size * config.n_embd, 1)] if config.tie_embeddings else []
+    measured = [scalars(2 * w)] if name == 'pp_1f1b_measured' else []
+    # (the scalars: a loss a schedule, the clip's)
+    calls = [('send', act // m, 2 * m * v * w)] + tied + measured + [scalars(w + 2)]
+    return work(slots / m / w, slots, 1 / w, calls)
 
 
 def predict_ms(work, rates):
@@ -256,13 +275,14 @@ def predicted_lines(results, args, vocab_size):
 # measured; bench.py --estimate ranks the strategies that fit by it)
 
 FIGURES = ('gpu_tflops', 'flops_efficiency', 'gpus_per_node', 'nvlink_gbps', 'ib_gbps', 'pcie_gbps',
-           'latency_us')  # the flags of add_device_arguments
+           'host_adam_gparams', 'latency_us')  # the flags of add_device_arguments
 
 
 def add_device_arguments(p):
     """The stated figures of the GPUs bench.py --estimate prices a step on (defaults: an H100 SXM node)."""
-    p.add_argument('--gpu_tflops', type=float, default=989,
-                   help="--estimate: a GPU's peak TFLOP/s in the run's dtype (default: H100 SXM, dense bf16)")
+    p.add_argument('--gpu_tflops', type=float, default=None,
+                   help="--estimate: a GPU's peak TFLOP/s in the run's dtype (default: H100 SXM, dense: 989 "
+                        "in bf16, 67 in fp32)")
     p.add_argument('--flops_efficiency', type=float, default=0.5,
                    help='--estimate: the fraction of that peak the model computes at (stated, not measured)')
     p.add_argument('--gpus_per_node', type=int, default=8)
@@ -271,16 +291,25 @@ def add_device_arguments(p):
     p.add_argument('--ib_gbps', type=float, default=50,
                    help='--estimate: GB/s a GPU sends to other nodes (a 400 Gb/s NIC per GPU: 50)')
     p.add_argument('--pcie_gbps', type=float, default=50, help='--estimate: GB/s between a GPU and its host')
+    p.add_argument('--host_adam_gparams', type=float, default=1.0,
+                   help="--estimate: offload: billions of parameters a second the host's AdamW updates for "
+                        "one GPU")
     p.add_argument('--latency_us', type=float, default=10, help="--estimate: a collective's fixed time")
 
 
 def group_gbps(row, group, figures):
-    """The bandwidth of a group's calls: NVLink when its ranks share a node, else the network. Ranks are laid
-    out as the scripts' grids are: tp varies fastest, then cp, pp, dp (ep: contiguous dp ranks); a group's
-    ranks span the product of the degrees up to its own."""
-    order = ('tp', 'cp', 'pp', 'ep' if group == 'ep' else 'dp')
-    span = math.prod(row.get(d, 1) for d in order[:order.index(group) + 1]) if group in order else 1
-    return figures.nvlink_gbps if span <= figures.gpus_per_node else figures.ib_gbps
+    """The bandwidth a rank of the group sends at: NVLink when the group's ranks share a node; else the
+    network, whose NICs (one a GPU) the group's ranks in a node use side by side (NCCL runs a ring through
+    each): k x ib_gbps for k of them in a node, at most NVLink's. Ranks are laid out as the scripts' grids
+    are, (dp, pp, cp, tp) with tp fastest; the gradients' group is dp x cp, an ep group a run of dp ranks."""
+    grid = torch.arange(row['dp'] * row['pp'] * row['cp'] * row['tp']).view(row['dp'], row['pp'], row['cp'],
+                                                                            row['tp'])
+    members = {'tp': grid[0, 0, 0], 'cp': grid[0, 0, :, 0], 'pp': grid[0, :, 0, 0],
+               'dp': grid[:, 0, :, 0].flatten(), 'ep': grid[:row['ep'], 0, 0, 0]}[group]
+    per_node = torch.bincount(members // figures.gpus_per_node)
+    if (per_node > 0).sum() == 1:
+        return figures.nvlink_gbps
+    return min(figures.nvlink_gbps, int(per_node.max()) * figures.ib_gbps)
 
 
 def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=False):
@@ -292,12 +321,13 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=F
     the strategy overlaps it: gradients behind the backward (DDP and ZeRO-1 only the last micro-batch's;
     ZeRO-2 every micro-batch's; ZeRO-3's gathers behind all the compute), the ring's kv blocks behind the
     attention they feed; ZeRO-1's and 2's gather of the updated parameters after the step, tensor
-    parallelism's, the pipeline's, the all-to-alls and offload's not."""
+    parallelism's, the pipeline's, the all-to-alls and offload's copies and host AdamW not."""
     with torch.device('meta'):
         flops_per_token = GPT(gptconf).flops_per_token(seq_len)
     m, p = n_micro, row['pp']
     flops = flops_per_token * micro_batch * seq_len * m * (8 / 6 if ckpt else 1)
     compute = flops / (row['tp'] * p * row['cp']) / (figures.gpu_tflops * 1e12 * figures.flops_efficiency)
+    # (the update: the GPU's AdamW, memory-bound, is left out; offload's on the host is priced below)
     bubble = 0.0
     if p > 1:
         f = formulas.bubble_fraction_formula(p, m, schedule=row['schedule'])
@@ -305,19 +335,16 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=F
     attention = compute * 12 * gptconf.n_layer * gptconf.n_embd * seq_len / flops_per_token
     hidden_by = {'dp': (compute if row['zero_stage'] == 3 else 2 / 3 * compute if row['zero_stage'] == 2
                         else 2 / 3 * compute / m), 'cp': attention}
-    parts = dict(row['comm_parts'])
-    if row['zero_stage'] in (1, 2) and 'dp' in parts:  # the updated parameters, gathered after the step
-        ranks, (nbytes, calls) = row['dp'] * row['cp'], parts['dp']
-        gathered = (ranks - 1) / ranks * row['param_bytes']
-        parts.update({'dp': (nbytes - gathered, calls), 'dp gather': (gathered, 1)})
-    if row['offload']:  # a rank's gradient shard to the host and its updated parameter shard back
-        parts['host'] = (row['grad_bytes'] + row['param_bytes'], 2)
     comm = exposed = 0.0
-    for group, (nbytes, calls) in parts.items():
-        gbps = figures.pcie_gbps if group == 'host' else group_gbps(row, group.split()[0], figures)
+    for group, (nbytes, calls) in row['comm_parts'].items():
+        gbps = group_gbps(row, group.split()[0], figures)
         seconds = calls * figures.latency_us * 1e-6 + nbytes / (gbps * 1e9)
         comm += seconds
         exposed += max(0.0, seconds - hidden_by.get(group, 0.0))
+    if row['offload']:  # a rank's gradient shard to the host, the host's AdamW on it, its parameters back
+        host = (row['grad_bytes'] + row['param_bytes']) / (figures.pcie_gbps * 1e9)
+        comm, exposed = comm + host, exposed + host
+        compute += row['params_per_rank'] / (row['dp'] * row['cp']) / (figures.host_adam_gparams * 1e9)
     ms = lambda x: 1000 * x
     return dict(ms=ms(compute + bubble + exposed), compute_ms=ms(compute), bubble_ms=ms(bubble),
                 comm_ms=ms(comm), exposed_ms=ms(exposed))
@@ -338,7 +365,7 @@ def fastest_first(rows, gpus, gptconf, seq_len, micro_batch, n_micro, figures):
         step = cluster_step_ms(r, gptconf, seq_len, micro_batch, n_micro, figures, ckpt)
         tokens_per_s = r['dp'] * micro_batch * seq_len * n_micro / (step['ms'] / 1000)
         ranked.append(dict(step, strategy=r['strategy'] + ' + ckpt' * ckpt, ckpt=ckpt,
-                           tokens_per_s=tokens_per_s,
+                           sequences=r['dp'] * micro_batch * n_micro, tokens_per_s=tokens_per_s,
                            mfu=tokens_per_s * flops_per_token / (gpus * figures.gpu_tflops * 1e12)))
     return sorted(ranked, key=lambda step: -step['tokens_per_s'])
 
@@ -350,10 +377,10 @@ def ranking_lines(ranked, gpus, figures):
              f"{f.flops_efficiency:g}; NVLink {f.nvlink_gbps:g} GB/s inside nodes of {f.gpus_per_node}, "
              f"{f.ib_gbps:g} GB/s between them, {f.latency_us:g} us a call; cluster_step_ms says what "
              f"overlaps), the strategies that fit on all {gpus} GPUs, fastest first:",
-             '', '| | strategy | ms/step | compute | bubble | communication (exposed) | tokens/s | MFU |',
-             '|---|---|---|---|---|---|---|---|']
+             '', '| | strategy | sequences a step | ms/step | compute | bubble | communication (exposed) '
+             '| tokens/s | MFU |', '|---|---|---|---|---|---|---|---|---|']
     for i, s in enumerate(ranked, 1):
-        lines.append(f"| {i} | {s['strategy']} | {s['ms']:.1f} | {s['compute_ms']:.1f} | "
+        lines.append(f"| {i} | {s['strategy']} | {s['sequences']} | {s['ms']:.1f} | {s['compute_ms']:.1f} | "
                      f"{s['bubble_ms']:.1f} | {s['comm_ms']:.1f} ({s['exposed_ms']:.1f}) | "
                      f"{s['tokens_per_s']:,.0f} | {100 * s['mfu']:.0f}% |")
-    return lines
+    return lines if ranked else lines[:1] + ['(none fits)']

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 from dataclasses import fields
 from types import SimpleNamespace
@@ -642,22 +643,25 @@ def run_main(main):
         # an error found after joining (e.g. on resume): the group torn down here, with every rank still in it
         if dist.is_initialized() and distributed._GROUP_IS_OURS:
             dist.destroy_process_group()
-        exit_run(1)
+        exit_run(1, main)
     except Exception as e:
         import traceback
         record_for_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
-    exit_run(0)
+    exit_run(0, main)
 
 
-def exit_run(code):
-    """Exit a run with code. A run that joined a process group leaves without the interpreter's teardown
-    (os._exit): by now its files are closed, its checkpoint writer joined and its group destroyed, and what
-    that teardown would still destroy includes torch's C++ threads, one of which, destroyed out of order, can
-    abort the finished process ('terminate called without an active exception', seen under a busy
-    machine's load)."""
-    if not distributed.JOINED:
+def exit_run(code, main):
+    """Exit a run with code. A script's run (main is its __main__'s) that joined a process group leaves
+    without the interpreter's teardown (os._exit), once its other threads (a checkpoint being written) have
+    ended and its output is flushed: that teardown destroys torch's C++ threads too, and one destroyed out of
+    order can abort the finished process ('terminate called without an active exception', seen under a busy
+    machine's load). Called from elsewhere (a test, a notebook), it raises SystemExit as usual."""
+    if not distributed.JOINED or getattr(sys.modules['__main__'], 'main', None) is not main:
         sys.exit(code)
+    for thread in threading.enumerate():  # (what the interpreter's own exit waits for)
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

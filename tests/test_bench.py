@@ -168,7 +168,13 @@ def test_each_row_sends_what_its_script_sends():
     assert pp['pieces'] == 3 and pp['calls'][0] == ('send', 4 * 16 * 32 * 4 // 2, 2 * 2 * 2)
     zero2 = step_time.row_work('zero2', config, 4, 2, 2)  # 100,000-element buckets: this model is one
     assert zero2['calls'][:2] == [('all_reduce', 4 * numel, 1), ('all_gather', 4 * numel // 2, 1)]
-    assert step_time.row_work('cp_ulysses', config, 4, 2, 2) is None  # (not priced)
+    tp_sp = step_time.row_work('tp_sp', config, 4, 2, 2)  # each all-reduce also an all-gather of half the tokens
+    assert tp_sp['calls'][:3:2] == [tp['calls'][0], ('all_gather', 4 * 16 * 32 * 4 // 2, (4 * 2 + 2) * 2)]
+    ulysses = step_time.row_work('cp_ulysses', config, 4, 2, 2)  # q, k, v, out; forward and backward; a layer
+    assert ulysses['calls'][0] == ('all_to_all', 4 * 16 * 32 * 4 // 2, 8 * 2 * 2) and ulysses['update'] == 1
+    zb1 = step_time.row_work('pp_zb1', config, 4, 2, 2)  # ZB-H1's cool-down: W fills two thirds of the bubble
+    assert zb1['pieces'] == pytest.approx(2 + 1 / 3) and zb1['calls'][0] == pp['calls'][0]
+    assert step_time.row_work('ep', config, 4, 2, 2) is None  # (not priced: the MoE rows, the grids)
 
 
 def _results():
@@ -325,7 +331,7 @@ def figures(**changed):
     from common import step_time
     p = argparse.ArgumentParser()
     step_time.add_device_arguments(p)
-    return p.parse_args([f'--{k}={v}' for k, v in changed.items()] + ['--gpus_per_node=8'])
+    return p.parse_args([f'--{k}={v}' for k, v in dict(dict(gpu_tflops=989), **changed).items()])
 
 
 def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
@@ -350,6 +356,12 @@ def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
     assert price('ZeRO-1', ib_gbps=500)['comm_ms'] < zero1['comm_ms']
     assert price('TP=8 + SP')['exposed_ms'] == price('TP=8 + SP')['comm_ms'] > 0  # (tp's calls: not hidden)
     assert zero1['exposed_ms'] < zero1['comm_ms']  # (the last backward hides part of the gradients')
+    # across nodes a group's ranks in a node send side by side, each through its own NIC
+    assert step_time.group_gbps(rows['ZeRO-1'], 'dp', figures()) == 8 * 50  # 8 a node, at most NVLink's
+    assert step_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'dp', figures()) == 50  # 1 a node
+    assert step_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'tp', figures()) == 450
+    slow_host = price('ZeRO-3 + offload', host_adam_gparams=0.1)  # offload: the host's AdamW is compute
+    assert slow_host['compute_ms'] > price('ZeRO-3 + offload')['compute_ms'] > price('ZeRO-3')['compute_ms']
     ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, 8, figures())
     fitting = {r['strategy'] + ' + ckpt' * (r['fits'] == 'with ckpt') for r in rows.values()
                if r.get('fits') in ('yes', 'with ckpt') and r['gpus_used'] == 16}
@@ -370,5 +382,7 @@ def test_the_grids_expert_row_reduces_each_part_over_the_ranks_that_hold_it():
     experts = planner.param_counts(gptconf)['experts'] // (4 * 2)  # n_expert / (tp x ep) whole experts
     dense = row['params_per_rank'] - experts
     ring = lambda n, ranks: 2 * (ranks - 1) / ranks * n * 4
-    assert row['comm_parts']['dp'][0] == pytest.approx(ring(dense, 4) + ring(experts, 2))
+    parts = row['comm_parts']  # (ZeRO-1: half of each ring is the updated parameters' gather after the step)
+    assert parts['dp'][0] + parts['dp gather'][0] == pytest.approx(ring(dense, 4) + ring(experts, 2))
+    assert parts['dp gather'][0] == pytest.approx((ring(dense, 4) + ring(experts, 2)) / 2)
     assert dense > 0 and all(nbytes > 0 for nbytes, _ in row['comm_parts'].values())
