@@ -139,9 +139,11 @@ def model_states_of(gptconf, k, counts, mixed_precision):
 
 
 def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, zero_stage,
-             mixed_precision, ep=1):
+             mixed_precision, ep=1, global_batch=None):
     """One dict per strategy: model-state bytes, activation and logits bytes with and without activation
-    checkpointing, bytes communicated per step, and whether it fits (activations_of, comm_per_step)."""
+    checkpointing, bytes communicated per step, and whether it fits (activations_of, comm_per_step). Each
+    replica runs n_microbatches micro-batches a step; with global_batch (sequences a step), each row as many
+    as make that batch: global_batch / (dp x micro_batch)."""
     s, a, L = seq_len, gptconf.n_head, gptconf.n_layer
     rows = []
     for name, k in strategies(gpus, tp, pp, cp, zero_stage, ep, gptconf.n_expert):
@@ -149,7 +151,10 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
                    schedule=k['schedule'], offload=k['offload'], notes=[], ep=k['ep'],
                    **{x: k[x] for x in GRID_DIMS})
+        m = row['n_microbatches'] = global_batch // (dp * micro_batch) if global_batch else n_microbatches
         problems = [msg for bad, msg in [
+            (global_batch and global_batch % (dp * micro_batch),
+             f"global batch {global_batch} not divisible by dp={dp} x micro_batch={micro_batch}"),
             (row['gpus_used'] > gpus, f"needs {row['gpus_used']} GPUs"),
             (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
             (L % p, f"n_layer {L} not divisible by pp={p}"),
@@ -174,11 +179,11 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
             row['gathered_bytes'] = (whole['root'] + 4 * whole['block_max']) * (2 if mixed_precision else 4)
             row['notes'].append("ZeRO-3 and FSDP2 rows count, at their peak, the embeddings and head, the "
                                 "block computing and the one prefetched, and their gradients, whole")
-        row.update(activations_of(gptconf, k, s, micro_batch, n_microbatches, mixed_precision))
+        row.update(activations_of(gptconf, k, s, micro_batch, m, mixed_precision))
         if p > 1:
-            row['bubble_fraction'] = formulas.bubble_fraction_formula(p, n_microbatches,
+            row['bubble_fraction'] = formulas.bubble_fraction_formula(p, m,
                                                                       schedule=k['schedule'])
-        row['comm_parts'] = comm_per_step(gptconf, k, s, micro_batch, n_microbatches, numel, mixed_precision)
+        row['comm_parts'] = comm_per_step(gptconf, k, s, micro_batch, m, numel, mixed_precision)
         row['comm_bytes_per_step'] = sum(nbytes for nbytes, _ in row['comm_parts'].values())
         held = row['model_state_bytes'] + row.get('gathered_bytes', 0)
         row['total_bytes'] = held + row['activations_and_logits_bytes']
@@ -291,7 +296,7 @@ def estimate_json(rows):
             name = r['strategy'] + (' + ckpt' if ckpt else '')
             entry = {k: r.get(k) for k in ('param_bytes', 'grad_bytes', 'optim_bytes')}
             entry.update({x: r[x] for x in GRID_DIMS + ('ep', 'zero_stage', 'sequence_parallel', 'schedule',
-                                                        'offload', 'gpus_used')})
+                                                        'offload', 'gpus_used', 'n_microbatches')})
             entry['activation_checkpointing'] = ckpt
             if 'error' in r:
                 out[name] = dict(entry, activation_bytes=None, logits_bytes=None, total_bytes=None,
@@ -323,9 +328,10 @@ def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixe
 
 
 def estimate_markdown(rows, header, n_micro, mixed_precision):
+    """The strategies' table and its notes; n_micro None: each row its own micro-batches (--global_batch)."""
     lines = [header, '',
              '| strategy | GPUs (dp x tp x pp x cp) | params | grads | optimizer | activations | '
-             f'act. (ckpt) | logits | total | total (ckpt) | comm per step ({n_micro} micro-batches) '
+             f'act. (ckpt) | logits | total | total (ckpt) | comm per step ({n_micro or "m"} micro-batches) '
              '| fits |',
              '|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
@@ -334,6 +340,7 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
             lines.append(f"| {r['strategy']} | {grid} | n/a: {r['error']} |" + ' |' * 9)
             continue
         extra = f" (bubble {100 * r['bubble_fraction']:.0f}%)" if 'bubble_fraction' in r else ''
+        extra += '' if n_micro else f" (m = {r['n_microbatches']})"
         host = f" (+ {fmt_bytes(r['host_bytes'])} host)" if r['offload'] else ''
         optim = fmt_bytes(r['optim_bytes']) + host
         lines.append(f"| {r['strategy']}{extra} | {grid} | {fmt_bytes(r['param_bytes'])} | "
@@ -351,12 +358,13 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
         "keeps for backward (formulas.logits_bytes_formula); a pipeline's on its last stage, one fp32 "
         "log-softmax per micro-batch it holds. total = states + activations + logits, but a pipeline's is "
         "its larger stage's: the first's activations, or the last's (fewer) activations plus the logits",
-        f"comm per step: what the busiest rank sends per optimizer step of {n_micro} micro-batches, in the "
-        f"dtype each script sends (fp32 gradients for DDP, the fp32 residual stream between pipeline stages, "
-        f"fp32 dK/dV around the ring). The model-state table above gives the ZeRO paper's count, one "
+        f"comm per step: what the busiest rank sends per optimizer step of {n_micro or 'm'} micro-batches, "
+        f"in the dtype each script sends (fp32 gradients for DDP, the fp32 residual stream between pipeline "
+        f"stages, fp32 dK/dV around the ring). The model-state table above gives the ZeRO paper's count, one "
         f"micro-batch per step in {'16' if mixed_precision else '32'}-bit gradients: "
         + ("DDP's row here is twice it (fp32 gradients), " if mixed_precision else '')
-        + f"ZeRO-2's (m+1)/2 times and ZeRO-3's m times it (they reduce at every micro-batch), m = {n_micro}",
+        + "ZeRO-2's (m+1)/2 times and ZeRO-3's m times it (they reduce at every micro-batch), m = "
+        + (str(n_micro) if n_micro else "each row's, to make the global batch"),
         "bf16: the rows without ZeRO keep fp32 weights and gradients under autocast (4+4+8 bytes per "
         "parameter, and a bf16 copy of each block's weights among its activations); the ZeRO rows hold bf16 "
         "weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count)",
@@ -440,15 +448,19 @@ def add_estimate_arguments(p):
     p.add_argument('--n_microbatches', type=int, default=None,
                    help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
     p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
+    p.add_argument('--global_batch', type=int, default=None,
+                   help='--estimate: sequences a step, the same for every row: each row runs global_batch / '
+                        '(dp x micro_batch) micro-batches (default: --n_microbatches for every row)')
     p.add_argument('--vocab_size', type=int, default=None,
                    help='default: a "# vocab_size: N" line, else 50304')
     step_time.add_device_arguments(p)  # the stated GPUs a step is priced on
 
 
-def command_for(choice, rows, args, overrides, seq_len, n_micro, mixed, file_name='ds_config.json'):
+def command_for(choice, rows, args, overrides, seq_len, mixed, file_name='ds_config.json'):
     """(the DeepSpeed config's path, the torchrun command) of a chosen strategy ('NAME' or 'NAME + ckpt'),
     its config written into --out/file_name."""
     row = next(r for r in rows if choice.removesuffix(' + ckpt') == r['strategy'])
+    n_micro = row['n_microbatches']
     os.makedirs(args.out, exist_ok=True)
     ds_path = os.path.join(args.out, file_name)
     with open(ds_path, 'w') as f:
@@ -474,26 +486,27 @@ def run_estimate(args, overrides, check=None):
     args.pp = args.pp or largest_divisor(min(args.gpus, 4), gptconf.n_layer)
     args.cp = args.cp or largest_divisor(min(args.gpus, 4), seq_len // 2, args.gpus)
     counts = param_counts(gptconf)
-    n_micro = args.n_microbatches or max(1, 2 * args.pp)
+    n_micro = args.n_microbatches or max(1, 2 * args.pp)  # (each row's own with --global_batch)
     # a mixture of experts: ep, the largest that divides the experts and the GPUs (at most 8: one node)
     ep = getattr(args, 'ep', None) or largest_divisor(min(args.gpus, 8), gptconf.n_expert or 1, args.gpus)
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
-                    n_micro, args.zero_stage, mixed, ep)
+                    n_micro, args.zero_stage, mixed, ep, args.global_batch)
     best = cheapest(rows, args.gpus)
     args.gpu_tflops = args.gpu_tflops or (989 if mixed else 67)  # (an H100 SXM's dense peak)
-    ranked = step_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, n_micro, args)
+    ranked = step_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, args)
     fastest = ranked[0]['strategy'] if ranked else None
-    fastest_command = command_for(fastest, rows, args, overrides, seq_len, n_micro, mixed,
-                                  'ds_config_fastest.json')[1] if fastest not in (None, best) else None
-    ds_path, command = (command_for(best, rows, args, overrides, seq_len, n_micro, mixed) if best else
-                        (None, None))
+    fastest_command = (command_for(fastest, rows, args, overrides, seq_len, mixed,
+                                   'ds_config_fastest.json')[1]
+                       if fastest not in (None, best) else None)
+    ds_path, command = command_for(best, rows, args, overrides, seq_len, mixed) if best else (None, None)
     checked = check(args, overrides, rows, best, ds_path, n_micro) if args.check and check else None
     if args.json:
         print(json.dumps({'config': args.estimate, 'params': counts['total'],
                           'active_params': counts['active'],
                           'expert_params': counts['experts'], 'gpus': args.gpus,
                           'gpu_mem_gb': args.gpu_mem_gb, 'dtype': args.dtype, 'micro_batch': args.micro_batch,
-                          'seq_len': seq_len, 'n_microbatches': n_micro, 'strategies': estimate_json(rows),
+                          'seq_len': seq_len, 'n_microbatches': n_micro, 'global_batch': args.global_batch,
+                          'strategies': estimate_json(rows),
                           'cheapest': best, 'ds_config': ds_path, 'command': command, 'checked': checked,
                           'device': {k: getattr(args, k) for k in step_time.FIGURES}, 'ranking': ranked,
                           'fastest': fastest,
@@ -526,10 +539,12 @@ def print_estimate(args, gptconf, counts, rows, n_micro, seq_len, mixed, vocab_n
     """The model's line, the ZeRO paper's model-state table and every strategy's row."""
     moe = (f"; {gptconf.n_expert} experts, top-{gptconf.n_expert_active}: {counts['active'] / 1e9:.3g}B "
            f"active, {counts['experts'] / 1e9:.3g}B in the experts" if gptconf.n_expert else '')
+    per_step = (f"a global batch of {args.global_batch} sequences per step" if args.global_batch else
+                f"{n_micro} micro-batches per step")
     header = (f"{args.estimate}: Ψ = {counts['total'] / 1e9:.3g}B parameters (L {gptconf.n_layer}, "
               f"h {gptconf.n_embd}, a {gptconf.n_head}, kv {gptconf.n_kv_head}, V {gptconf.vocab_size}"
               f"{vocab_note}{moe}); {args.gpus} GPUs of {args.gpu_mem_gb} GB; micro-batch "
-              f"{args.micro_batch} x {seq_len} tokens, {n_micro} micro-batches per step; "
+              f"{args.micro_batch} x {seq_len} tokens, {per_step}; "
               f"{'bf16 mixed precision' if mixed else 'fp32'}. Per GPU (the largest rank):")
     print(model_state_markdown(counts['total'], args.gpus, mixed) + '\n')
-    print(estimate_markdown(rows, header, n_micro, mixed))
+    print(estimate_markdown(rows, header, None if args.global_batch else n_micro, mixed))

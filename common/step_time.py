@@ -312,7 +312,7 @@ def group_gbps(row, group, figures):
     return min(figures.nvlink_gbps, int(per_node.max()) * figures.ib_gbps)
 
 
-def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=False):
+def cluster_step_ms(row, gptconf, seq_len, micro_batch, figures, ckpt=False):
     """{ms, compute_ms, bubble_ms, comm_ms, exposed_ms}: a step of a planner row on GPUs of stated figures.
     compute: the step's training FLOPs (model.flops_per_token; 8N instead of 6N with activation checkpointing,
     which runs each forward twice) split over the tp x pp x cp ranks that share a replica, at
@@ -324,7 +324,7 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=F
     parallelism's, the pipeline's, the all-to-alls and offload's copies and host AdamW not."""
     with torch.device('meta'):
         flops_per_token = GPT(gptconf).flops_per_token(seq_len)
-    m, p = n_micro, row['pp']
+    m, p = row['n_microbatches'], row['pp']  # micro-batches a replica runs a step, stages
     flops = flops_per_token * micro_batch * seq_len * m * (8 / 6 if ckpt else 1)
     compute = flops / (row['tp'] * p * row['cp']) / (figures.gpu_tflops * 1e12 * figures.flops_efficiency)
     # (the update: the GPU's AdamW, memory-bound, is left out; offload's on the host is priced below)
@@ -350,10 +350,10 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, n_micro, figures, ckpt=F
                 comm_ms=ms(comm), exposed_ms=ms(exposed))
 
 
-def fastest_first(rows, gpus, gptconf, seq_len, micro_batch, n_micro, figures):
+def fastest_first(rows, gpus, gptconf, seq_len, micro_batch, figures):
     """The planner's rows that fit on all the gpus (with activation checkpointing where only so), each priced
     by cluster_step_ms, with its tokens a second over the cluster (dp replicas of micro_batch x seq_len x
-    n_micro tokens a step) and its MFU (the model's 6N + attention FLOPs of those tokens, over all the GPUs'
+    n_microbatches tokens a step) and its MFU (the model's 6N + attention FLOPs of those tokens, over all the GPUs'
     peak: a recomputed forward is not counted), the fastest first."""
     ranked = []
     with torch.device('meta'):
@@ -362,10 +362,11 @@ def fastest_first(rows, gpus, gptconf, seq_len, micro_batch, n_micro, figures):
         if r.get('fits') not in ('yes', 'with ckpt') or r['gpus_used'] != gpus:
             continue
         ckpt = r['fits'] == 'with ckpt'
-        step = cluster_step_ms(r, gptconf, seq_len, micro_batch, n_micro, figures, ckpt)
-        tokens_per_s = r['dp'] * micro_batch * seq_len * n_micro / (step['ms'] / 1000)
+        step = cluster_step_ms(r, gptconf, seq_len, micro_batch, figures, ckpt)
+        sequences = r['dp'] * micro_batch * r['n_microbatches']
+        tokens_per_s = sequences * seq_len / (step['ms'] / 1000)
         ranked.append(dict(step, strategy=r['strategy'] + ' + ckpt' * ckpt, ckpt=ckpt,
-                           sequences=r['dp'] * micro_batch * n_micro, tokens_per_s=tokens_per_s,
+                           sequences=sequences, tokens_per_s=tokens_per_s,
                            mfu=tokens_per_s * flops_per_token / (gpus * figures.gpu_tflops * 1e12)))
     return sorted(ranked, key=lambda step: -step['tokens_per_s'])
 

@@ -343,8 +343,8 @@ def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
     from common import step_time
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
     rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
-    price = lambda name, ckpt=False, **f: step_time.cluster_step_ms(rows[name], gptconf, 4096, 1, 8,
-                                                                    figures(**f), ckpt)
+    price = lambda name, ckpt=False, **f: step_time.cluster_step_ms(rows[name], gptconf, 4096, 1, figures(**f),
+                                                                    ckpt)
     zero1, tp, pp = price('ZeRO-1'), price('dp=2 x TP=8 + SP, ZeRO-1'), price('dp=4 x PP=4 1F1B, ZeRO-1')
     assert tp['compute_ms'] == pytest.approx(zero1['compute_ms'] / 8)
     assert price('ZeRO-1', ckpt=True)['compute_ms'] == pytest.approx(zero1['compute_ms'] * 8 / 6)
@@ -362,7 +362,7 @@ def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
     assert step_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'tp', figures()) == 450
     slow_host = price('ZeRO-3 + offload', host_adam_gparams=0.1)  # offload: the host's AdamW is compute
     assert slow_host['compute_ms'] > price('ZeRO-3 + offload')['compute_ms'] > price('ZeRO-3')['compute_ms']
-    ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, 8, figures())
+    ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
     fitting = {r['strategy'] + ' + ckpt' * (r['fits'] == 'with ckpt') for r in rows.values()
                if r.get('fits') in ('yes', 'with ckpt') and r['gpus_used'] == 16}
     assert {s['strategy'] for s in ranked} == fitting and len(fitting) >= 4
@@ -386,3 +386,19 @@ def test_the_grids_expert_row_reduces_each_part_over_the_ranks_that_hold_it():
     assert parts['dp'][0] + parts['dp gather'][0] == pytest.approx(ring(dense, 4) + ring(experts, 2))
     assert parts['dp gather'][0] == pytest.approx((ring(dense, 4) + ring(experts, 2)) / 2)
     assert dense > 0 and all(nbytes > 0 for nbytes, _ in row['comm_parts'].values())
+
+
+def test_a_global_batch_gives_every_row_the_same_sequences_a_step():
+    """--global_batch: each row runs as many micro-batches as make it (global / (dp x micro_batch)), so the
+    ranking compares layouts on one batch: a pipeline next to fewer replicas gets more micro-batches and a
+    smaller bubble; a row whose replicas do not divide the batch says so."""
+    from common import step_time
+    gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
+    rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True,
+                                                       global_batch=256)}
+    assert rows['ZeRO-1']['n_microbatches'] == 16 and rows['dp=4 x PP=4 1F1B, ZeRO-1']['n_microbatches'] == 64
+    assert rows['dp=4 x PP=4 1F1B, ZeRO-1']['bubble_fraction'] == pytest.approx(3 / (64 + 3))
+    ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
+    assert len(ranked) >= 4 and {s['sequences'] for s in ranked} == {256}
+    odd = planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True, global_batch=24)
+    assert 'not divisible by dp=16' in next(r for r in odd if r['strategy'] == 'ZeRO-1')['error']
