@@ -33,7 +33,8 @@ import time
 import torch
 
 from common.plots import plot
-from common.planner import add_estimate_arguments, ds_config_for, fmt_bytes, run_estimate
+from common.planner import (add_estimate_arguments, ds_config_for, fmt_bytes, gpt_config_from,
+                            run_estimate)
 from common import step_time
 from common.training import load_dataset
 
@@ -401,7 +402,8 @@ def run_bench(args):
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
-    predicted = step_time.predicted_lines(results, args, load_dataset('stdlib_char')[1])
+    moe = gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows' model)
+    predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe)
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)

@@ -31,6 +31,7 @@ from model import GPT, GPTConfig
 VERSION = 3  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
+MOE_ROWS = ('train_moe', 'ep', 'tp_moe')  # bench rows priced on the bench's MoE model
 
 
 def timed(fn, reps, between=None):
@@ -119,19 +120,22 @@ def measure_collectives(world_size, threads, folder):
     return {kind: [(n, seconds[f'{kind} {n}']) for n in SIZES] for kind in KINDS}
 
 
-def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
-    """The measured rates (measure_compute's, each kind of collective's times), from folder/machine.json when
-    it was measured for this model, these processes and this torch; else measured now (seconds) and kept."""
+def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, collectives=None,
+                  name='machine.json'):
+    """The measured rates (measure_compute's, each kind of collective's times), from folder/name when it was
+    measured for this model, these processes and this torch; else measured now (seconds) and kept. With
+    collectives (another model's rates'), only the compute is measured."""
     key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
-                                         batch_size],
+                                         batch_size, config.n_expert, config.n_expert_active],
            'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count()}
-    path = os.path.join(folder, 'machine.json')
+    path = os.path.join(folder, name)
     if not remeasure and os.path.exists(path):
         kept = json.load(open(path))
         if kept.get('key') == key:
             return kept
     os.makedirs(folder, exist_ok=True)
-    collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
+    if collectives is None:
+        collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
@@ -154,10 +158,10 @@ def ddp_buckets(nbytes, first=1 << 20, cap=25 << 20):
 def row_work(name, config, batch_size, world_size, n_microbatches):
     """What one rank of a bench row does in a step: FLOPs of forward and backward (with a pipeline's bubble:
     pipeline_work), the share of the model it updates (clip, AdamW), and its collectives [(kind, bytes a call,
-    calls)]; None for a row not priced here (a mixture of experts: its rates are not measured; the grids: more
-    processes than the sweep's). The global batch is batch_size x world_size sequences in world_size
-    micro-batches (bench.py's flags). A scalar all-reduce (the loss; the clip's norm where the gradients are
-    spread over ranks) costs its latency; gloo's reduce-scatter is an all-reduce of the whole tensor."""
+    calls)]; None for a row not priced here (the grids: more processes than the sweep's). The global batch is
+    batch_size x world_size sequences in world_size micro-batches (bench.py's flags). A scalar all-reduce
+    (the loss; the clip's norm where the gradients are spread over ranks) costs its latency; gloo's
+    reduce-scatter is an all-reduce of the whole tensor."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
     with torch.device('meta'):
         model = GPT(config)
@@ -170,7 +174,7 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     # their fixed cost: a micro-batch is one, a pipeline stage's slot 1/p of one)
     work = lambda share, pieces, update, calls: dict(flops=flops * share, pieces=pieces, update=update,
                                                      calls=calls)
-    if name == 'train':
+    if name in ('train', 'train_moe'):
         return work(1, w, 1, [])
     if name in ('ddp', 'zero0'):  # every rank updates the whole model
         sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, 25 << 20)
@@ -186,12 +190,15 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
         buckets = [block] * L + [numel - L * block]
         calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
         return work(1 / w, 1, 1 / w, calls + [scalars(2)])
-    if name in ('tp', 'tp_sp'):  # every micro-batch on every rank: 4 all-reduces a layer, the embedding's and
-        # the head's, the loss's 3 small ones; with sequence parallelism each all-reduce is a reduce-scatter
-        # (gloo: an all-reduce) and an all-gather of a sequence chunk
+    if name in ('tp', 'tp_sp', 'tp_moe'):  # every micro-batch on every rank: 4 all-reduces a layer (an MoE
+        # layer's experts spread whole over the ranks: its g too), the embedding's and the head's, the loss's
+        # 3 small ones; with sequence parallelism each all-reduce is a reduce-scatter (gloo: an all-reduce)
+        # and an all-gather of a sequence chunk
         per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
         per_micro += [('all_gather', act // w, 4 * L + 2)] if name == 'tp_sp' else []
         return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
+    if name == 'ep':
+        return expert_parallel_work(model, batch_size, w, work, scalars)
     if name.startswith('pp_'):
         return pipeline_work(name, config, batch_size, w, n_microbatches, work, scalars)
     if name in ('cp_ring', 'cp_ulysses'):  # the ring: a kv block around the ring (cp - 1) times forward, it
@@ -204,6 +211,19 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
         return work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),
                                   scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
     return None
+
+
+def expert_parallel_work(model, batch_size, w, work, scalars):
+    """The ep row of row_work: each rank its micro-batch and 1/w of each MoE layer's experts. Per MoE layer
+    the split sizes, then the token-slots' rows dispatched and combined, and both again backward (uniform
+    routing: the sweep's all-to-all of equal parts); the dense gradients all-reduced."""
+    config, numel = model.config, sum(p.numel() for p in model.parameters())
+    moe_layers = sum(map(config.is_moe, range(config.n_layer)))
+    experts = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.' in n)
+    slots = batch_size * config.block_size * config.n_expert_active * config.n_embd * 4
+    calls = [('all_to_all', 4 * w, moe_layers), ('all_to_all', slots, 4 * moe_layers),
+             ('all_reduce', 4 * (numel - experts), 1), scalars(2)]  # (the clip's, the loss)
+    return work(1 / w, 1, (numel - experts + experts / w) / numel, calls)
 
 
 def pipeline_work(name, config, batch_size, w, m, work, scalars):
@@ -242,28 +262,38 @@ def rates_line(rates, folder):
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 
 
-def predicted_lines(results, args, vocab_size):
+def predicted_lines(results, args, vocab_size, moe_config=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
-    that say so; if predicting fails, one line that says why (the rows' results are kept)."""
+    that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
+    (MOE_ROWS) on moe_config, with its own compute rates (machine_moe.json)."""
     if torch.cuda.is_available() or args.dtype != 'float32':
         return ["(predicted step time: priced for float32 on a CPU's gloo processes only, not yet for "
                 f"{'GPUs' if torch.cuda.is_available() else args.dtype})"]
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, bias=False,
                        block_size=args.block_size, vocab_size=vocab_size)
+    moe = moe_config is not None and any(results.get(n, {}).get('status') == 'ok' for n in MOE_ROWS)
     try:
         rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
                               args.remeasure)
+        moe_rates = machine_rates(args.out, moe_config, args.batch_size, args.world_size, args.threads,
+                                  args.remeasure, rates['collectives'], 'machine_moe.json') if moe else None
     except Exception as e:  # (a broken sweep must not lose the bench's results)
         return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
     lines = [rates_line(rates, args.out)]
+    if moe_rates:
+        lines.append(f"  (the MoE rows at the MoE model's own rates: a pass's fixed cost "
+                     f"{1e3 * moe_rates['pass_fixed_s']:.1f} ms, FLOPs at "
+                     f"{moe_rates['flops_per_s'] / 1e9:.1f} GFLOP/s; machine_moe.json)")
     for name, r in results.items():
         if r.get('status') != 'ok':
             continue
-        work = row_work(name, config, args.batch_size, args.world_size, args.n_microbatches)
+        on_moe = name in MOE_ROWS and moe
+        work = row_work(name, moe_config if on_moe else config, args.batch_size, args.world_size,
+                        args.n_microbatches)
         if work is None or any(kind not in rates['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue
-        ms, compute, comm = predict_ms(work, rates)
+        ms, compute, comm = predict_ms(work, moe_rates if on_moe else rates)
         r['predicted_ms'] = ms
         lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}), "
                      f"measured {r['ms']:6.1f}: {100 * (ms / r['ms'] - 1):+.0f}%")
@@ -353,8 +383,8 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, figures, ckpt=False):
 def fastest_first(rows, gpus, gptconf, seq_len, micro_batch, figures):
     """The planner's rows that fit on all the gpus (with activation checkpointing where only so), each priced
     by cluster_step_ms, with its tokens a second over the cluster (dp replicas of micro_batch x seq_len x
-    n_microbatches tokens a step) and its MFU (the model's 6N + attention FLOPs of those tokens, over all the GPUs'
-    peak: a recomputed forward is not counted), the fastest first."""
+    n_microbatches tokens a step) and its MFU (the model's 6N + attention FLOPs of those tokens, over all the
+    GPUs' peak: a recomputed forward is not counted), the fastest first."""
     ranked = []
     with torch.device('meta'):
         flops_per_token = GPT(gptconf).flops_per_token(seq_len)

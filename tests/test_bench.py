@@ -174,7 +174,11 @@ def test_each_row_sends_what_its_script_sends():
     assert ulysses['calls'][0] == ('all_to_all', 4 * 16 * 32 * 4 // 2, 8 * 2 * 2) and ulysses['update'] == 1
     zb1 = step_time.row_work('pp_zb1', config, 4, 2, 2)  # ZB-H1's cool-down: W fills two thirds of the bubble
     assert zb1['pieces'] == pytest.approx(2 + 1 / 3) and zb1['calls'][0] == pp['calls'][0]
-    assert step_time.row_work('ep', config, 4, 2, 2) is None  # (not priced: the MoE rows, the grids)
+    moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,
+                    n_expert_active=2)  # every layer an MoE layer: per layer the sizes, then 4 all-to-alls of
+    ep = step_time.row_work('ep', moe, 4, 2, 2)  # the 4 x 16 tokens' 2 slots each (uniform routing)
+    assert ep['calls'][:2] == [('all_to_all', 4 * 2, 2), ('all_to_all', 4 * 16 * 2 * 32 * 4, 4 * 2)]
+    assert step_time.row_work('grid_dp_pp_tp', config, 4, 2, 2) is None  # (not priced: the grids)
 
 
 def _results():
