@@ -108,7 +108,7 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
 # the bench: every script on the same small GPT, the same data and the same global batch
 
 # `python bench.py` runs these (about a minute on 2 cores); --full runs every row of bench_rows
-MOE, MOE_ROWS = ['--n_expert=4', '--n_expert_active=2'], ('train_moe', 'ep', 'tp_moe', 'grid_pp_tp_ep')
+MOE, MOE_ROWS = ['--n_expert=4', '--n_expert_active=2'], step_time.MOE_ROWS + ('grid_pp_tp_ep',)
 QUICK_ROWS = ['train', 'ddp', 'zero0', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
 
 

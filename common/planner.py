@@ -151,10 +151,13 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
                    schedule=k['schedule'], offload=k['offload'], notes=[], ep=k['ep'],
                    **{x: k[x] for x in GRID_DIMS})
-        m = row['n_microbatches'] = global_batch // (dp * micro_batch) if global_batch else n_microbatches
+        by_batch = global_batch is not None
+        m = row['n_microbatches'] = global_batch // (dp * micro_batch) if by_batch else n_microbatches
         problems = [msg for bad, msg in [
-            (global_batch and global_batch % (dp * micro_batch),
+            (by_batch and global_batch % (dp * micro_batch),
              f"global batch {global_batch} not divisible by dp={dp} x micro_batch={micro_batch}"),
+            (p > 1 and k['schedule'] in ('1f1b', 'zb1') and m < p,  # (pipeline.py refuses it)
+             f"{k['schedule']} needs n_microbatches {m} >= pp={p} to fill the pipeline"),
             (row['gpus_used'] > gpus, f"needs {row['gpus_used']} GPUs"),
             (a % t or gptconf.n_kv_head % t, f"heads ({a}, kv {gptconf.n_kv_head}) not divisible by tp={t}"),
             (L % p, f"n_layer {L} not divisible by pp={p}"),
@@ -402,7 +405,8 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     degrees, the micro-batch; beyond 8 GPUs, nodes of 8 (one command on every node; they meet at HOST)."""
     shape = [f"--{d}={row[d]}" for d in ('tp', 'pp', 'cp', 'ep') if row.get(d, 1) > 1]
     if row['pp'] > 1:  # a pipeline's micro-step is n_micro microbatches of micro_batch sequences
-        script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 else 'parallel_4d.py'), [
+        # (with dp: parallel_4d.py, whose ZeRO-1 the row prices; pipeline.py's replicas keep whole states)
+        script, flags = ('pipeline.py' if row['tp'] == row['cp'] == 1 == row['dp'] else 'parallel_4d.py'), [
             f"--schedule={row['schedule']}", f"--n_microbatches={n_micro}",
             f"--batch_size={args.micro_batch * n_micro}", f"--gradient_accumulation_steps={row['dp']}"]
     else:
@@ -416,7 +420,9 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     if script == 'zero.py':
         flags += [f"--deepspeed_config={ds_path}"] if ds_path else [f"--stage={row['zero_stage']}"]
     flags += ['--sequence_parallel=True'] * row['sequence_parallel']
-    flags += ['--activation_checkpointing=True'] * ckpt + [f"--dtype={args.dtype}"]
+    # (said either way when the config file turns checkpointing on: the row was priced without it)
+    flags += [f'--activation_checkpointing={ckpt}'] * (ckpt or getattr(args, 'config_ckpt', False))
+    flags += [f"--dtype={args.dtype}"]
     flags += ([f"--block_size={seq_len}"] if args.seq_len else []) + list(overrides)
     gpus = row['gpus_used']
     launch = (f"torchrun --standalone --nproc_per_node={gpus}" if gpus <= 8 else
@@ -476,7 +482,13 @@ def run_estimate(args, overrides, check=None):
         return
     if not args.estimate or not os.path.isfile(args.estimate):
         raise SystemExit(f"error: --estimate needs a config file (or --params=N), got {args.estimate!r}")
+    for bad, message in ((args.global_batch is not None and args.global_batch < 1, "must be at least 1"),
+                         (args.global_batch is not None and args.check, "and --check: --check runs the "
+                          "scripts with --n_microbatches")):
+        if bad:
+            raise SystemExit(f"error: --global_batch={args.global_batch} {message}")
     gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
+    args.config_ckpt = configure(config_defaults({}), [args.estimate, *overrides]).activation_checkpointing
     hinted = args.vocab_size or config_vocab_size(args.estimate)
     vocab_note = '' if hinted else ' (the default: pass --vocab_size=N for another vocabulary)'
     seq_len = args.seq_len or gptconf.block_size
@@ -505,7 +517,8 @@ def run_estimate(args, overrides, check=None):
                           'active_params': counts['active'],
                           'expert_params': counts['experts'], 'gpus': args.gpus,
                           'gpu_mem_gb': args.gpu_mem_gb, 'dtype': args.dtype, 'micro_batch': args.micro_batch,
-                          'seq_len': seq_len, 'n_microbatches': n_micro, 'global_batch': args.global_batch,
+                          'seq_len': seq_len, 'n_microbatches': None if args.global_batch else n_micro,
+                          'global_batch': args.global_batch,
                           'strategies': estimate_json(rows),
                           'cheapest': best, 'ds_config': ds_path, 'command': command, 'checked': checked,
                           'device': {k: getattr(args, k) for k in step_time.FIGURES}, 'ranking': ranked,

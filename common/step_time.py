@@ -96,6 +96,18 @@ def _sweep(rank, world_size, port, threads, out):
     dist.destroy_process_group()
 
 
+def moe_rates(folder, rates, config, batch_size, threads):
+    """The MoE model's compute rates (its experts' loop costs what a dense MLP does not) beside the
+    collectives of rates (machine_rates'), kept in machine.json's 'moe' entry: measured again with the
+    rest."""
+    key = [config.n_layer, config.n_embd, config.n_expert, config.n_expert_active, batch_size]
+    if rates.get('moe', {}).get('key') != key:
+        rates['moe'] = dict(measure_compute(config, batch_size, threads), key=key)
+        with open(os.path.join(folder, 'machine.json'), 'w') as f:
+            json.dump(rates, f, indent=1)
+    return dict(rates['moe'], collectives=rates['collectives'])
+
+
 def call_seconds(table, nbytes):
     """A call's seconds at nbytes from the sweep's [(bytes, seconds)], sizes ascending: the smallest's time
     (the latency) below it, linear between the two sizes around it, along the last segment beyond the largest
@@ -120,22 +132,19 @@ def measure_collectives(world_size, threads, folder):
     return {kind: [(n, seconds[f'{kind} {n}']) for n in SIZES] for kind in KINDS}
 
 
-def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, collectives=None,
-                  name='machine.json'):
-    """The measured rates (measure_compute's, each kind of collective's times), from folder/name when it was
-    measured for this model, these processes and this torch; else measured now (seconds) and kept. With
-    collectives (another model's rates'), only the compute is measured."""
+def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
+    """The measured rates (measure_compute's, each kind of collective's times), from folder/machine.json when
+    it was measured for this model, these processes and this torch; else measured now (seconds) and kept."""
     key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
                                          batch_size, config.n_expert, config.n_expert_active],
            'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count()}
-    path = os.path.join(folder, name)
+    path = os.path.join(folder, 'machine.json')
     if not remeasure and os.path.exists(path):
         kept = json.load(open(path))
         if kept.get('key') == key:
             return kept
     os.makedirs(folder, exist_ok=True)
-    if collectives is None:
-        collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
+    collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
@@ -196,6 +205,9 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
         # and an all-gather of a sequence chunk
         per_micro = [('all_reduce', act, 4 * L + 2), ('all_reduce', batch_size * s * 4, 3)]
         per_micro += [('all_gather', act // w, 4 * L + 2)] if name == 'tp_sp' else []
+        if name == 'tp_moe':  # and the router weights' gradient (CopyToTP), a layer: its k slots a token
+            per_micro += [('all_reduce', batch_size * s * config.n_expert_active * 4,
+                           sum(map(config.is_moe, range(L))))]
         return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
     if name == 'ep':
         return expert_parallel_work(model, batch_size, w, work, scalars)
@@ -214,14 +226,15 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
 
 
 def expert_parallel_work(model, batch_size, w, work, scalars):
-    """The ep row of row_work: each rank its micro-batch and 1/w of each MoE layer's experts. Per MoE layer
-    the split sizes, then the token-slots' rows dispatched and combined, and both again backward (uniform
-    routing: the sweep's all-to-all of equal parts); the dense gradients all-reduced."""
+    """The ep row of row_work: each rank its micro-batch and 1/w of each MoE layer's experts (ep = the world:
+    each expert on one rank, so no expert gradient is all-reduced). Per MoE layer the split sizes (int64
+    counts), then the token-slots' rows dispatched and combined, and both again backward (uniform routing: the
+    sweep's all-to-all of equal parts); the dense gradients all-reduced."""
     config, numel = model.config, sum(p.numel() for p in model.parameters())
     moe_layers = sum(map(config.is_moe, range(config.n_layer)))
     experts = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.' in n)
     slots = batch_size * config.block_size * config.n_expert_active * config.n_embd * 4
-    calls = [('all_to_all', 4 * w, moe_layers), ('all_to_all', slots, 4 * moe_layers),
+    calls = [('all_to_all', 8 * config.n_expert, moe_layers), ('all_to_all', slots, 4 * moe_layers),
              ('all_reduce', 4 * (numel - experts), 1), scalars(2)]  # (the clip's, the loss)
     return work(1 / w, 1, (numel - experts + experts / w) / numel, calls)
 
@@ -265,7 +278,7 @@ def rates_line(rates, folder):
 def predicted_lines(results, args, vocab_size, moe_config=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
     that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
-    (MOE_ROWS) on moe_config, with its own compute rates (machine_moe.json)."""
+    (MOE_ROWS) on moe_config, with its own compute rates (moe_rates)."""
     if torch.cuda.is_available() or args.dtype != 'float32':
         return ["(predicted step time: priced for float32 on a CPU's gloo processes only, not yet for "
                 f"{'GPUs' if torch.cuda.is_available() else args.dtype})"]
@@ -275,25 +288,24 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
     try:
         rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
                               args.remeasure)
-        moe_rates = machine_rates(args.out, moe_config, args.batch_size, args.world_size, args.threads,
-                                  args.remeasure, rates['collectives'], 'machine_moe.json') if moe else None
+        on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
     except Exception as e:  # (a broken sweep must not lose the bench's results)
         return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
     lines = [rates_line(rates, args.out)]
-    if moe_rates:
+    if on_moe_model:
         lines.append(f"  (the MoE rows at the MoE model's own rates: a pass's fixed cost "
-                     f"{1e3 * moe_rates['pass_fixed_s']:.1f} ms, FLOPs at "
-                     f"{moe_rates['flops_per_s'] / 1e9:.1f} GFLOP/s; machine_moe.json)")
+                     f"{1e3 * on_moe_model['pass_fixed_s']:.1f} ms, FLOPs at "
+                     f"{on_moe_model['flops_per_s'] / 1e9:.1f} GFLOP/s)")
     for name, r in results.items():
         if r.get('status') != 'ok':
             continue
-        on_moe = name in MOE_ROWS and moe
-        work = row_work(name, moe_config if on_moe else config, args.batch_size, args.world_size,
-                        args.n_microbatches)
+        on_moe = name in MOE_ROWS
+        work = None if on_moe and not moe else row_work(
+            name, moe_config if on_moe else config, args.batch_size, args.world_size, args.n_microbatches)
         if work is None or any(kind not in rates['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue
-        ms, compute, comm = predict_ms(work, moe_rates if on_moe else rates)
+        ms, compute, comm = predict_ms(work, on_moe_model if on_moe else rates)
         r['predicted_ms'] = ms
         lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}), "
                      f"measured {r['ms']:6.1f}: {100 * (ms / r['ms'] - 1):+.0f}%")

@@ -177,7 +177,9 @@ def test_each_row_sends_what_its_script_sends():
     moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,
                     n_expert_active=2)  # every layer an MoE layer: per layer the sizes, then 4 all-to-alls of
     ep = step_time.row_work('ep', moe, 4, 2, 2)  # the 4 x 16 tokens' 2 slots each (uniform routing)
-    assert ep['calls'][:2] == [('all_to_all', 4 * 2, 2), ('all_to_all', 4 * 16 * 2 * 32 * 4, 4 * 2)]
+    assert ep['calls'][:2] == [('all_to_all', 8 * 4, 2), ('all_to_all', 4 * 16 * 2 * 32 * 4, 4 * 2)]  # (int64)
+    tp_moe = step_time.row_work('tp_moe', moe, 4, 2, 2)  # tp's, and the router weights' gradient a layer
+    assert tp_moe['calls'][:2] == tp['calls'][:2] and ('all_reduce', 4 * 16 * 2 * 4, 2 * 2) in tp_moe['calls']
     assert step_time.row_work('grid_dp_pp_tp', config, 4, 2, 2) is None  # (not priced: the grids)
 
 
@@ -404,5 +406,7 @@ def test_a_global_batch_gives_every_row_the_same_sequences_a_step():
     assert rows['dp=4 x PP=4 1F1B, ZeRO-1']['bubble_fraction'] == pytest.approx(3 / (64 + 3))
     ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
     assert len(ranked) >= 4 and {s['sequences'] for s in ranked} == {256}
-    odd = planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True, global_batch=24)
-    assert 'not divisible by dp=16' in next(r for r in odd if r['strategy'] == 'ZeRO-1')['error']
+    odd = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True,
+                                                      global_batch=8)}
+    assert 'not divisible by dp=16' in odd['ZeRO-1']['error']
+    assert 'needs n_microbatches 2 >= pp=4' in odd['dp=4 x PP=4 1F1B, ZeRO-1']['error']  # (pipeline.py refuses it)
