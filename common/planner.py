@@ -475,6 +475,14 @@ def command_for(choice, rows, args, overrides, seq_len, mixed, file_name='ds_con
                                    ds_path if row['zero_stage'] else None)
 
 
+def check_global_batch(args):
+    for bad, message in ((args.global_batch is not None and args.global_batch < 1, "must be at least 1"),
+                         (args.global_batch is not None and args.check, "and --check: --check runs the "
+                          "scripts with --n_microbatches")):
+        if bad:
+            raise SystemExit(f"error: --global_batch={args.global_batch} {message}")
+
+
 def run_estimate(args, overrides, check=None):
     mixed = args.dtype != 'float32'
     if args.params:
@@ -482,11 +490,7 @@ def run_estimate(args, overrides, check=None):
         return
     if not args.estimate or not os.path.isfile(args.estimate):
         raise SystemExit(f"error: --estimate needs a config file (or --params=N), got {args.estimate!r}")
-    for bad, message in ((args.global_batch is not None and args.global_batch < 1, "must be at least 1"),
-                         (args.global_batch is not None and args.check, "and --check: --check runs the "
-                          "scripts with --n_microbatches")):
-        if bad:
-            raise SystemExit(f"error: --global_batch={args.global_batch} {message}")
+    check_global_batch(args)
     gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
     args.config_ckpt = configure(config_defaults({}), [args.estimate, *overrides]).activation_checkpointing
     hinted = args.vocab_size or config_vocab_size(args.estimate)
