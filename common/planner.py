@@ -83,7 +83,7 @@ def param_counts(gptconf, pp=1):
 model_states = formulas.model_state_bytes_formula  # bytes per rank of the model states: the ZeRO paper's
 
 
-def strategies(gpus, tp, pp, cp, zero_stage, ep=1, n_expert=0):
+def strategies(gpus, tp, pp, cp, ep=1, n_expert=0):
     """(name, shape) of each strategy the estimate prices, from the least added cost to the most:
     communication volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives),
     then the pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
@@ -100,13 +100,13 @@ def strategies(gpus, tp, pp, cp, zero_stage, ep=1, n_expert=0):
         rows += [(f'dp={gpus // tp} x TP={tp} + SP, EP={grid_ep} in dp, ZeRO-1',
                   shape(dp=gpus // tp, tp=tp, sp=True, ep=grid_ep, stage=1))]
     if tp > 1 and gpus % tp == 0 and gpus > tp:
-        rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-{zero_stage}', shape(dp=gpus // tp, tp=tp, sp=True,
-                                                                         stage=zero_stage))]
+        # (the grid rows: parallel_4d.py, whose dp is ZeRO-1)
+        rows += [(f'dp={gpus // tp} x TP={tp} + SP, ZeRO-1', shape(dp=gpus // tp, tp=tp, sp=True, stage=1))]
     if tp > 1:
         rows += [(f'TP={tp}', shape(tp=tp)), (f'TP={tp} + SP', shape(tp=tp, sp=True))]
     if pp > 1 and gpus % pp == 0 and gpus > pp:
-        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-{zero_stage}',
-                  shape(dp=gpus // pp, pp=pp, schedule='1f1b', stage=zero_stage))]
+        rows += [(f'dp={gpus // pp} x PP={pp} 1F1B, ZeRO-1', shape(dp=gpus // pp, pp=pp, schedule='1f1b',
+                                                                  stage=1))]
     if pp > 1:
         rows += [(f'PP={pp} 1F1B', shape(pp=pp, schedule='1f1b')),
                  (f'PP={pp} ZB-H1', shape(pp=pp, schedule='zb1')),  # 1F1B's first-stage memory, less bubble
@@ -138,15 +138,15 @@ def model_states_of(gptconf, k, counts, mixed_precision):
     return dense + experts // ep, {key: sum(part[key] for part in parts) for key in parts[0]}
 
 
-def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, zero_stage,
-             mixed_precision, ep=1, global_batch=None):
+def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_microbatches, mixed_precision,
+             ep=1, global_batch=None):
     """One dict per strategy: model-state bytes, activation and logits bytes with and without activation
     checkpointing, bytes communicated per step, and whether it fits (activations_of, comm_per_step). Each
     replica runs n_microbatches micro-batches a step; with global_batch (sequences a step), each row as many
     as make that batch: global_batch / (dp x micro_batch)."""
     s, a, L = seq_len, gptconf.n_head, gptconf.n_layer
     rows = []
-    for name, k in strategies(gpus, tp, pp, cp, zero_stage, ep, gptconf.n_expert):
+    for name, k in strategies(gpus, tp, pp, cp, ep, gptconf.n_expert):
         dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
         row = dict(strategy=name, gpus_used=dp * t * p * c, zero_stage=stage, sequence_parallel=k['sp'],
                    schedule=k['schedule'], offload=k['offload'], notes=[], ep=k['ep'],
@@ -453,7 +453,6 @@ def add_estimate_arguments(p):
                         'the estimate')
     p.add_argument('--n_microbatches', type=int, default=None,
                    help='micro-batches per step (estimate default: 2 x pp; bench pipeline rows: 4)')
-    p.add_argument('--zero_stage', type=int, default=1, help='ZeRO stage of the dp x tp and dp x pp rows')
     p.add_argument('--global_batch', type=int, default=None,
                    help='--estimate: sequences a step, the same for every row: each row runs global_batch / '
                         '(dp x micro_batch) micro-batches (default: --n_microbatches for every row)')
@@ -506,7 +505,7 @@ def run_estimate(args, overrides, check=None):
     # a mixture of experts: ep, the largest that divides the experts and the GPUs (at most 8: one node)
     ep = getattr(args, 'ep', None) or largest_divisor(min(args.gpus, 8), gptconf.n_expert or 1, args.gpus)
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
-                    n_micro, args.zero_stage, mixed, ep, args.global_batch)
+                    n_micro, mixed, ep, args.global_batch)
     best = cheapest(rows, args.gpus)
     args.gpu_tflops = args.gpu_tflops or (989 if mixed else 67)  # (an H100 SXM's dense peak)
     ranked = step_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, args)

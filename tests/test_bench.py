@@ -248,11 +248,11 @@ def test_logits_are_in_the_estimate_as_the_head_holds_them():
         held[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
         assert sum(held.values()) == formulas.logits_bytes_formula(b * s, V, 2 if mixed else 4) > 0, (mixed, held)
 
-        ddp = planner.estimate(config, 2, 1, b, s, 1, 1, 1, 1, 1, mixed)[0]
+        ddp = planner.estimate(config, 2, 1, b, s, 1, 1, 1, 1, mixed)[0]
         assert ddp['strategy'] == 'DDP' and ddp['logits_bytes'] == sum(held.values())
         assert ddp['total_bytes'] == ddp['model_state_bytes'] + ddp['activation_bytes'] + ddp['logits_bytes']
         limit = (ddp['total_bytes'] - ddp['logits_bytes'] / 2) / 1e9  # room for everything but half the logits
-        assert planner.estimate(config, 2, limit, b, s, 1, 1, 1, 1, 1, mixed)[0]['fits'] != 'yes'
+        assert planner.estimate(config, 2, limit, b, s, 1, 1, 1, 1, mixed)[0]['fits'] != 'yes'
 
 
 def test_pipeline_traffic_is_priced_as_pipeline_py_sends_it(tmp_path):
@@ -267,7 +267,7 @@ def test_pipeline_traffic_is_priced_as_pipeline_py_sends_it(tmp_path):
     assert len(stages) == 2
     gptconf = planner.gpt_config_from(None, TINY, load_dataset('stdlib_char')[1])
     # 2 GPUs, 1 GB, micro-batch 2 of 16 tokens, tp 1, pp 2, cp 1, 2 micro-batches, ZeRO-1, bf16
-    plan = {r['strategy']: r for r in planner.estimate(gptconf, 2, 1, 2, 16, 1, 2, 1, 2, 1, True)}
+    plan = {r['strategy']: r for r in planner.estimate(gptconf, 2, 1, 2, 16, 1, 2, 1, 2, True)}
     for r in stages:
         kinds = r['collective_bytes_by_kind']
         assert plan['PP=2 1F1B']['comm_bytes_per_step'] == kinds['pp send'] + kinds['embed all_reduce'], r
@@ -285,7 +285,7 @@ def test_the_two_tables_say_what_their_communication_counts(tmp_path):
     assert 'not counted:' in out and 'logits' in out
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
     numel = planner.param_counts(gptconf)['total']
-    rows = {r['strategy']: r for r in planner.estimate(gptconf, 8, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
+    rows = {r['strategy']: r for r in planner.estimate(gptconf, 8, 80, 1, 4096, 8, 4, 4, 8, True)}
     paper = {stage: formulas.comm_bytes_formula(numel, 8, stage, 2) for stage in range(4)}
     assert rows['ZeRO-1']['comm_bytes_per_step'] == paper[1]
     assert rows['DDP']['comm_bytes_per_step'] == 2 * paper[0]
@@ -302,7 +302,7 @@ def test_the_planner_prints_a_command_that_runs_its_recommendation(tmp_path):
     from types import SimpleNamespace
     args = SimpleNamespace(micro_batch=1, dtype='bfloat16', seq_len=None, estimate='config/tinyllama_1b.py')
     gptconf = planner.gpt_config_from(os.path.join(REPO, args.estimate), [], None)
-    rows = [r for r in planner.estimate(gptconf, 8, 80, 1, 2048, 4, 4, 4, 8, 1, True) if 'error' not in r]
+    rows = [r for r in planner.estimate(gptconf, 8, 80, 1, 2048, 4, 4, 4, 8, True) if 'error' not in r]
     assert len(rows) >= 10
     for row in rows:
         words = shlex.split(planner.launch_command(row, True, args, [], 2048, 8, 'ds.json'))
@@ -348,7 +348,7 @@ def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
     above the efficiency it was given."""
     from common import step_time
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
-    rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True)}
+    rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, True)}
     price = lambda name, ckpt=False, **f: step_time.cluster_step_ms(rows[name], gptconf, 4096, 1, figures(**f),
                                                                     ckpt)
     zero1, tp, pp = price('ZeRO-1'), price('dp=2 x TP=8 + SP, ZeRO-1'), price('dp=4 x PP=4 1F1B, ZeRO-1')
@@ -383,7 +383,7 @@ def test_the_grids_expert_row_reduces_each_part_over_the_ranks_that_hold_it():
     and came out negative)."""
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/tinyllama_1b.py'),
                                       ['--n_expert=8', '--n_expert_active=2'], None)
-    row = next(r for r in planner.estimate(gptconf, 16, 80, 1, 2048, 4, 2, 4, 4, 1, False, 2)
+    row = next(r for r in planner.estimate(gptconf, 16, 80, 1, 2048, 4, 2, 4, 4, False, 2)
                if r['tp'] == 4 and r['ep'] == 2)
     experts = planner.param_counts(gptconf)['experts'] // (4 * 2)  # n_expert / (tp x ep) whole experts
     dense = row['params_per_rank'] - experts
@@ -400,13 +400,13 @@ def test_a_global_batch_gives_every_row_the_same_sequences_a_step():
     smaller bubble; a row whose replicas do not divide the batch says so."""
     from common import step_time
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
-    rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True,
+    rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, True,
                                                        global_batch=256)}
     assert rows['ZeRO-1']['n_microbatches'] == 16 and rows['dp=4 x PP=4 1F1B, ZeRO-1']['n_microbatches'] == 64
     assert rows['dp=4 x PP=4 1F1B, ZeRO-1']['bubble_fraction'] == pytest.approx(3 / (64 + 3))
     ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
     assert len(ranked) >= 4 and {s['sequences'] for s in ranked} == {256}
-    odd = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, 1, True,
+    odd = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, True,
                                                       global_batch=8)}
     assert 'not divisible by dp=16' in odd['ZeRO-1']['error']
     assert 'needs n_microbatches 2 >= pp=4' in odd['dp=4 x PP=4 1F1B, ZeRO-1']['error']  # (pipeline.py refuses it)

@@ -271,7 +271,7 @@ def test_the_script_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_p
     from common import planner  # the planner's expert-parallel row holds what each rank held
     from common.training import load_dataset
     gptconf = planner.gpt_config_from(None, FLAGS, load_dataset('stdlib_char')[1])
-    plan = next(p for p in planner.estimate(gptconf, 2, 1, 4, 16, 1, 1, 1, 2, 0, False, 2) if p['ep'] == 2)
+    plan = next(p for p in planner.estimate(gptconf, 2, 1, 4, 16, 1, 1, 1, 2, False, 2) if p['ep'] == 2)
     assert all((r['param_bytes'], r['grad_bytes'], r['optim_bytes']) ==
                (plan['param_bytes'], plan['grad_bytes'], plan['optim_bytes']) for r in rows), plan
     check(run_script('expert_parallel.py', FLAGS + ['--ep=2', '--max_iters=2', f'--out_dir={split}'], nproc=2))

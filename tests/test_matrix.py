@@ -110,7 +110,7 @@ def test_the_planner_prices_the_grid_with_experts_as_the_ranks_held_them(matrix,
     assert sorted(r['rank'] for r in rows) == list(range(8))
     flags = COMMON + MODELS[layout, 'moe']
     gptconf = planner.gpt_config_from(None, flags, load_dataset('stdlib_char')[1])
-    plan = [p for p in planner.estimate(gptconf, 8, 1, 2, 16, 2, 1, 1, 1, 1, False, 2) if p['ep'] == p['tp'] == 2]
+    plan = [p for p in planner.estimate(gptconf, 8, 1, 2, 16, 2, 1, 1, 1, False, 2) if p['ep'] == p['tp'] == 2]
     assert len(plan) == 1 and 'error' not in plan[0], plan
     for r in rows:
         assert (r['param_bytes'], r['grad_bytes'], r['optim_bytes']) == (

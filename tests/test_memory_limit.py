@@ -28,7 +28,7 @@ def planned_mib():
     from common import planner
     from common.training import load_dataset
     gptconf = planner.gpt_config_from(CONFIG, ['--dtype=float32'], load_dataset('stdlib_char')[1])
-    rows = planner.estimate(gptconf, 4, 1, 2, gptconf.block_size, 1, 1, 1, 1, 3, False)
+    rows = planner.estimate(gptconf, 4, 1, 2, gptconf.block_size, 1, 1, 1, 1, False)
     return next(r for r in rows if r['strategy'] == 'ZeRO-3')['total_bytes'] / 2**20
 
 
