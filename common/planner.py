@@ -323,7 +323,7 @@ def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixe
     from common.deepspeed_config import deepspeed_config_of
     zero_keys = dict(stage=0, offload_optimizer=False, adam_eps=1e-8)  # (zero.py's own keys that it writes)
     cfg = configure(config_defaults(zero_keys), ([config_path] if config_path else []) + list(overrides))
-    ranks = row['dp'] * row['cp']
+    ranks = row['dp']  # (cp ranks split sequences: the batch is dp's)
     cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']
     cfg.batch_size, cfg.gradient_accumulation_steps = micro_batch, n_microbatches * ranks
     cfg.dtype = 'bfloat16' if mixed_precision else 'float32'
