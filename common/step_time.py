@@ -13,7 +13,11 @@ run it is compared with; bench.py prints it beside every row's measured ms/step.
 On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add. The
 rates are kept in the bench's out folder (machine.json; the sweep's own times in sweep.json) and measured
 again when the model, the processes, the number of cores or torch change, or with --remeasure. Priced: fp32
-on a CPU.
+on a CPU (the MoE rows at the MoE model's own compute rates, moe_rates).
+
+The second half prices a planned strategy's step on a GPU cluster (cluster_step_ms), for bench.py --estimate's
+ranking: the same three sums, from figures the user states (peak FLOP/s and an efficiency, NVLink and network
+bandwidths, a latency), each group's traffic hidden where the strategy overlaps it. Nothing there is measured.
 """
 
 import json
