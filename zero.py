@@ -29,8 +29,8 @@ from common.training import (autocast_context, config_defaults, configure, get_l
 from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_grid, checkpoint_of, init_model,
                                 init_values, load_buffers, load_params, pieces_of, rank_path, restore_rng,
                                 seed_dropout, set_rng_state, zero_buffers)
-from common.distributed import (Comm, clip_grad_norm, finish_distributed, reduce_scatter_of,
-                                world_size_from_env)
+from common.distributed import (Comm, clip_grad_norm, default_bucket_size, finish_distributed,
+                                reduce_scatter_of, world_size_from_env)
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
 
 # -----------------------------------------------------------------------------
@@ -368,12 +368,6 @@ class Zero:
             for j, p in enumerate(b.params):  # only the part in this rank's chunk is read
                 b.copy_owned(j, saved[id(p)]['exp_avg'], state['exp_avg'])
                 b.copy_owned(j, saved[id(p)]['exp_avg_sq'], state['exp_avg_sq'])
-
-
-def default_bucket_size(stage):
-    """Stages 0-1 keep every gradient anyway: DDP's 25 MiB (of fp32), so no more collectives (each a fixed
-    latency) than DDP; stage 2 holds full-size gradients one bucket at a time: small ones keep them small."""
-    return 25 * 2**20 // 4 if stage <= 1 else 100_000
 
 
 def bucket_groups(model, stage, bucket_size, params=None):

@@ -294,6 +294,13 @@ def all_gather_direct(comm, full, shard, tag):
     return works
 
 
+def default_bucket_size(stage):
+    """zero.py's gradient bucket, in elements. Stages 0-1 keep every gradient anyway: DDP's 25 MiB (of fp32),
+    so no more collectives (each a fixed latency) than DDP; stage 2 holds full-size gradients one bucket at a
+    time: small ones keep them small. (bench.py's predicted step counts the same buckets.)"""
+    return 25 * 2**20 // 4 if stage <= 1 else 100_000
+
+
 def reduce_scatter_of(comm, full):
     """This rank's chunk of the sum over ranks of full (N equal chunks), asynchronously: returns (work,
     chunk). gloo's reduce-scatter is an all-reduce of a full-size clone of its input, then a copy of the chunk

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from common import formulas
-from common.distributed import all_gather_single
+from common.distributed import all_gather_single, default_bucket_size
 from model import GPT, GPTConfig
 
 VERSION = 3  # of machine.json: a file from another version is measured again
@@ -190,11 +190,12 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
     if name in ('train', 'train_moe'):
         return work(1, w, 1, [])
     if name in ('ddp', 'zero0'):  # every rank updates the whole model
-        sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, 25 << 20)
+        zero0 = 4 * default_bucket_size(0)  # (in bytes, fp32)
+        sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, zero0, zero0)
         return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
     if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce), its chunk gathered
-        # (zero.default_bucket_size's buckets, in bytes; zero.py closes one at a parameter's end: about these)
-        bucket = 25 << 20 if name == 'zero1' else 4 * 100_000
+        # (zero.py's buckets, in bytes; it closes one at a parameter's end: about these)
+        bucket = 4 * default_bucket_size(int(name[-1]))
         calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
                  for c in (('all_reduce', n, 1), ('all_gather', n // w, 1))]
         return work(1 / w, 1, 1 / w, calls + [scalars(2)])
