@@ -2,21 +2,20 @@
 Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and
 a memory planner (planner.py) for models too large to run here.
 
-    python bench.py                                   # quick: 8 rows, a small model, ~a minute on 2 cores
-    python bench.py --full                            # every row, 512 wide (about 10 minutes on 2 cores)
+    python bench.py                         # quick: 8 rows, a small model, ~a minute on 2 cores
+    python bench.py --full --plot           # every row, 512 wide (~10 minutes), and its pictures (matplotlib)
     python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
-    python bench.py --plot                            # and draw it (matplotlib): plots.py
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
-    python bench.py --estimate config/llama2_7b.py --gpus=8 --json     # as JSON; the cheapest that fits
+    python bench.py --estimate config/llama2_7b.py --gpus=16 --global_batch=256 --json   # as JSON
     python bench.py --estimate config/train_stdlib_char.py --gpus=2 --tp=2 --pp=2 --vocab_size=96 --check
     python bench.py --estimate --params=7.5e9 --gpus=64   # the ZeRO paper's example (model states only)
 
-The bench runs each script the way a user does (torchrun) and reads the numbers the script itself wrote to its
-log.jsonl: timing and loss from the training rows, measured bytes and their formulas from the per-rank rows.
-bench.py measures nothing of the runs itself and writes no formula: the estimate calls formulas.py, the very
-functions the scripts print beside what they measure; --check runs three of the strategies here and prints
-what they measured beside the estimate. Under the table, each row's step time as common/step_time.py predicts
-it from rates it measures on this machine (a short sweep, kept in --out/machine.json).
+The bench runs each script as a user does (torchrun) and reads what the script wrote to its log.jsonl:
+timing, loss, measured bytes and their formulas. It measures nothing of the runs itself and writes no formula;
+under the table, each row's step time as common/step_time.py predicts it from rates it measures here. The
+planner (--estimate, common/planner.py): memory from formulas.py, the functions the scripts print beside what
+they measure; the strategies that fit, ranked by a step time modelled from stated GPU figures; --check runs
+three of them here beside the estimate.
 """
 
 import argparse
@@ -33,8 +32,7 @@ import time
 import torch
 
 from common.plots import plot
-from common.planner import (add_estimate_arguments, ds_config_for, fmt_bytes, gpt_config_from,
-                            run_estimate)
+from common.planner import add_estimate_arguments, ds_config_for, fmt_bytes, gpt_config_from, run_estimate
 from common import step_time
 from common.training import load_dataset
 
