@@ -32,8 +32,8 @@ import time
 import torch
 
 from common.plots import plot
-from common.planner import add_estimate_arguments, ds_config_for, fmt_bytes, gpt_config_from, run_estimate
-from common import step_time
+from common.planner import add_estimate_arguments, ds_config_for, gpt_config_from, run_estimate
+from common import plan_tables, step_time
 from common.training import load_dataset
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -250,7 +250,7 @@ def check_losses(results, rtol):
     return all(r['loss_matches'] for r in ok.values())
 
 
-def measured_cell(row, key, fmt=fmt_bytes):
+def measured_cell(row, key, fmt=plan_tables.fmt_bytes):
     """'measured (formula)' from the script's own per-rank rows; '-' where the script does not report it."""
     value, formula = row.get(key), row.get(key + '_formula')
     if value is None:
@@ -269,7 +269,7 @@ def activation_cell(row):
 def sent_cells(row):
     """Bytes one rank sent per step: handed to its collectives and sends (counted at the calls), and on the
     wire: measured from the OS's loopback counter (the ring formula for those calls in parentheses)."""
-    counted = fmt_bytes(row.get('collective_bytes')) if row.get('collective_bytes') is not None else '-'
+    counted = plan_tables.fmt_bytes(row.get('collective_bytes'))  # ('-' for none)
     if row.get('wire_bytes') is None and row.get('wire_bytes_formula') is None:
         return counted, '-'
     return counted, measured_cell(row, 'wire_bytes')
