@@ -370,7 +370,10 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, figures, ckpt=False):
     attention they feed; ZeRO-1's and 2's gather of the updated parameters after the step, tensor
     parallelism's, the pipeline's, the all-to-alls and offload's copies and host AdamW not."""
     with torch.device('meta'):
-        flops_per_token = GPT(gptconf).flops_per_token(seq_len)
+        gpt = GPT(gptconf)
+    flops_per_token = gpt.flops_per_token(seq_len)
+    # attention's FLOPs a token: the term linear in the sequence, what doubling it adds
+    attention_share = (gpt.flops_per_token(2 * seq_len) - flops_per_token) / flops_per_token
     m, p = row['n_microbatches'], row['pp']  # micro-batches a replica runs a step, stages
     flops = flops_per_token * micro_batch * seq_len * m * (8 / 6 if ckpt else 1)
     compute = flops / (row['tp'] * p * row['cp']) / (figures.gpu_tflops * 1e12 * figures.flops_efficiency)
@@ -379,7 +382,7 @@ def cluster_step_ms(row, gptconf, seq_len, micro_batch, figures, ckpt=False):
     if p > 1:
         f = formulas.bubble_fraction_formula(p, m, schedule=row['schedule'])
         bubble = compute * f / (1 - f)
-    attention = compute * 12 * gptconf.n_layer * gptconf.n_embd * seq_len / flops_per_token
+    attention = compute * attention_share
     hidden_by = {'dp': (compute if row['zero_stage'] == 3 else 2 / 3 * compute if row['zero_stage'] == 2
                         else 2 / 3 * compute / m), 'cp': attention}
     comm = exposed = 0.0
