@@ -372,12 +372,18 @@ def command_for(choice, rows, args, overrides, seq_len, mixed, file_name='ds_con
                                    ds_path if row['zero_stage'] else None)
 
 
-def check_global_batch(args):
-    for bad, message in ((args.global_batch is not None and args.global_batch < 1, "must be at least 1"),
-                         (args.global_batch is not None and args.check, "and --check: --check runs the "
-                          "scripts with --n_microbatches")):
+def check_flags(args):
+    """One line for a flag the estimate cannot use: a global batch below 1, or with --check; a stated GPU
+    figure (step_time.FIGURES) that is not positive."""
+    batch = f"--global_batch={args.global_batch}"
+    for bad, message in ((args.global_batch is not None and args.global_batch < 1,
+                          f"{batch} must be at least 1"),
+                         (args.global_batch is not None and args.check, f"{batch} and --check: --check runs "
+                          "the scripts with --n_microbatches"),
+                         *((getattr(args, k) is not None and getattr(args, k) <= 0,
+                            f"--{k}={getattr(args, k)} must be positive") for k in step_time.FIGURES)):
         if bad:
-            raise SystemExit(f"error: --global_batch={args.global_batch} {message}")
+            raise SystemExit(f"error: {message}")
 
 
 def run_estimate(args, overrides, check=None):
@@ -387,7 +393,7 @@ def run_estimate(args, overrides, check=None):
         return
     if not args.estimate or not os.path.isfile(args.estimate):
         raise SystemExit(f"error: --estimate needs a config file (or --params=N), got {args.estimate!r}")
-    check_global_batch(args)
+    check_flags(args)
     gptconf = gpt_config_from(args.estimate, overrides, args.vocab_size)
     args.config_ckpt = configure(config_defaults({}), [args.estimate, *overrides]).activation_checkpointing
     hinted = args.vocab_size or config_vocab_size(args.estimate)

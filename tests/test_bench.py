@@ -410,3 +410,14 @@ def test_a_global_batch_gives_every_row_the_same_sequences_a_step():
                                                       global_batch=8)}
     assert 'not divisible by dp=16' in odd['ZeRO-1']['error']
     assert 'needs n_microbatches 2 >= pp=4' in odd['dp=4 x PP=4 1F1B, ZeRO-1']['error']  # (pipeline.py refuses it)
+
+
+@pytest.mark.parametrize('flag, message', [('--global_batch=0', '--global_batch=0 must be at least 1'),
+                                           ('--gpus_per_node=0', '--gpus_per_node=0 must be positive'),
+                                           ('--ib_gbps=-5', '--ib_gbps=-5.0 must be positive')])
+def test_a_flag_the_estimate_cannot_use_is_one_line(flag, message):
+    """A global batch below 1 or a GPU figure that is not positive: one line and a non-zero exit, before any
+    work (a node of 0 GPUs divided by zero in the ranking)."""
+    proc = run_script('bench.py', ['--estimate', 'config/llama2_7b.py', flag])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and lines == [f'error: {message}'], proc.stderr
