@@ -181,9 +181,8 @@ MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'pea
 
 
 def summarize(log, warmup):
-    """What the script reported: median ms, tokens/s and MFU over the iterations after the warm-up, the loss
-    curve, and the per-rank rows (all the rows of one rank merged), with the largest rank's value of each
-    measured number and its formula."""
+    """What the script reported: median ms, tokens/s, MFU after the warm-up, the loss curve, a MoE's routing
+    (counted), per-rank rows (merged by rank), the largest rank's value of each measured number, formula."""
     train_rows = [r for r in log if 'loss' in r and 'rank' not in r and 'ms' in r]
     timed = [r for r in train_rows if r['iter'] >= warmup] or train_rows
     out = {'losses': {r['iter']: r['loss'] for r in train_rows}}
@@ -191,6 +190,8 @@ def summarize(log, warmup):
         values = [r[key] for r in timed if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     out['final_loss'] = train_rows[-1]['loss'] if train_rows else None
+    out['tokens_per_expert'] = [r['tokens_per_expert'] for r in log
+                                if 'tokens_per_expert' in r and 'rank' not in r and r['iter'] >= warmup]
     evals = [r for r in log if 'val_loss' in r and 'rank' not in r]
     out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
     ranks = {}

@@ -3,17 +3,19 @@ A step's time, predicted (modelled) from the model's FLOPs and this machine's me
 run it is compared with; bench.py prints it beside every row's measured ms/step.
 
 - compute: for every forward and backward pass a rank makes (a micro-batch; a pipeline stage's slot: 1/p of
-  one), the ops' fixed cost, plus the training FLOPs (model.flops_per_token: 6N plus attention) of the tokens
-  it computes at the rate one process with a rank's threads measured on the model (measure_compute), plus the
-  update (clip, AdamW) of the share of the model it updates;
+  one), the ops' fixed cost, plus the training FLOPs (model.flops_per_token) of the tokens it computes at the
+  rate one process with a rank's threads measured on the model (measure_compute), plus the update (clip,
+  AdamW) of its share of the model. zero.py's stage 3 and train_fsdp.py map each buffer of 1 MB or more
+  afresh (return_freed_buffers_to_the_os), so its pages fault in again: they are priced at rates measured so
+  (measure_mapped), plus the fresh buffers their own code fills. ep, tp_moe: their busiest rank's experts;
 - communication: each collective the strategy makes in a step, at the time a short sweep measured for that
   kind of collective on this backend, each call posted after some compute as in training (linear between the
   sizes measured: a latency, then a bandwidth);
 - a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
 On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add. The
-rates are kept in the bench's out folder (machine.json; the sweep's own times in sweep.json) and measured
-again when the model, the processes, the number of cores or torch change, or with --remeasure. Priced: fp32
-on a CPU (the MoE rows at the MoE model's own compute rates, moe_rates).
+rates are kept in the bench's out folder (machine.json; the sweep's in sweep.json) and measured again when the
+model, the processes, the cores or torch change, or with --remeasure. Priced: fp32 on a CPU (the MoE rows at
+the MoE model's own compute rates, moe_rates).
 
 The second half prices a planned strategy's step on a GPU cluster (cluster_step_ms), for bench.py --estimate's
 ranking: the same three sums, from figures the user states (peak FLOP/s and an efficiency, NVLink and network
@@ -29,23 +31,21 @@ import torch
 import torch.distributed as dist
 
 from common import formulas
-from common.distributed import all_gather_single, default_bucket_size
+from common.distributed import all_gather_single, default_bucket_size, return_freed_buffers_to_the_os
 from model import GPT, GPTConfig
 
-VERSION = 3  # of machine.json: a file from another version is measured again
+VERSION = 4  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 MOE_ROWS = ('train_moe', 'ep', 'tp_moe')  # bench rows priced on the bench's MoE model
 
 
 def timed(fn, reps, between=None):
-    """The median seconds of reps calls of fn, after one call to warm it up; between() runs before each call,
-    untimed."""
+    """The median seconds of reps calls of fn, after one to warm it up; between() runs untimed before each."""
     fn()
     times = []
     for _ in range(reps):
-        if between is not None:
-            between()
+        (between or (lambda: None))()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -72,6 +72,23 @@ def measure_compute(config, batch_size, threads):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, 5)}
+
+
+def _mapped(_, config, batch_size, threads, out):
+    """measure_compute with malloc mapping each buffer of 1 MB or more afresh, as zero.py's stage 3 and
+    train_fsdp.py run, and the seconds a byte of a fresh buffer takes to fill; in a process of its own
+    (measure_mapped spawns it: malloc's setting cannot be undone)."""
+    return_freed_buffers_to_the_os()
+    rates, block = measure_compute(config, batch_size, threads), torch.ones(8 << 18)  # (8 MiB)
+    rates['fresh_s_per_byte'] = timed(lambda: torch.empty_like(block).copy_(block), 10) / (8 << 20)
+    with open(out, 'w') as f:
+        json.dump(rates, f)
+
+
+def measure_mapped(config, batch_size, threads, folder):
+    import torch.multiprocessing as mp
+    mp.spawn(_mapped, args=(config, batch_size, threads, os.path.join(folder, 'mapped.json')), nprocs=1)
+    return json.load(open(os.path.join(folder, 'mapped.json')))
 
 
 def _sweep(rank, world_size, port, threads, out):
@@ -149,7 +166,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
             return kept
     os.makedirs(folder, exist_ok=True)
     collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
-    rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives)
+    rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives,
+                 mapped=measure_mapped(config, batch_size, threads, folder))
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates
@@ -168,19 +186,20 @@ def ddp_buckets(nbytes, first=1 << 20, cap=25 << 20):
     return sizes
 
 
-def row_work(name, config, batch_size, world_size, n_microbatches):
+def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=None):
     """What one rank of a bench row does in a step: FLOPs of forward and backward (with a pipeline's bubble:
     pipeline_work), the share of the model it updates (clip, AdamW), and its collectives [(kind, bytes a call,
     calls)]; None for a row not priced here (the grids: more processes than the sweep's). The global batch is
     batch_size x world_size sequences in world_size micro-batches (bench.py's flags). A scalar all-reduce
     (the loss; the clip's norm where the gradients are spread over ranks) costs its latency; gloo's
-    reduce-scatter is an all-reduce of the whole tensor."""
+    reduce-scatter is an all-reduce of the whole tensor. expert_share: see busiest_expert_flops."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
     with torch.device('meta'):
         model = GPT(config)
     numel = sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.transformer.h[0].parameters())
     flops = model.flops_per_token() * batch_size * w * s  # the whole step's forward and backward
+    if name in ('ep', 'tp_moe'):  # (times w: work() below gives a rank 1/w of flops)
+        flops += w * busiest_expert_flops(model, batch_size * w * s, w, expert_share)
     act = batch_size * s * h * 4  # one micro-batch's residual stream, fp32
     scalars = lambda calls: ('all_reduce', 4, calls)
     # (pieces: the forward-and-backward passes through the whole model's ops this rank makes, each paying
@@ -189,21 +208,8 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
                                                      calls=calls)
     if name in ('train', 'train_moe'):
         return work(1, w, 1, [])
-    if name in ('ddp', 'zero0'):  # every rank updates the whole model
-        zero0 = 4 * default_bucket_size(0)  # (in bytes, fp32)
-        sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, zero0, zero0)
-        return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
-    if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce), its chunk gathered
-        # (zero.py's buckets, in bytes; it closes one at a parameter's end: about these)
-        bucket = 4 * default_bucket_size(int(name[-1]))
-        calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
-                 for c in (('all_reduce', n, 1), ('all_gather', n // w, 1))]
-        return work(1 / w, 1, 1 / w, calls + [scalars(2)])
-    if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
-        # (zero.py's gather on gloo is point-to-point sends into the buffer: priced as the sweep's all-gather)
-        buckets = [block] * L + [numel - L * block]
-        calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
-        return work(1 / w, 1, 1 / w, calls + [scalars(2)])
+    if name in ('ddp', 'fsdp') or name.startswith('zero'):
+        return data_parallel_work(name, model, w, work, scalars)
     if name in ('tp', 'tp_sp', 'tp_moe'):  # every micro-batch on every rank: 4 all-reduces a layer (an MoE
         # layer's experts spread whole over the ranks: its g too), the embedding's and the head's, the loss's
         # 3 small ones; with sequence parallelism each all-reduce is a reduce-scatter (gloo: an all-reduce)
@@ -228,6 +234,51 @@ def row_work(name, config, batch_size, world_size, n_microbatches):
         return work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),
                                   scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
     return None
+
+
+def data_parallel_work(name, model, w, work, scalars):
+    """The data-parallel rows of row_work (ddp, zero0-3, fsdp): each rank its micro-batch, and the
+    gradients' buckets reduced (gloo's reduce-scatter: an all-reduce), as the scripts bucket them."""
+    numel, L = sum(p.numel() for p in model.parameters()), model.config.n_layer
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    if name in ('ddp', 'zero0'):  # every rank updates the whole model
+        zero0 = 4 * default_bucket_size(0)  # (in bytes, fp32)
+        sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, zero0, zero0)
+        return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
+    if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce), its chunk gathered
+        # (zero.py's buckets, in bytes; it closes one at a parameter's end: about these)
+        bucket = 4 * default_bucket_size(int(name[-1]))
+        calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
+                 for c in (('all_reduce', n, 1), ('all_gather', n // w, 1))]
+        return work(1 / w, 1, 1 / w, calls + [scalars(2)])
+    if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
+        # (zero.py's gather on gloo is point-to-point sends into the buffer: priced as the sweep's all-gather)
+        buckets = [block] * L + [numel - L * block]
+        calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
+        # both map their buffers afresh (the mapped rates), and a step fills fresh ones: each bucket gathered
+        # twice (zero.py into its flat; FSDP2 into its all-gather output, then copied out into the
+        # parameters: twice that) and its gradients once (zero.py's zeroed bucket; FSDP2's reduce-scatter
+        # input, and gloo's clone of it)
+        fresh = 4 * numel * (3 if name == 'zero3' else 6)
+        return dict(work(1 / w, 1, 1 / w, calls + [scalars(2)]), mapped=True, fresh_bytes=fresh)
+
+
+def busiest_expert_flops(model, tokens, w, share=None):
+    """The FLOPs the busiest rank's experts compute in a step beyond 1/w of all the experts' (ep and tp_moe
+    spread each MoE layer's experts over the w ranks, a run of n_expert/w on each). share: the mean, over the
+    iterations and MoE layers, of the largest part of a layer's token-slots one rank's run gets (the routing
+    counted in train_moe's log: every strategy routes alike; busiest_share); None: uniform, 1/w."""
+    if share is None:
+        return 0.0
+    expert = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.0.' in n)  # (every layer's)
+    return 6 * expert * model.config.n_expert_active * tokens * (share - 1 / w)
+
+
+def busiest_share(tokens_per_expert, w):
+    """busiest_expert_flops's share, from logged [iteration][MoE layer][expert] counts (None: none logged)."""
+    shares = [max(sum(layer[r * len(layer) // w:(r + 1) * len(layer) // w]) for r in range(w)) / sum(layer)
+              for counts in tokens_per_expert or () for layer in counts if sum(layer)]
+    return statistics.mean(shares) if shares else None
 
 
 def expert_parallel_work(model, batch_size, w, work, scalars):
@@ -261,10 +312,13 @@ def pipeline_work(name, config, batch_size, w, m, work, scalars):
 
 
 def predict_ms(work, rates):
-    """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates."""
-    compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
-               work['update'] * rates['update_s'])
+    """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates (a row
+    that maps its buffers afresh at the rates measure_mapped measured, and its fresh buffers filled)."""
     table = rates['collectives']
+    rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
+    fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
+    compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
+               work['update'] * rates['update_s'] + fresh)
     comm = sum(count * call_seconds(table[kind], nbytes) for kind, nbytes, count in work['calls'])
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm
 
@@ -296,17 +350,26 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
         on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
     except Exception as e:  # (a broken sweep must not lose the bench's results)
         return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
-    lines = [rates_line(rates, args.out)]
+    lines, mapped = [rates_line(rates, args.out)], rates['mapped']
+    lines.append(f"  (zero3 and fsdp at the rates of a process that maps its buffers afresh, as they do: a "
+                 f"pass's fixed cost {1e3 * mapped['pass_fixed_s']:.1f} ms, FLOPs at "
+                 f"{mapped['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {1e3 * mapped['update_s']:.1f} ms; "
+                 f"a fresh buffer filled at {1e-9 / mapped['fresh_s_per_byte']:.1f} GB/s)")
     if on_moe_model:
         lines.append(f"  (the MoE rows at the MoE model's own rates: a pass's fixed cost "
                      f"{1e3 * on_moe_model['pass_fixed_s']:.1f} ms, FLOPs at "
                      f"{on_moe_model['flops_per_s'] / 1e9:.1f} GFLOP/s)")
+    share = busiest_share(results.get('train_moe', {}).get('tokens_per_expert'), args.world_size)
+    if moe and share is not None:
+        lines.append(f"  (ep and tp_moe at their busiest rank, whose experts get {share:.2f} of a layer's "
+                     f"token-slots, not 1/{args.world_size}: train_moe's routing, counted)")
     for name, r in results.items():
         if r.get('status') != 'ok':
             continue
         on_moe = name in MOE_ROWS
         work = None if on_moe and not moe else row_work(
-            name, moe_config if on_moe else config, args.batch_size, args.world_size, args.n_microbatches)
+            name, moe_config if on_moe else config, args.batch_size, args.world_size, args.n_microbatches,
+            share)
         if work is None or any(kind not in rates['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue

@@ -144,6 +144,12 @@ def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwi
     rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
     work = {'flops': 2e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 1e6, 2)]}
     assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0))
+    # a row that maps its buffers afresh (zero3, fsdp) at the rates measured so: 2 x 3 + 400 + 10 ms, and
+    # 1 MB of fresh buffers filled at 1 GB/s: 1 ms more
+    rates['mapped'] = {'flops_per_s': 5e8, 'pass_fixed_s': 3e-3, 'update_s': 0.02, 'fresh_s_per_byte': 1e-9}
+    mapped = dict(work, mapped=True, fresh_bytes=1e6)
+    assert step_time.predict_ms(mapped, rates) == pytest.approx((421.0, 417.0, 4.0))
+    assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0))
     table = [(1000, 1e-3), (2000, 3e-3), (4000, 4e-3)]
     assert [step_time.call_seconds(table, n) for n in (10, 1500, 3000, 8000)] == \
         pytest.approx([1e-3, 2e-3, 3.5e-3, 6e-3])
@@ -162,6 +168,11 @@ def test_each_row_sends_what_its_script_sends():
     zero3 = step_time.row_work('zero3', config, 4, 2, 2)
     assert zero3['calls'][:2] == [('all_gather', 4 * block // 2, 2), ('all_reduce', 4 * block, 1)]
     assert len(zero3['calls']) == 2 * 3 + 1 and zero3['update'] == 0.5
+    # fresh buffers filled a step: zero.py's flat gathered twice and its zeroed gradient bucket; FSDP2's
+    # all-gather output and the parameters copied out of it, twice, its reduce-scatter input and gloo's clone
+    fsdp = step_time.row_work('fsdp', config, 4, 2, 2)
+    assert (zero3['mapped'], zero3['fresh_bytes'], fsdp['fresh_bytes']) == (True, 3 * 4 * numel, 6 * 4 * numel)
+    assert fsdp['calls'] == zero3['calls'] and 'mapped' not in step_time.row_work('zero2', config, 4, 2, 2)
     tp = step_time.row_work('tp', config, 4, 2, 2)
     assert tp['calls'][0] == ('all_reduce', 4 * 16 * 32 * 4, (4 * 2 + 2) * 2)
     pp = step_time.row_work('pp_1f1b', config, 4, 2, 2)  # 2 schedules of 2 + 2 - 1 slots, each half a pass
@@ -181,6 +192,25 @@ def test_each_row_sends_what_its_script_sends():
     tp_moe = step_time.row_work('tp_moe', moe, 4, 2, 2)  # tp's, and the router weights' gradient a layer
     assert tp_moe['calls'][:2] == tp['calls'][:2] and ('all_reduce', 4 * 16 * 2 * 4, 2 * 2) in tp_moe['calls']
     assert step_time.row_work('grid_dp_pp_tp', config, 4, 2, 2) is None  # (not priced: the grids)
+
+
+def test_a_moe_rows_busiest_rank_computes_its_experts_share_of_the_slots():
+    """ep and tp_moe hold a run of n_expert/w experts a rank: priced at the rank whose run gets the most of a
+    layer's token-slots (train_moe's counts), not 1/w. Counted by hand: 2 ranks, experts {0, 1} and {2, 3}; one
+    layer's slots all on rank 0's experts, the other's even: a share of (1 + 1/2) / 2 = 3/4. Each expert is the
+    model's MLP, 32 -> 128 -> 32 without biases, in 2 layers; 4 x 2 x 16 tokens, k = 2: 6 x 2 x 8192 weights x
+    2 slots x 128 tokens x (3/4 - 1/2) FLOPs more a step on the busiest rank."""
+    from common import step_time
+    from model import GPTConfig
+    assert step_time.busiest_share([[[3, 1, 0, 0], [1, 1, 1, 1]]], 2) == 0.75
+    assert step_time.busiest_share([], 2) is None and step_time.busiest_share([[[0, 0, 2, 2]]], 2) == 1.0
+    moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,
+                    n_expert_active=2)
+    for name in ('ep', 'tp_moe'):
+        even, busy = (step_time.row_work(name, moe, 4, 2, 2, share) for share in (None, 0.75))
+        assert busy['flops'] - even['flops'] == pytest.approx(6 * 2 * 8192 * 2 * 128 * 0.25)
+        assert busy['calls'] == even['calls']
+    assert step_time.row_work('ep', moe, 4, 2, 2, 0.5)['flops'] == step_time.row_work('ep', moe, 4, 2, 2)['flops']
 
 
 def _results():
@@ -421,3 +451,13 @@ def test_a_flag_the_estimate_cannot_use_is_one_line(flag, message):
     proc = run_script('bench.py', ['--estimate', 'config/llama2_7b.py', flag])
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and lines == [f'error: {message}'], proc.stderr
+
+
+def test_summarize_keeps_the_routing_of_the_timed_iterations():
+    """A MoE run's counted routing (train.py logs it every log step) is kept for the iterations after the
+    warm-up, the ones whose ms the row reports; a rank's report rows are not the run's."""
+    log = [{'iter': i, 'loss': 4.0 - i, 'ms': 10.0 + i} for i in range(4)]
+    log += [{'iter': i, 'aux': 1.0, 'tokens_per_expert': [[i, 1, 1, 1]]} for i in range(4)]
+    log += [{'rank': 0, 'iter': 3, 'tokens_per_expert': [[9, 9, 9, 9]]}]
+    out = bench.summarize(log, warmup=2)
+    assert out['tokens_per_expert'] == [[[2, 1, 1, 1]], [[3, 1, 1, 1]]] and out['ms'] == 12.5
