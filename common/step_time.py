@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from common import formulas
 from common.distributed import all_gather_single, default_bucket_size, return_freed_buffers_to_the_os
@@ -86,21 +87,22 @@ def _mapped(_, config, batch_size, threads, out):
 
 
 def measure_mapped(config, batch_size, threads, folder):
-    import torch.multiprocessing as mp
     mp.spawn(_mapped, args=(config, batch_size, threads, os.path.join(folder, 'mapped.json')), nprocs=1)
     return json.load(open(os.path.join(folder, 'mapped.json')))
 
 
 def _sweep(rank, world_size, port, threads, out):
     """One rank of the sweep: each kind of collective at each size, each call posted after some compute, as a
-    training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU cores that doubled the
-    time of a small all-reduce); a send is timed between ranks 0 and 1. Rank 0 writes the median seconds."""
+    training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU cores that doubled a
+    small all-reduce's time); a send between ranks 0 and 1. In 5 rounds of every kind and size, so that a busy
+    spell of the machine falls on them alike (one round's 512 KiB all-reduce: 0.6 to 2.9 ms from run to run);
+    rank 0 writes the median of the rounds' medians."""
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group('gloo', rank=rank, world_size=world_size)
-    seconds, a = {}, torch.randn(256, 256)
+    rounds, a = {}, torch.randn(256, 256)
     compute = lambda: [a @ a for _ in range(3)]  # about a millisecond
-    for nbytes in SIZES:
+    for nbytes in [n for _ in range(5) for n in SIZES]:
         t = torch.ones(nbytes // 4)
         full = torch.empty(t.numel() * world_size)
         send = {0: lambda: dist.send(t, 1), 1: lambda: dist.recv(t, 0)}.get(rank, lambda: None)
@@ -109,18 +111,17 @@ def _sweep(rank, world_size, port, threads, out):
                  'all_to_all': lambda: dist.all_to_all_single(full[:t.numel()], t)}
         for kind in KINDS:
             dist.barrier()
-            seconds[f'{kind} {nbytes}'] = timed(calls[kind], 20, compute)
+            rounds.setdefault(f'{kind} {nbytes}', []).append(timed(calls[kind], 8, compute))
     if rank == 0:
         with open(out, 'w') as f:
-            json.dump(seconds, f)
+            json.dump({key: statistics.median(times) for key, times in rounds.items()}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def moe_rates(folder, rates, config, batch_size, threads):
-    """The MoE model's compute rates (its experts' loop costs what a dense MLP does not) beside the
-    collectives of rates (machine_rates'), kept in machine.json's 'moe' entry: measured again with the
-    rest."""
+    """The MoE model's compute rates (its experts' loop costs what a dense MLP does not) beside rates'
+    collectives, kept in machine.json's 'moe' entry (measured again with the rest)."""
     key = [config.n_layer, config.n_embd, config.n_expert, config.n_expert_active, batch_size]
     if rates.get('moe', {}).get('key') != key:
         rates['moe'] = dict(measure_compute(config, batch_size, threads), key=key)
@@ -143,7 +144,6 @@ def call_seconds(table, nbytes):
 def measure_collectives(world_size, threads, folder):
     """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine."""
     import socket
-    import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
@@ -228,7 +228,7 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
         # and its gradient backward; Ulysses: q, k, v and the output all-to-all'd, and their gradients back
         ring = formulas.cp_comm_bytes_formula(s, batch_size, config.n_head, config.n_kv_head,
                                               h // config.n_head, w, 'ring')
-        sends = 3 * (w - 1) + 1
+        sends = 2 * (3 * (w - 1) + 1)  # (k and v, or their gradients: two sends each time)
         attention = (('send', ring / sends, sends * L * w) if name == 'cp_ring' else
                      ('all_to_all', act // w, 8 * L * w))
         return work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),

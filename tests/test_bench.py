@@ -183,6 +183,9 @@ def test_each_row_sends_what_its_script_sends():
     assert tp_sp['calls'][:3:2] == [tp['calls'][0], ('all_gather', 4 * 16 * 32 * 4 // 2, (4 * 2 + 2) * 2)]
     ulysses = step_time.row_work('cp_ulysses', config, 4, 2, 2)  # q, k, v, out; forward and backward; a layer
     assert ulysses['calls'][0] == ('all_to_all', 4 * 16 * 32 * 4 // 2, 8 * 2 * 2) and ulysses['update'] == 1
+    ring = step_time.row_work('cp_ring', config, 4, 2, 2)  # k and v sent on (2 calls), and back with their
+    # gradients (2 steps, 2 calls each): a layer, a micro-batch (4 sequences x 8 tokens x 2 heads x 16, fp32)
+    assert ring['calls'][0] == ('send', 4 * 8 * 32 * 4, (2 + 2 + 4) * 2 * 2)
     zb1 = step_time.row_work('pp_zb1', config, 4, 2, 2)  # ZB-H1's cool-down: W fills two thirds of the bubble
     assert zb1['pieces'] == pytest.approx(2 + 1 / 3) and zb1['calls'][0] == pp['calls'][0]
     moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,
