@@ -6,14 +6,18 @@ meters to the public parts the script put in `run` (its Comms, what its engine s
 modules, its pipeline stage), runs the step, takes them off and hands the numbers to the script's table in
 reports.py. The idea files name nothing of this, and on every other step none of it exists.
 
-What each kind reads: zero: run.zero (Zero.held: the tensors it holds) and run.comms; tensor_parallel: the
-model's first block (the bytes it saves for backward) and run.tp; pipeline and parallel_4d: run.stage, whose
-ops it times (stage.observer); context_parallel: run.cp (its Comm, timed) and the model's attention layers;
-expert_parallel: run.optimizer (the gradients it is handed); fsdp: the model and run.optimizer.
+What each kind reads: zero: run.zero (Zero.held: the tensors it holds), what autograd saves and run.comms;
+tensor_parallel: the model's first block (the bytes it saves for backward) and run.tp; pipeline and
+parallel_4d: run.stage, whose ops it times (stage.observer); context_parallel: run.cp (its Comm, timed) and
+the model's attention layers; expert_parallel: run.optimizer (the gradients it is handed); fsdp: the model
+and run.optimizer.
 """
 
 import contextlib
+import weakref
 from collections import Counter
+
+import torch
 
 from common import reports
 from common.distributed import Comm
@@ -44,18 +48,42 @@ def counting(comms, at_each_call=None):
     wire.sent = wire.stop()
 
 
+def saved_while_alive():
+    """Measured activations as they live: saved_tensors_hooks keep a weak reference to each tensor autograd
+    saves for backward (it dies once backward has used it, unless something else holds it). Use `with hooks:`
+    around the step; alive(skip) is the bytes of the distinct storages alive now, less skip's (the
+    parameters': a Linear saves its weight too). Returns (hooks, alive)."""
+    saved = []
+
+    def alive(skip=()):
+        storages = {}
+        for ref in saved:
+            t = ref()
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for t in skip:
+            storages.pop(None if t is None else t.untyped_storage().data_ptr(), None)
+        saved[:] = [ref for ref in saved if ref() is not None]
+        return sum(storages.values())
+    pack = lambda t: saved.append(weakref.ref(t)) or t  # (the tensor itself, kept as it is)
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), alive
+
+
 def observe_zero(run, cfg, iter_num):
-    """zero.py: the bytes this rank holds (Zero.held), sampled as each collective is posted and after each
-    gradient is taken (the step's peak) and at rest after the step, beside the ZeRO formula; the bytes
-    sent."""
+    """zero.py: the bytes this rank holds (Zero.held) and the activations saved for backward, sampled as each
+    collective is posted and after each gradient is taken (the step's peak) and at rest after the step, beside
+    the ZeRO formula; the bytes sent."""
     zero, peak = run.zero, Counter()
+    saving, alive = saved_while_alive()
 
     def sample(*_):
-        for kind, value in reports.held_bytes(zero.held()).items():
+        held = zero.held()
+        for kind, value in reports.held_bytes(held).items():
             peak[kind] = max(peak[kind], value)
+        peak['saved_bytes'] = max(peak['saved_bytes'], alive(held['param']))
     hooks = [p.register_post_accumulate_grad_hook(sample) for p in run.model.parameters()]
     try:
-        with counting(run.comms, sample) as wire:
+        with counting(run.comms, sample) as wire, saving:
             loss = run.step(iter_num)
     finally:
         for hook in hooks:

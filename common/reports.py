@@ -55,6 +55,7 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
                                                     cfg.gradient_accumulation_steps // z.world_size)}
     for k in ('param_bytes', 'grad_bytes', 'optim_bytes', 'host_bytes'):
         row.update({k: at_rest[k], f'{k}_formula': formula[k], f'peak_{k}': peak[k]})
+    row['peak_saved_bytes'] = peak['saved_bytes']  # activations autograd keeps for backward (measured)
     # beside the tensors, the process: its resident set's peak so far, less torch (a CPU's; None on a GPU)
     row['mem_added_bytes'] = None if cfg.device.startswith('cuda') else added_resident_bytes()
     rows = log_rank_rows(cfg.out_dir, row)
@@ -66,13 +67,15 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     lines.append(("bytes sent per rank, the paper's (Ψ)", None, None, row['comm_bytes_formula']))
     resident = lambda r: '' if r['mem_added_bytes'] is None else \
         f"; its resident set, by the run, {r['mem_added_bytes']:,}"
-    notes = [f"rank {r['rank']} at the step's peak: " + ', '.join(f"{k[:-6]} {r['peak_' + k]:,}"
-                                                                  for k in kinds) + resident(r) for r in rows]
+    at_peak = lambda r: ', '.join(f"{k[:-6]} {r['peak_' + k]:,}" for k in kinds)
+    notes = [f"rank {r['rank']} at the step's peak: {at_peak(r)}, activations saved for backward "
+             f"{r['peak_saved_bytes']:,}" + resident(r) for r in rows]
     if z.stage == 3:
         notes.append("at its peak a ZeRO-3 rank holds, beyond its chunks, the blocks gathered whole (the one "
                      "computing, prefetch_blocks more) and the gradient buckets being filled and reduced; "
-                     "its resident set holds more than tensors: torch's kernels as first used, each gradient "
-                     "autograd makes before the hook copies it into its bucket (docs/big_models.md)")
+                     "its resident set holds more than tensors: torch's library pages as kernels are first "
+                     "used, each gradient autograd makes before the hook copies it into its bucket "
+                     "(docs/big_models.md)")
     by_kind = row['collective_bytes_by_kind']
     notes.append("counted by kind: " + ', '.join(f"{k} {v:,.0f}" for k, v in by_kind.items()))
     if wire_bytes is None:

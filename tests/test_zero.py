@@ -82,6 +82,7 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, tmp_path_factory, r
         peaks[k] = max(r['peak_param_bytes'] for r in read_log(out) if 'rank' in r)
     block = sum(p.numel() for p in torch.nn.Module.get_submodule(meta_model(), 'transformer.h.0').parameters())
     block_bytes = 4 * world_size * -(-block // world_size)  # its bucket, padded to a multiple of N
+    block_saved = formulas.saved_bytes_formula(meta_model().config, 16, 4)  # a block's, a micro-batch (4 x 16)
     assert peaks[1] - peaks[0] == peaks[2] - peaks[1] == block_bytes, (peaks, block_bytes)
     for stage in range(4):
         out = str(tmp_path / f's{stage}')
@@ -108,6 +109,10 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, tmp_path_factory, r
                 assert r['peak_grad_bytes'] >= full_grads
             if stage == 3:
                 assert r['peak_param_bytes'] < 4 * r['numel']
+            # the activations saved for backward, measured: as backward starts every block's are alive (what
+            # saved_bytes_formula reads off model.py), and at most the head's logits and log-softmax besides
+            logits = 4 * 16 * 96 * 4
+            assert 8 * block_saved <= r['peak_saved_bytes'] <= 8 * block_saved + 2 * logits, (stage, r)
 
 
 def meta_model():
