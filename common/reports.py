@@ -68,8 +68,8 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     resident = lambda r: '' if r['mem_added_bytes'] is None else \
         f"; its resident set, by the run, {r['mem_added_bytes']:,}"
     at_peak = lambda r: ', '.join(f"{k[:-6]} {r['peak_' + k]:,}" for k in kinds)
-    notes = [f"rank {r['rank']} at the step's peak: {at_peak(r)}, activations saved for backward "
-             f"{r['peak_saved_bytes']:,}" + resident(r) for r in rows]
+    notes = [f"rank {r['rank']} at its most in the step (each its own peak): {at_peak(r)}, activations saved "
+             f"for backward {r['peak_saved_bytes']:,}" + resident(r) for r in rows]
     if z.stage == 3:
         notes.append("at its peak a ZeRO-3 rank holds, beyond its chunks, the blocks gathered whole (the one "
                      "computing, prefetch_blocks more) and the gradient buckets being filled and reduced; "

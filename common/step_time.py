@@ -46,7 +46,8 @@ def timed(fn, reps, between=None):
     fn()
     times = []
     for _ in range(reps):
-        (between or (lambda: None))()
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -87,6 +88,7 @@ def _mapped(_, config, batch_size, threads, out):
 
 
 def measure_mapped(config, batch_size, threads, folder):
+    """_mapped's rates: compute with buffers mapped afresh, and a fresh buffer's fill."""
     mp.spawn(_mapped, args=(config, batch_size, threads, os.path.join(folder, 'mapped.json')), nprocs=1)
     return json.load(open(os.path.join(folder, 'mapped.json')))
 
@@ -198,9 +200,9 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
         model = GPT(config)
     numel = sum(p.numel() for p in model.parameters())
     flops = model.flops_per_token() * batch_size * w * s  # the whole step's forward and backward
-    if name in ('ep', 'tp_moe'):  # (times w: work() below gives a rank 1/w of flops)
-        flops += w * busiest_expert_flops(model, batch_size * w * s, w, expert_share)
     act = batch_size * s * h * 4  # one micro-batch's residual stream, fp32
+    # ep, tp_moe: the busiest rank's experts compute more than 1/w of all the experts' FLOPs
+    busiest = busiest_expert_flops(model, batch_size * w * s, w, expert_share) if config.n_expert else 0
     scalars = lambda calls: ('all_reduce', 4, calls)
     # (pieces: the forward-and-backward passes through the whole model's ops this rank makes, each paying
     # their fixed cost: a micro-batch is one, a pipeline stage's slot 1/p of one)
@@ -219,9 +221,11 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
         if name == 'tp_moe':  # and the router weights' gradient (CopyToTP), a layer: its k slots a token
             per_micro += [('all_reduce', batch_size * s * config.n_expert_active * 4,
                            sum(map(config.is_moe, range(L))))]
-        return work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
+        even = work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
+        return dict(even, flops=even['flops'] + busiest)
     if name == 'ep':
-        return expert_parallel_work(model, batch_size, w, work, scalars)
+        even = expert_parallel_work(model, batch_size, w, work, scalars)
+        return dict(even, flops=even['flops'] + busiest)
     if name.startswith('pp_'):
         return pipeline_work(name, config, batch_size, w, n_microbatches, work, scalars)
     if name in ('cp_ring', 'cp_ulysses'):  # the ring: a kv block around the ring (cp - 1) times forward, it
@@ -256,10 +260,11 @@ def data_parallel_work(name, model, w, work, scalars):
         buckets = [block] * L + [numel - L * block]
         calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
         # both map their buffers afresh (the mapped rates), and a step fills fresh ones: each bucket gathered
-        # twice (zero.py into its flat; FSDP2 into its all-gather output, then copied out into the
-        # parameters: twice that) and its gradients once (zero.py's zeroed bucket; FSDP2's reduce-scatter
-        # input, and gloo's clone of it)
-        fresh = 4 * numel * (3 if name == 'zero3' else 6)
+        # twice (zero.py into its flat; FSDP2 into its all-gather output, gloo's temporary, then the
+        # parameters copied out: three times that) and its gradients once (zero.py's zeroed bucket; FSDP2's
+        # reduce-scatter input, and gloo's clone of it). (FSDP2 gathers the root once: ~1% less here; a
+        # buffer a receive fills pays its pages, its write is in the sweep's time: a little over-counted)
+        fresh = 4 * numel * (3 if name == 'zero3' else 8)
         return dict(work(1 / w, 1, 1 / w, calls + [scalars(2)]), mapped=True, fresh_bytes=fresh)
 
 
@@ -267,7 +272,8 @@ def busiest_expert_flops(model, tokens, w, share=None):
     """The FLOPs the busiest rank's experts compute in a step beyond 1/w of all the experts' (ep and tp_moe
     spread each MoE layer's experts over the w ranks, a run of n_expert/w on each). share: the mean, over the
     iterations and MoE layers, of the largest part of a layer's token-slots one rank's run gets (the routing
-    counted in train_moe's log: every strategy routes alike; busiest_share); None: uniform, 1/w."""
+    counted in train_moe's log: modelled as every strategy's, as their losses match; busiest_share); None:
+    uniform, 1/w. Their FLOPs only: the all-to-alls are priced as evenly routed."""
     if share is None:
         return 0.0
     expert = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.0.' in n)  # (every layer's)
@@ -275,9 +281,15 @@ def busiest_expert_flops(model, tokens, w, share=None):
 
 
 def busiest_share(tokens_per_expert, w):
-    """busiest_expert_flops's share, from logged [iteration][MoE layer][expert] counts (None: none logged)."""
-    shares = [max(sum(layer[r * len(layer) // w:(r + 1) * len(layer) // w]) for r in range(w)) / sum(layer)
-              for counts in tokens_per_expert or () for layer in counts if sum(layer)]
+    """busiest_expert_flops's share, from logged [iteration][MoE layer][expert] counts (None: none logged, or
+    experts that do not split into w equal runs, which the scripts refuse)."""
+    shares = []
+    for layer in [layer for counts in tokens_per_expert or () for layer in counts if sum(layer)]:
+        if len(layer) % w:
+            return None
+        run = len(layer) // w  # rank r holds experts r*run .. (r+1)*run - 1
+        per_rank = [sum(layer[r * run:(r + 1) * run]) for r in range(w)]
+        shares.append(max(per_rank) / sum(layer))
     return statistics.mean(shares) if shares else None
 
 
@@ -334,6 +346,28 @@ def rates_line(rates, folder):
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 
 
+def rate_notes(results, rates, on_moe_model, share, w):
+    """The lines under rates_line for the rows priced otherwise: zero3 and fsdp at the mapped rates, the MoE
+    rows at the MoE model's, ep and tp_moe at their busiest rank (or, with no routing counted, as even)."""
+    ran = lambda *names: any(results.get(n, {}).get('status') == 'ok' for n in names)
+    lines, mapped = [], rates['mapped']
+    if ran('zero3', 'fsdp'):
+        lines.append(f"  (zero3 and fsdp at the rates of a process that maps its buffers afresh, as they "
+                     f"do: a pass's fixed cost {1e3 * mapped['pass_fixed_s']:.1f} ms, FLOPs at "
+                     f"{mapped['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {1e3 * mapped['update_s']:.1f} "
+                     f"ms; a fresh buffer filled at {1e-9 / mapped['fresh_s_per_byte']:.1f} GB/s)")
+    if on_moe_model:
+        lines.append(f"  (the MoE rows at the MoE model's own rates: a pass's fixed cost "
+                     f"{1e3 * on_moe_model['pass_fixed_s']:.1f} ms, FLOPs at "
+                     f"{on_moe_model['flops_per_s'] / 1e9:.1f} GFLOP/s)")
+    if on_moe_model and w > 1 and ran('ep', 'tp_moe'):
+        lines.append(f"  (ep and tp_moe: their busiest rank's experts get {share:.2f} of a layer's "
+                     f"token-slots, not 1/{w}: train_moe's routing, counted; the all-to-alls priced as even)"
+                     if share is not None else
+                     "  (ep and tp_moe as if the routing were even: no train_moe routing was counted)")
+    return lines
+
+
 def predicted_lines(results, args, vocab_size, moe_config=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
     that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
@@ -350,19 +384,8 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
         on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
     except Exception as e:  # (a broken sweep must not lose the bench's results)
         return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
-    lines, mapped = [rates_line(rates, args.out)], rates['mapped']
-    lines.append(f"  (zero3 and fsdp at the rates of a process that maps its buffers afresh, as they do: a "
-                 f"pass's fixed cost {1e3 * mapped['pass_fixed_s']:.1f} ms, FLOPs at "
-                 f"{mapped['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {1e3 * mapped['update_s']:.1f} ms; "
-                 f"a fresh buffer filled at {1e-9 / mapped['fresh_s_per_byte']:.1f} GB/s)")
-    if on_moe_model:
-        lines.append(f"  (the MoE rows at the MoE model's own rates: a pass's fixed cost "
-                     f"{1e3 * on_moe_model['pass_fixed_s']:.1f} ms, FLOPs at "
-                     f"{on_moe_model['flops_per_s'] / 1e9:.1f} GFLOP/s)")
     share = busiest_share(results.get('train_moe', {}).get('tokens_per_expert'), args.world_size)
-    if moe and share is not None:
-        lines.append(f"  (ep and tp_moe at their busiest rank, whose experts get {share:.2f} of a layer's "
-                     f"token-slots, not 1/{args.world_size}: train_moe's routing, counted)")
+    lines = [rates_line(rates, args.out)] + rate_notes(results, rates, on_moe_model, share, args.world_size)
     for name, r in results.items():
         if r.get('status') != 'ok':
             continue

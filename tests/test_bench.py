@@ -169,9 +169,10 @@ def test_each_row_sends_what_its_script_sends():
     assert zero3['calls'][:2] == [('all_gather', 4 * block // 2, 2), ('all_reduce', 4 * block, 1)]
     assert len(zero3['calls']) == 2 * 3 + 1 and zero3['update'] == 0.5
     # fresh buffers filled a step: zero.py's flat gathered twice and its zeroed gradient bucket; FSDP2's
-    # all-gather output and the parameters copied out of it, twice, its reduce-scatter input and gloo's clone
+    # all-gather output, gloo's temporary and the parameters copied out, twice, its reduce-scatter input and
+    # gloo's clone of it (torch's _fsdp_collectives.py; gloo's all-gather: distributed.all_gather_direct)
     fsdp = step_time.row_work('fsdp', config, 4, 2, 2)
-    assert (zero3['mapped'], zero3['fresh_bytes'], fsdp['fresh_bytes']) == (True, 3 * 4 * numel, 6 * 4 * numel)
+    assert (zero3['mapped'], zero3['fresh_bytes'], fsdp['fresh_bytes']) == (True, 3 * 4 * numel, 8 * 4 * numel)
     assert fsdp['calls'] == zero3['calls'] and 'mapped' not in step_time.row_work('zero2', config, 4, 2, 2)
     tp = step_time.row_work('tp', config, 4, 2, 2)
     assert tp['calls'][0] == ('all_reduce', 4 * 16 * 32 * 4, (4 * 2 + 2) * 2)
@@ -214,6 +215,11 @@ def test_a_moe_rows_busiest_rank_computes_its_experts_share_of_the_slots():
         assert busy['flops'] - even['flops'] == pytest.approx(6 * 2 * 8192 * 2 * 128 * 0.25)
         assert busy['calls'] == even['calls']
     assert step_time.row_work('ep', moe, 4, 2, 2, 0.5)['flops'] == step_time.row_work('ep', moe, 4, 2, 2)['flops']
+    # MoE in every second block (here 1 of 2) and a shared expert beside: half the routed experts' extra
+    every_2nd = GPTConfig(**{**moe.__dict__, 'moe_every': 2, 'n_shared_expert': 1})
+    even, busy = (step_time.row_work('ep', every_2nd, 4, 2, 2, share) for share in (None, 0.75))
+    assert busy['flops'] - even['flops'] == pytest.approx(6 * 1 * 8192 * 2 * 128 * 0.25)
+    assert step_time.busiest_share([[[1, 2, 3]]], 2) is None  # (3 experts do not split over 2 ranks)
 
 
 def _results():
