@@ -2,7 +2,7 @@
 The memory planner: per-GPU memory and communication of every strategy for a model too large to run here, from
 the same formulas (formulas.py) the scripts print beside what they measure; the cheapest strategy that fits,
 its DeepSpeed config and torchrun command; the strategies that fit ranked by a step time modelled from stated
-GPU figures (step_time.cluster_step_ms); and --check: three strategies run here on a small shape, estimate
+GPU figures (cluster_time.cluster_step_ms); and --check: three strategies run here on a small shape, estimate
 beside measured. What it prints: plan_tables.py.
 
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from common import formulas, step_time
+from common import cluster_time, formulas
 from common.plan_tables import estimate_json, model_state_markdown, print_checked, print_estimate
 from model import GPT
 from common.training import config_defaults, configure, model_config
@@ -356,7 +356,7 @@ def add_estimate_arguments(p):
                         '(dp x micro_batch) micro-batches (default: --n_microbatches for every row)')
     p.add_argument('--vocab_size', type=int, default=None,
                    help='default: a "# vocab_size: N" line, else 50304')
-    step_time.add_device_arguments(p)  # the stated GPUs a step is priced on
+    cluster_time.add_device_arguments(p)  # the stated GPUs a step is priced on
 
 
 def command_for(choice, rows, args, overrides, seq_len, mixed, file_name='ds_config.json'):
@@ -374,14 +374,14 @@ def command_for(choice, rows, args, overrides, seq_len, mixed, file_name='ds_con
 
 def check_flags(args):
     """One line for a flag the estimate cannot use: a global batch below 1, or with --check; a stated GPU
-    figure (step_time.FIGURES) that is not positive."""
+    figure (cluster_time.FIGURES) that is not positive."""
     batch = f"--global_batch={args.global_batch}"
     for bad, message in ((args.global_batch is not None and args.global_batch < 1,
                           f"{batch} must be at least 1"),
                          (args.global_batch is not None and args.check, f"{batch} and --check: --check runs "
                           "the scripts with --n_microbatches"),
                          *((getattr(args, k) is not None and getattr(args, k) <= 0,
-                            f"--{k}={getattr(args, k)} must be positive") for k in step_time.FIGURES)):
+                            f"--{k}={getattr(args, k)} must be positive") for k in cluster_time.FIGURES)):
         if bad:
             raise SystemExit(f"error: {message}")
 
@@ -412,7 +412,7 @@ def run_estimate(args, overrides, check=None):
                     n_micro, mixed, ep, args.global_batch)
     best = cheapest(rows, args.gpus)
     args.gpu_tflops = args.gpu_tflops or (989 if mixed else 67)  # (an H100 SXM's dense peak)
-    ranked = step_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, args)
+    ranked = cluster_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, args)
     fastest = ranked[0]['strategy'] if ranked else None
     fastest_command = (command_for(fastest, rows, args, overrides, seq_len, mixed,
                                    'ds_config_fastest.json')[1]
@@ -428,7 +428,7 @@ def run_estimate(args, overrides, check=None):
                           'global_batch': args.global_batch,
                           'strategies': estimate_json(rows),
                           'cheapest': best, 'ds_config': ds_path, 'command': command, 'checked': checked,
-                          'device': {k: getattr(args, k) for k in step_time.FIGURES}, 'ranking': ranked,
+                          'device': {k: getattr(args, k) for k in cluster_time.FIGURES}, 'ranking': ranked,
                           'fastest': fastest,
                           'fastest_command': fastest_command or command}, indent=1))
         return
@@ -438,7 +438,7 @@ def run_estimate(args, overrides, check=None):
           + (f"; its DeepSpeed config: {ds_path}" if ds_path else ''))
     if best:
         print(f"run it with:\n  {command}")
-    print('\n' + '\n'.join(step_time.ranking_lines(ranked, args.gpus, args)))
+    print('\n' + '\n'.join(cluster_time.ranking_lines(ranked, args.gpus, args)))
     if fastest:
         print(f"\nfastest that fits, by this model: {fastest}" + (
             f"; run it with:\n  {fastest_command}" if fastest_command else ': the cheapest above'))

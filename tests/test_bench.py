@@ -371,11 +371,11 @@ def test_repeated_rows_report_each_median_and_the_ratio_run_by_run():
 
 
 def figures(**changed):
-    """The stated GPUs bench.py --estimate prices by default (step_time.add_device_arguments), some changed."""
+    """The stated GPUs bench.py --estimate prices by default (cluster_time.add_device_arguments), some changed."""
     import argparse
-    from common import step_time
+    from common import cluster_time
     p = argparse.ArgumentParser()
-    step_time.add_device_arguments(p)
+    cluster_time.add_device_arguments(p)
     return p.parse_args([f'--{k}={v}' for k, v in dict(dict(gpu_tflops=989), **changed).items()])
 
 
@@ -385,11 +385,11 @@ def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
     crosses the network only where its ranks leave a node, so a faster network speeds only those; what a
     strategy overlaps is hidden; and the ranking holds the rows that fit on every GPU, the fastest first, none
     above the efficiency it was given."""
-    from common import step_time
+    from common import cluster_time
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
     rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, True)}
-    price = lambda name, ckpt=False, **f: step_time.cluster_step_ms(rows[name], gptconf, 4096, 1, figures(**f),
-                                                                    ckpt)
+    price = lambda name, ckpt=False, **f: cluster_time.cluster_step_ms(rows[name], gptconf, 4096, 1,
+                                                                       figures(**f), ckpt)
     zero1, tp, pp = price('ZeRO-1'), price('dp=2 x TP=8 + SP, ZeRO-1'), price('dp=4 x PP=4 1F1B, ZeRO-1')
     assert tp['compute_ms'] == pytest.approx(zero1['compute_ms'] / 8)
     assert price('ZeRO-1', ckpt=True)['compute_ms'] == pytest.approx(zero1['compute_ms'] * 8 / 6)
@@ -402,12 +402,12 @@ def test_the_planned_step_on_gpus_follows_the_figures_it_is_given():
     assert price('TP=8 + SP')['exposed_ms'] == price('TP=8 + SP')['comm_ms'] > 0  # (tp's calls: not hidden)
     assert zero1['exposed_ms'] < zero1['comm_ms']  # (the last backward hides part of the gradients')
     # across nodes a group's ranks in a node send side by side, each through its own NIC
-    assert step_time.group_gbps(rows['ZeRO-1'], 'dp', figures()) == 8 * 50  # 8 a node, at most NVLink's
-    assert step_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'dp', figures()) == 50  # 1 a node
-    assert step_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'tp', figures()) == 450
+    assert cluster_time.group_gbps(rows['ZeRO-1'], 'dp', figures()) == 8 * 50  # 8 a node, at most NVLink's
+    assert cluster_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'dp', figures()) == 50  # 1 a node
+    assert cluster_time.group_gbps(rows['dp=2 x TP=8 + SP, ZeRO-1'], 'tp', figures()) == 450
     slow_host = price('ZeRO-3 + offload', host_adam_gparams=0.1)  # offload: the host's AdamW is compute
     assert slow_host['compute_ms'] > price('ZeRO-3 + offload')['compute_ms'] > price('ZeRO-3')['compute_ms']
-    ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
+    ranked = cluster_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
     fitting = {r['strategy'] + ' + ckpt' * (r['fits'] == 'with ckpt') for r in rows.values()
                if r.get('fits') in ('yes', 'with ckpt') and r['gpus_used'] == 16}
     assert {s['strategy'] for s in ranked} == fitting and len(fitting) >= 4
@@ -437,13 +437,13 @@ def test_a_global_batch_gives_every_row_the_same_sequences_a_step():
     """--global_batch: each row runs as many micro-batches as make it (global / (dp x micro_batch)), so the
     ranking compares layouts on one batch: a pipeline next to fewer replicas gets more micro-batches and a
     smaller bubble; a row whose replicas do not divide the batch says so."""
-    from common import step_time
+    from common import cluster_time
     gptconf = planner.gpt_config_from(os.path.join(REPO, 'config/llama2_7b.py'), [], None)
     rows = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, True,
                                                        global_batch=256)}
     assert rows['ZeRO-1']['n_microbatches'] == 16 and rows['dp=4 x PP=4 1F1B, ZeRO-1']['n_microbatches'] == 64
     assert rows['dp=4 x PP=4 1F1B, ZeRO-1']['bubble_fraction'] == pytest.approx(3 / (64 + 3))
-    ranked = step_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
+    ranked = cluster_time.fastest_first(list(rows.values()), 16, gptconf, 4096, 1, figures())
     assert len(ranked) >= 4 and {s['sequences'] for s in ranked} == {256}
     odd = {r['strategy']: r for r in planner.estimate(gptconf, 16, 80, 1, 4096, 8, 4, 4, 8, True,
                                                       global_batch=8)}
