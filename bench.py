@@ -13,9 +13,8 @@ a memory planner (planner.py) for models too large to run here.
 The bench runs each script as a user does (torchrun) and reads what the script wrote to its log.jsonl:
 timing, loss, measured bytes and their formulas. It measures nothing of the runs itself and writes no formula;
 under the table, each row's step time as common/step_time.py predicts it from rates it measures here. The
-planner (--estimate, common/planner.py): memory from formulas.py, the functions the scripts print beside what
-they measure; the strategies that fit, ranked by a step time modelled from stated GPU figures; --check runs
-three of them here beside the estimate.
+planner (--estimate, common/planner.py): memory from formulas.py (what the scripts print beside what they
+measure); the strategies that fit, ranked by common/cluster_time.py's step; --check runs three of them here.
 """
 
 import argparse
