@@ -42,6 +42,7 @@ stage = 2                       # 0: DP, 1: + optimizer state sharded, 2: + grad
 bucket_size = 0                 # elements per gradient bucket in stages 0-2; 0: default_bucket_size's
 offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW's state on the host (CPU)
 prefetch_blocks = 1             # stage 3: gather this many blocks ahead while one computes (0: just in time)
+overlap_comm = True             # reduce while backward goes on (False: wait for each; one full bucket fewer)
 adam_eps = 1e-8
 deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
 print_ds_config = False         # print this run's DeepSpeed JSON config (to take it to DeepSpeed), then exit
@@ -199,10 +200,11 @@ class Zero:
     STATE_KEYS = ('master', 'exp_avg', 'exp_avg_sq')  # what a rank's checkpoint keeps of each chunk
 
     def __init__(self, model, stage, rank, world_size, weight_decay, betas, eps, bucket_size, dtype, comm,
-                 device=None, offload=False, prefetch_blocks=0, params=None, divisor=None):
+                 device=None, offload=False, prefetch_blocks=0, params=None, divisor=None, overlap_comm=True):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
         self.divisor = divisor or world_size
         self.prefetch_blocks, self.dtype, self.weight_decay = prefetch_blocks, dtype, weight_decay
+        self.overlap_comm = overlap_comm
         self.device = device or next(model.parameters()).device
         self.reduce, self.publish = STAGES[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
@@ -240,6 +242,8 @@ class Zero:
                 self.buckets[self.next_bucket].ready == len(self.buckets[self.next_bucket].params):
             self.reduce(self, self.buckets[self.next_bucket])
             self.next_bucket += 1
+            if not self.overlap_comm:  # (DeepSpeed's overlap_comm off: a bucket's full gradients are
+                finish_in_flight(self)  # freed before backward fills the next; the reduce waits on the path)
 
     def finish_backward(self):
         """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients),
@@ -424,7 +428,7 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
         print(run_shape(f'world {world_size} = dp (ZeRO-{cfg.stage})', cfg, model.get_num_params()))
     zero = Zero(model, cfg.stage, rank, world_size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                 cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, dp, cfg.device,
-                cfg.offload_optimizer, cfg.prefetch_blocks)
+                cfg.offload_optimizer, cfg.prefetch_blocks, overlap_comm=cfg.overlap_comm)
     zero_buffers(model, cfg.device)  # (the MoE routers' balancing biases; a checkpoint's below)
     if checkpoint is None:  # train.py's initialization, or GPT-2's weights: a tensor at a time, each its part
         init_values(cfg, model.config, zero.set_param_values)

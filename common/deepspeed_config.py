@@ -8,7 +8,8 @@ script.
 import json
 import os
 
-DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer'}, 'train_micro_batch_size_per_gpu': None,
+DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer', 'overlap_comm'},
+           'train_micro_batch_size_per_gpu': None,
            'gradient_accumulation_steps': None, 'gradient_clipping': None, 'bf16': {'enabled'},
            'optimizer': {'type', 'params'}, 'train_batch_size': None, 'scheduler': {'type', 'params'}}
 DS_OPTIMIZER_PARAMS = {'lr', 'betas', 'eps', 'weight_decay'}
@@ -33,8 +34,9 @@ def deepspeed_config_of(cfg, world_size):
             'gradient_accumulation_steps': cfg.gradient_accumulation_steps // world_size,
             'gradient_clipping': cfg.grad_clip,
             'bf16': {'enabled': cfg.dtype == 'bfloat16'},
-            'zero_optimization': dict({'stage': cfg.stage}, **({'offload_optimizer': {
-                'device': 'cpu', 'pin_memory': True}} if cfg.offload_optimizer else {})),
+            'zero_optimization': dict({'stage': cfg.stage, 'overlap_comm': cfg.overlap_comm},
+                                      **({'offload_optimizer': {'device': 'cpu', 'pin_memory': True}}
+                                         if cfg.offload_optimizer else {})),
             'optimizer': {'type': 'AdamW',
                           'params': {'lr': cfg.learning_rate, 'betas': [cfg.beta1, cfg.beta2],
                                      'eps': cfg.adam_eps, 'weight_decay': cfg.weight_decay}},
@@ -79,7 +81,7 @@ def apply_deepspeed_config(cfg, path, world_size):
         raise SystemExit(f"error: deepspeed_config zero_optimization.offload_optimizer.device '{offload}' is "
                          "not "
                          f"supported by zero.py: 'cpu' or 'none'")
-    updates = {'stage': zero_opt.get('stage'),
+    updates = {'stage': zero_opt.get('stage'), 'overlap_comm': zero_opt.get('overlap_comm'),
                'offload_optimizer': offload == 'cpu' if 'offload_optimizer' in zero_opt else None,
                'batch_size': ds.get('train_micro_batch_size_per_gpu'),
                'gradient_accumulation_steps': (ds['gradient_accumulation_steps'] * world_size

@@ -285,7 +285,8 @@ def ds_config_for(row, config_path, overrides, micro_batch, n_microbatches, mixe
     """The DeepSpeed JSON config of a strategy's data-parallel part (ZeRO stage, offload, batch, precision),
     as zero.py writes it (deepspeed_config.deepspeed_config_of) and reads it back (--deepspeed_config)."""
     from common.deepspeed_config import deepspeed_config_of
-    zero_keys = dict(stage=0, offload_optimizer=False, adam_eps=1e-8)  # (zero.py's own keys that it writes)
+    # (zero.py's own keys that it writes)
+    zero_keys = dict(stage=0, offload_optimizer=False, overlap_comm=True, adam_eps=1e-8)
     cfg = configure(config_defaults(zero_keys), ([config_path] if config_path else []) + list(overrides))
     ranks = row['dp']  # (cp ranks split sequences: the batch is dp's)
     cfg.stage, cfg.offload_optimizer = row['zero_stage'], row['offload']

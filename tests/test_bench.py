@@ -79,7 +79,7 @@ def test_the_estimate_against_what_the_scripts_measure(tmp_path):
     limit = (rows['ZeRO-3']['total_bytes'] + rows['ZeRO-2']['total_bytes']) / 2
     plan = estimate(config, *flags, f'--gpu_mem_gb={limit / 1e9}', '--check')
     assert plan['cheapest'] == 'ZeRO-3', plan['cheapest']
-    assert json.load(open(plan['ds_config']))['zero_optimization'] == {'stage': 3}
+    assert json.load(open(plan['ds_config']))['zero_optimization'] == {'stage': 3, 'overlap_comm': True}
     checked = {(c['script'], c['what']): c for c in plan['checked']}
     assert len(checked) == 6, checked
     for key in ('param_bytes', 'grad_bytes', 'optim_bytes'):

@@ -73,7 +73,8 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, tmp_path_factory, r
     prefetching = [zero_args(tmp_path / f'prefetch{k}', 3, 3, f'--prefetch_blocks={k}', *clip)
                    for k in (0, 2)]
     runs = [zero_args(tmp_path / f's{s}', s, 3, *clip) for s in range(4)]
-    spawn(run_mains, world_size, 'zero', runs + prefetching)
+    serial = zero_args(tmp_path / 'serial', 3, 3, '--overlap_comm=False', *clip)
+    spawn(run_mains, world_size, 'zero', runs + prefetching + [serial])
     # stage 3 gathering 0, 1 (the default) or 2 blocks ahead: the same numbers; each block ahead is one more
     # block's full parameters held at the peak, measured
     peaks = {}
@@ -84,6 +85,12 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, tmp_path_factory, r
     block_bytes = 4 * world_size * -(-block // world_size)  # its bucket, padded to a multiple of N
     block_saved = formulas.saved_bytes_formula(meta_model().config, 16, 4)  # a block's, a micro-batch (4 x 16)
     assert peaks[1] - peaks[0] == peaks[2] - peaks[1] == block_bytes, (peaks, block_bytes)
+    # each block's gradients reduced before backward fills the next (--overlap_comm=False): the same numbers,
+    # and one block's full gradients fewer at the peak (the bucket in flight while the next one fills)
+    assert_same_losses(train_losses(tmp_path / 'serial'), train_losses(ref_dir))
+    grad_peaks = [max(r['peak_grad_bytes'] for r in read_log(out) if 'rank' in r)
+                  for out in (tmp_path / 's3', tmp_path / 'serial')]
+    assert grad_peaks[0] - grad_peaks[1] == block_bytes, (grad_peaks, block_bytes)
     for stage in range(4):
         out = str(tmp_path / f's{stage}')
         assert_same_losses(train_losses(out), train_losses(ref_dir))
@@ -318,6 +325,8 @@ def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
     bad = tmp_path / 'ds.json'
     bad.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}')
     assert deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1).offload_optimizer is True
+    bad.write_text('{"zero_optimization": {"stage": 3, "overlap_comm": false}}')
+    assert deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1).overlap_comm is False
     bad.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}')
     with pytest.raises(SystemExit, match="offload_optimizer.device 'nvme'"):
         deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
