@@ -548,11 +548,19 @@ class StepLogger:
 def run_step(run, cfg, iter_num, first_iter):
     """One iteration, run.step(iter_num). On a step that measured_step names, an observer (common/observe.py,
     imported only then) is attached around it: it reads what the strategy holds and sends (run.kind says which
-    parts of run it reads) and prints the report. Every other step runs the algorithm alone."""
+    parts of run it reads) and prints the report. Every other step runs the algorithm alone, and so does a
+    measured one where the measuring files were not copied."""
     if getattr(run, 'kind', None) is None or not measured_step(iter_num, first_iter, cfg.measure_every):
         return run.step(iter_num)
-    from common import observe
-    return observe.measured_step(run, cfg, iter_num)
+    try:
+        import common.observe
+    except ModuleNotFoundError as e:  # a script copied without the measuring files trains on, unmeasured
+        if not (e.name or '').startswith('common.'):
+            raise
+        if is_master():
+            print(f"(iter {iter_num} not measured: {e.name.replace('.', '/')}.py is not here)")
+        return run.step(iter_num)
+    return common.observe.measured_step(run, cfg, iter_num)
 
 
 def step_profiler(cfg, rank):

@@ -1,9 +1,13 @@
 """README.md and README.zh-CN.md state the same facts: every command and every file named in one is named in the
 other, so neither drifts when the code changes."""
+import ast
 import os
 import re
+import shutil
+import subprocess
+import sys
 
-from helpers import REPO
+from helpers import REPO, TINY, check, run_script, train_losses
 
 COMMAND = re.compile(r'^(?:[A-Z_]+=\S+ )*(?:python|torchrun|pip) ')
 FILE = re.compile(r'^(?:[\w.-]+/)*[\w.*{}-]+\.(?:py|json|md|pt|png|jsonl)$|^(?:config|data|tests|docs)/[\w./*<>-]*$')
@@ -47,3 +51,43 @@ def test_every_file_a_readme_names_exists():
             if not any(c in f for c in '*{}<>') and not f.startswith(('out', 'trace_rank', 'schedule_trace')) and \
                     f not in ('ckpt.pt', 'log.jsonl', 'ds_config.json', 'meta.pkl', 'train.bin', 'val.bin'):
                 assert any(os.path.exists(os.path.join(REPO, d, f)) for d in ('', 'tests')), (readme, f)
+
+
+def imported_files(script):
+    """The repository's files that `script` reaches by its module-level imports, followed file by file: what
+    a copy of it must take along (a function's own import, like the loop's of common/observe.py on a measured
+    step, is left out: such a file is optional)."""
+    seen, todo = set(), [script]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.parse(open(os.path.join(REPO, path)).read()).body:
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] + [f'{node.module}.{a.name}' for a in node.names] \
+                if isinstance(node, ast.ImportFrom) and node.module else []
+            todo += [m.replace('.', '/') + '.py' for m in modules
+                     if os.path.isfile(os.path.join(REPO, m.replace('.', '/') + '.py'))]
+    return seen
+
+
+def test_zero_py_copied_with_the_files_the_readme_names_trains_the_same(tmp_path):
+    """README: copying zero.py means copying it with zero3.py, model.py, common/training.py, checkpoints.py and
+    distributed.py. Those are its imports, and a copy of just them (and the data) trains: the same losses as in
+    the repository, and its measured first step says the measuring files are not there."""
+    files = imported_files('zero.py')
+    assert files == {'zero.py', 'zero3.py', 'model.py', 'common/training.py', 'common/checkpoints.py',
+                     'common/distributed.py'}, files
+    for path in files | {f'data/stdlib_char/{f}' for f in ('train.bin', 'val.bin', 'meta.pkl')}:
+        os.makedirs(os.path.dirname(tmp_path / 'copy' / path), exist_ok=True)
+        shutil.copy(os.path.join(REPO, path), tmp_path / 'copy' / path)
+    args = TINY + ['--stage=3', '--max_iters=2', '--eval_interval=2', '--log_interval=1']
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH='')
+    copied = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             'zero.py', *args, f'--out_dir={tmp_path / "copied"}'], cwd=tmp_path / 'copy',
+                            capture_output=True, text=True, timeout=240, env=env)
+    check(copied)
+    assert '(iter 0 not measured: common/observe.py is not here)' in copied.stdout, copied.stdout
+    check(run_script('zero.py', args + [f'--out_dir={tmp_path / "here"}'], nproc=2))
+    assert train_losses(tmp_path / 'copied') == train_losses(tmp_path / 'here') != {}
