@@ -33,7 +33,7 @@ from common import formulas
 from common.distributed import all_gather_single, default_bucket_size, return_freed_buffers_to_the_os
 from model import GPT, GPTConfig
 
-VERSION = 4  # of machine.json: a file from another version is measured again
+VERSION = 5  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 MOE_ROWS = ('train_moe', 'ep', 'tp_moe')  # bench rows priced on the bench's MoE model
@@ -91,30 +91,45 @@ def measure_mapped(config, batch_size, threads, folder):
     return json.load(open(os.path.join(folder, 'mapped.json')))
 
 
-def _sweep(rank, world_size, port, threads, out):
-    """One rank of the sweep: each kind of collective at each size, each call posted after some compute, as a
-    training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU cores that doubled a
-    small all-reduce's time); a send between ranks 0 and 1. In 5 rounds of every kind and size, so that a busy
-    spell of the machine falls on them alike (one round's 512 KiB all-reduce: 0.6 to 2.9 ms from run to run);
-    rank 0 writes the median of the rounds' medians."""
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    dist.init_process_group('gloo', rank=rank, world_size=world_size)
+def sweep_rounds(group=None, kinds=KINDS):
+    """Each kind of collective at each size among the ranks of `group` (None: the world), each call posted
+    after some compute, as a training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU
+    cores that doubled a small all-reduce's time); a send between the group's first two ranks. All-reduces
+    and all-gathers also in bursts, posted back to back as a ZeRO engine posts its buckets (' burst'). In 5
+    rounds of every kind and size, so that a busy spell of the machine falls on them alike (one round's 512
+    KiB all-reduce: 0.6 to 2.9 ms from run to run). Returns {'kind bytes': the median of the rounds'
+    medians}."""
+    ranks, me = dist.get_process_group_ranks(group or dist.group.WORLD), dist.get_rank()
     rounds, a = {}, torch.randn(256, 256)
     compute = lambda: [a @ a for _ in range(3)]  # about a millisecond
     for nbytes in [n for _ in range(5) for n in SIZES]:
         t = torch.ones(nbytes // 4)
-        full = torch.empty(t.numel() * world_size)
-        send = {0: lambda: dist.send(t, 1), 1: lambda: dist.recv(t, 0)}.get(rank, lambda: None)
-        calls = {'all_reduce': lambda: dist.all_reduce(t), 'send': send,
-                 'all_gather': lambda: all_gather_single(full, t),
-                 'all_to_all': lambda: dist.all_to_all_single(full[:t.numel()], t)}
-        for kind in KINDS:
+        full = torch.empty(t.numel() * len(ranks))
+        send = {ranks[0]: lambda: dist.send(t, ranks[1]), ranks[1]: lambda: dist.recv(t, ranks[0])}.get(
+            me, lambda: None)
+        calls = {'all_reduce': lambda: dist.all_reduce(t, group=group), 'send': send,
+                 'all_gather': lambda: all_gather_single(full, t, group=group),
+                 'all_to_all': lambda: dist.all_to_all_single(full[:t.numel()], t, group=group)}
+        posted = {'all_reduce': lambda: dist.all_reduce(t, group=group, async_op=True),
+                  'all_gather': lambda: all_gather_single(full, t, group=group, async_op=True)}
+        for kind in kinds:
             dist.barrier()
             rounds.setdefault(f'{kind} {nbytes}', []).append(timed(calls[kind], 8, compute))
+            if kind in posted:  # a burst: 4 posted back to back, then waited for (a call's share of it)
+                burst = lambda: [work.wait() for work in [posted[kind]() for _ in range(4)]]
+                rounds.setdefault(f'{kind} burst {nbytes}', []).append(timed(burst, 4, compute) / 4)
+    return {key: statistics.median(times) for key, times in rounds.items()}
+
+
+def _sweep(rank, world_size, port, threads, out):
+    """One rank of the sweep (sweep_rounds among all of them); rank 0 writes the times."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group('gloo', rank=rank, world_size=world_size)
+    seconds = sweep_rounds()
     if rank == 0:
         with open(out, 'w') as f:
-            json.dump({key: statistics.median(times) for key, times in rounds.items()}, f)
+            json.dump(seconds, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -141,16 +156,69 @@ def call_seconds(table, nbytes):
     return max(t0, t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0))
 
 
-def measure_collectives(world_size, threads, folder):
-    """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine."""
+def free_port():
     import socket
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def measure_collectives(world_size, threads, folder):
+    """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine."""
     out = os.path.join(folder, 'sweep.json')
-    mp.spawn(_sweep, args=(world_size, port, threads, out), nprocs=world_size)
-    seconds = json.load(open(out))
-    return {kind: [(n, seconds[f'{kind} {n}']) for n in SIZES] for kind in KINDS}
+    mp.spawn(_sweep, args=(world_size, free_port(), threads, out), nprocs=world_size)
+    return tables(json.load(open(out)))
+
+
+def tables(seconds):
+    """sweep_rounds' {'kind bytes': seconds} as {kind: [(bytes, seconds)], sizes ascending}."""
+    kinds = dict.fromkeys(key.rsplit(' ', 1)[0] for key in seconds)
+    return {kind: [(n, seconds[f'{kind} {n}']) for n in SIZES] for kind in kinds}
+
+
+def _crowded(rank, n, port, configs, batch_size, out):
+    """One of n one-thread processes measuring at once, as a grid row's n processes share this machine's
+    cores: measure_compute on each model in configs (every process at once), then the sweep in groups of 2
+    and of 4 ranks (each group calling at once with the others). Rank 0 writes the medians over the ranks."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', rank=rank, world_size=n)
+    mine = {}
+    for name, config in configs.items():
+        dist.barrier()
+        mine[name] = measure_compute(config, batch_size, 1)
+    for size, kinds in ((2, KINDS), (4, ('all_reduce', 'all_gather'))):
+        groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]  # (every rank: all)
+        measured = tables(sweep_rounds(groups[rank // size], kinds)).items()
+        mine['collectives'] = dict(mine.get('collectives', {}),
+                                   **{kind + ('' if size == 2 else ' x4'): table for kind, table in measured})
+    every = [None] * n
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        median = lambda values: statistics.median(values)
+        crowded = {name: {k: median(r[name][k] for r in every) for k in mine[name]} for name in configs}
+        crowded['collectives'] = {kind: [(b, median(r['collectives'][kind][i][1] for r in every))
+                                         for i, (b, _) in enumerate(table)]
+                                  for kind, table in mine['collectives'].items()}
+        with open(out, 'w') as f:
+            json.dump(crowded, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def crowded_rates(folder, rates, n, configs, batch_size):
+    """The rates of n processes sharing this machine's cores at once (_crowded): each model's compute in
+    configs ({'dense': ..., 'moe': ...}) and the collectives among groups of 2 and 4 ranks, kept in
+    machine.json's 'crowded' entry (measured again with the rest)."""
+    moe = configs.get('moe')
+    key = [n, sorted(configs), moe and [moe.n_expert, moe.n_expert_active]]
+    if rates.get('crowded', {}).get('key') != key:
+        out = os.path.join(folder, 'crowded.json')
+        mp.spawn(_crowded, args=(n, free_port(), configs, batch_size, out), nprocs=n)
+        rates['crowded'] = dict(json.load(open(out)), key=key)
+        with open(os.path.join(folder, 'machine.json'), 'w') as f:
+            json.dump(rates, f, indent=1)
+    return rates['crowded']
 
 
 def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
@@ -189,8 +257,8 @@ def ddp_buckets(nbytes, first=1 << 20, cap=25 << 20):
 def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=None):
     """What one rank of a bench row does in a step: FLOPs of forward and backward (with a pipeline's bubble:
     pipeline_work), the share of the model it updates (clip, AdamW), and its collectives [(kind, bytes a call,
-    calls)]; None for a row not priced here (the grids: more processes than the sweep's). The global batch is
-    batch_size x world_size sequences in world_size micro-batches (bench.py's flags). A scalar all-reduce
+    calls)]; None for a row not priced here. The global batch is batch_size x world_size sequences in
+    world_size micro-batches (bench.py's flags). A scalar all-reduce
     (the loss; the clip's norm where the gradients are spread over ranks) costs its latency; gloo's
     reduce-scatter is an all-reduce of the whole tensor. expert_share: see busiest_expert_flops."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
@@ -226,6 +294,8 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
         return dict(even, flops=even['flops'] + busiest)
     if name.startswith('pp_'):
         return pipeline_work(name, config, batch_size, w, n_microbatches, work, scalars)
+    if name in GRIDS:
+        return grid_work(name, model, batch_size, w, work, scalars)
     if name in ('cp_ring', 'cp_ulysses'):  # the ring: a kv block around the ring (cp - 1) times forward, it
         # and its gradient backward; Ulysses: q, k, v and the output all-to-all'd, and their gradients back
         ring = formulas.cp_comm_bytes_formula(s, batch_size, config.n_head, config.n_kv_head,
@@ -247,11 +317,12 @@ def data_parallel_work(name, model, w, work, scalars):
         zero0 = 4 * default_bucket_size(0)  # (in bytes, fp32)
         sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, zero0, zero0)
         return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
-    if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce), its chunk gathered
+    if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce) as backward fills it,
+        # its chunk gathered after the step, every bucket's posted back to back (zero.publish_all: a burst)
         # (zero.py's buckets, in bytes; it closes one at a parameter's end: about these)
         bucket = 4 * default_bucket_size(int(name[-1]))
         calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
-                 for c in (('all_reduce', n, 1), ('all_gather', n // w, 1))]
+                 for c in (('all_reduce', n, 1), ('all_gather burst', n // w, 1))]
         return work(1 / w, 1, 1 / w, calls + [scalars(2)])
     if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
         # (zero.py's gather on gloo is point-to-point sends into the buffer: priced as the sweep's all-gather)
@@ -321,6 +392,48 @@ def pipeline_work(name, config, batch_size, w, m, work, scalars):
     return work(slots / m / w, slots, 1 / w, calls)
 
 
+# bench.py's grid rows (parallel_4d.py on 4 x world_size processes, dp = world_size): their pp, cp, tp, ep
+# and m, parallel_4d.py's microbatches a micro-step (its default 2; the MoE grid passes 1, and runs GPipe)
+GRIDS = {'grid_dp_pp_tp': dict(pp=2, cp=1, tp=2, ep=1, m=2, moe=False),
+         'grid_dp_cp_tp': dict(pp=1, cp=2, tp=2, ep=1, m=2, moe=False),
+         'grid_pp_tp_ep': dict(pp=2, cp=1, tp=2, ep=2, m=1, moe=True)}  # (on the bench's MoE model)
+
+
+def grid_work(name, model, batch_size, w, work, scalars):
+    """A grid row of row_work: one rank's collectives, counted from parallel_4d.py (each dp rank one
+    micro-step of m microbatches): tp's four all-reduces a layer of its stage and the embedding's or head's,
+    a microbatch (an MoE layer: the router's gradient too); pp's activation and gradient; the ring's k and v
+    blocks and their gradients; ep's split sizes and four all-to-alls a MoE layer; the tied embedding's two
+    copies; the dp x cp ZeRO-1 buckets (gloo's reduce-scatter: an all-reduce, then the chunks gathered), each
+    posted back to back after the schedule (a burst), ' x4' where that group has 4 ranks. Its compute is 1/n
+    of the step's: with more processes than cores, a rank waiting in the bubble gives its core to another, so
+    the bubble costs no time of its own (priced at rates measured with n processes at once: crowded_rates).
+    None: a group of other than 2 or 4 ranks (not in the sweep)."""
+    g, c = GRIDS[name], model.config
+    dp_cp, pp, tp, m, L = w * g['cp'], g['pp'], g['tp'], g['m'], c.n_layer // g['pp']
+    if dp_cp not in (2, 4):
+        return None
+    b, t, moe_layers = batch_size // m, c.block_size // g['cp'], sum(map(c.is_moe, range(L)))
+    act = b * t * c.n_embd * 4  # a microbatch's residual stream on this rank, fp32
+    calls = [('all_reduce', act, m * (4 * L + (2 if pp == 1 else 1))), scalars(3 * m + 5)]
+    calls += [('all_reduce', b * t * c.n_expert_active * 4, m * moe_layers)] if c.n_expert else []
+    if pp > 1:
+        calls += [('send', act, 2 * m)] + ([('all_reduce', c.vocab_size * c.n_embd * 4 // tp, 1)]
+                                           if c.tie_embeddings else [])
+    if g['cp'] > 1:  # (k and v, each its own send, around the ring and back with their gradients)
+        sends = 2 * (3 * (g['cp'] - 1) + 1)
+        calls += [('send', b * t * c.n_kv_head // tp * (c.n_embd // c.n_head) * 4, sends * L * m)]
+    if g['ep'] > 1:  # (the tp ranks share out the tokens; every expert on one rank of ep x tp: no edp)
+        slots = b * t * c.n_expert_active * c.n_embd * 4 // tp
+        calls += [('all_to_all', 8 * c.n_expert, m * moe_layers), ('all_to_all', slots, 4 * m * moe_layers)]
+    experts = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.' in n)
+    dense = (sum(p.numel() for p in model.parameters()) - experts) // (pp * tp)
+    x4 = '' if dp_cp == 2 else ' x4'  # (its 100,000-element buckets: reduced, then gathered, in bursts)
+    calls += [call for n in ddp_buckets(4 * dense, 400_000, 400_000)
+              for call in ((f'all_reduce burst{x4}', n, 1), (f'all_gather burst{x4}', n // dp_cp, 1))]
+    return work(1 / (4 * w), m / pp, 1 / (4 * w), calls)
+
+
 def predict_ms(work, rates):
     """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates (a row
     that maps its buffers afresh at the rates measure_mapped measured, and its fresh buffers filled)."""
@@ -366,6 +479,26 @@ def rate_notes(results, rates, on_moe_model, share, w):
     return lines
 
 
+def grid_rates(args, rates, config, moe_config, grids):
+    """{grid row: the rates it is priced at}: crowded_rates with its 4 x world_size processes, the compute of
+    its model (the MoE grid's on moe_config)."""
+    model = lambda name: 'moe' if GRIDS[name]['moe'] else 'dense'
+    configs = {model(n): moe_config if GRIDS[n]['moe'] else config for n in grids}
+    crowded = crowded_rates(args.out, rates, 4 * args.world_size, configs, args.batch_size)
+    return {n: dict(crowded[model(n)], collectives=crowded['collectives']) for n in grids}
+
+
+def grid_note(crowded, n):
+    """The line under rates_line for the grid rows: the rates of n processes at once."""
+    if not crowded:
+        return []
+    at = next(iter(crowded.values()))
+    return [f"  (the grids at rates measured with {n} processes at once, as they run: a pass's fixed cost "
+            f"{1e3 * at['pass_fixed_s']:.1f} ms, FLOPs at {at['flops_per_s'] / 1e9:.1f} GFLOP/s in each, an "
+            f"all-reduce in pairs {1e3 * call_seconds(at['collectives']['all_reduce'], 512 << 10):.1f} ms at "
+            "512 KiB; their bubble unpriced: a rank waiting in it gives its core to another)"]
+
+
 def predicted_lines(results, args, vocab_size, moe_config=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
     that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
@@ -376,25 +509,29 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, bias=False,
                        block_size=args.block_size, vocab_size=vocab_size)
     moe = moe_config is not None and any(results.get(n, {}).get('status') == 'ok' for n in MOE_ROWS)
+    grids = [n for n in GRIDS if results.get(n, {}).get('status') == 'ok']
     try:
         rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
                               args.remeasure)
         on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
+        crowded = grid_rates(args, rates, config, moe_config, grids) if grids else {}
     except Exception as e:  # (a broken sweep must not lose the bench's results)
         return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
     share = busiest_share(results.get('train_moe', {}).get('tokens_per_expert'), args.world_size)
     lines = [rates_line(rates, args.out)] + rate_notes(results, rates, on_moe_model, share, args.world_size)
+    lines += grid_note(crowded, 4 * args.world_size)
     for name, r in results.items():
         if r.get('status') != 'ok':
             continue
-        on_moe = name in MOE_ROWS
-        work = None if on_moe and not moe else row_work(
+        on_moe = name in MOE_ROWS or GRIDS.get(name, {}).get('moe')
+        at = crowded.get(name) or (on_moe_model if on_moe else rates)  # the rates this row is priced at
+        work = None if at is None else row_work(
             name, moe_config if on_moe else config, args.batch_size, args.world_size, args.n_microbatches,
             share)
-        if work is None or any(kind not in rates['collectives'] for kind, _, _ in work['calls']):
+        if work is None or any(kind not in at['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue
-        ms, compute, comm = predict_ms(work, on_moe_model if on_moe else rates)
+        ms, compute, comm = predict_ms(work, at)
         r['predicted_ms'] = ms
         lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}), "
                      f"measured {r['ms']:6.1f}: {100 * (ms / r['ms'] - 1):+.0f}%")

@@ -156,6 +156,24 @@ def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwi
     assert step_time.ddp_buckets(60 << 20) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]  # DDP's: 1 MiB first
 
 
+def test_a_grid_is_priced_at_the_rates_of_its_processes_at_once():
+    """A grid row (8 processes on this machine's cores) at the rates measured with 8 processes at once (kept in
+    machine.json's 'crowded'), its model's compute and the collectives of groups of 2 and 4; the other rows at
+    the 2-process rates. Given by hand: nothing is measured here."""
+    from types import SimpleNamespace
+    from common import step_time
+    from model import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
+    slow = {'pass_fixed_s': 0.05, 'flops_per_s': 1e9, 'update_s': 0.1}
+    table = {kind: [(16 << 10, 1e-3), (8 << 20, 2e-3)] for kind in ('all_reduce', 'all_reduce burst x4')}
+    rates = {'crowded': {'dense': slow, 'collectives': table, 'key': [8, ['dense'], None]}}
+    args = SimpleNamespace(out='unused', world_size=2, batch_size=4)
+    at = step_time.grid_rates(args, rates, config, None, ['grid_dp_cp_tp'])['grid_dp_cp_tp']
+    assert at == dict(slow, collectives=table)
+    assert step_time.grid_note({'grid_dp_cp_tp': at}, 8)[0].startswith(
+        "  (the grids at rates measured with 8 processes at once, as they run: a pass's fixed cost 50.0 ms")
+
+
 def test_each_row_sends_what_its_script_sends():
     """row_work's collectives for a 2-layer model on 2 ranks, counted by hand from the scripts: ZeRO-3 gathers
     each block and the root twice and reduces each once; tp all-reduces 4 times a layer and twice more
@@ -179,7 +197,8 @@ def test_each_row_sends_what_its_script_sends():
     pp = step_time.row_work('pp_1f1b', config, 4, 2, 2)  # 2 schedules of 2 + 2 - 1 slots, each half a pass
     assert pp['pieces'] == 3 and pp['calls'][0] == ('send', 4 * 16 * 32 * 4 // 2, 2 * 2 * 2)
     zero2 = step_time.row_work('zero2', config, 4, 2, 2)  # 100,000-element buckets: this model is one
-    assert zero2['calls'][:2] == [('all_reduce', 4 * numel, 1), ('all_gather', 4 * numel // 2, 1)]
+    # (the chunks gathered after the step, every bucket's posted back to back: zero.publish_all, a burst)
+    assert zero2['calls'][:2] == [('all_reduce', 4 * numel, 1), ('all_gather burst', 4 * numel // 2, 1)]
     tp_sp = step_time.row_work('tp_sp', config, 4, 2, 2)  # each all-reduce also an all-gather of half the tokens
     assert tp_sp['calls'][:3:2] == [tp['calls'][0], ('all_gather', 4 * 16 * 32 * 4 // 2, (4 * 2 + 2) * 2)]
     ulysses = step_time.row_work('cp_ulysses', config, 4, 2, 2)  # q, k, v, out; forward and backward; a layer
@@ -195,7 +214,27 @@ def test_each_row_sends_what_its_script_sends():
     assert ep['calls'][:2] == [('all_to_all', 8 * 4, 2), ('all_to_all', 4 * 16 * 2 * 32 * 4, 4 * 2)]  # (int64)
     tp_moe = step_time.row_work('tp_moe', moe, 4, 2, 2)  # tp's, and the router weights' gradient a layer
     assert tp_moe['calls'][:2] == tp['calls'][:2] and ('all_reduce', 4 * 16 * 2 * 4, 2 * 2) in tp_moe['calls']
-    assert step_time.row_work('grid_dp_pp_tp', config, 4, 2, 2) is None  # (not priced: the grids)
+    # the grids, 8 ranks (dp 2; each dp rank one micro-step of 2 microbatches of 2 sequences): a rank's tp
+    # all-reduces (4 a layer of its stage, and the embedding's or the head's), pp's activation and gradient,
+    # the tied embedding's half (vocabulary-parallel), the ZeRO-1 bucket over dp (reduced, then gathered: a
+    # burst), 1/8 of the FLOPs and the update, a microbatch's pass through half the model each
+    pp_tp = step_time.row_work('grid_dp_pp_tp', config, 4, 2, 2)
+    act = 2 * 16 * 32 * 4
+    assert pp_tp['calls'][0] == ('all_reduce', act, 2 * (4 * 1 + 1)) and ('send', act, 2 * 2) in pp_tp['calls']
+    assert ('all_reduce', 64 * 32 * 4 // 2, 1) in pp_tp['calls']
+    assert pp_tp['calls'][-2:] == [('all_reduce burst', 4 * numel // 4, 1), ('all_gather burst', numel // 2, 1)]
+    assert (pp_tp['pieces'], pp_tp['update'], pp_tp['flops']) == (1, 1 / 8, tp['flops'] / 4)
+    # cp 2 x tp 2: half the tokens; the ring's k and v blocks (1 head of 16 on 8 tokens) 8 sends a layer
+    # and microbatch; dp x cp is a group of 4 (' x4')
+    cp_tp = step_time.row_work('grid_dp_cp_tp', config, 4, 2, 2)
+    assert cp_tp['calls'][0] == ('all_reduce', act // 2, 2 * (4 * 2 + 2))
+    assert ('send', 2 * 8 * 16 * 4, 8 * 2 * 2) in cp_tp['calls'] and cp_tp['pieces'] == 2
+    assert cp_tp['calls'][-2:] == [('all_reduce burst x4', 4 * numel // 2, 1),
+                                   ('all_gather burst x4', numel // 2, 1)]
+    # pp 2 x tp 2 x ep 2 (one microbatch of 4 sequences): the tp ranks share out a MoE layer's token-slots
+    ep_grid = step_time.row_work('grid_pp_tp_ep', moe, 4, 2, 2)
+    assert ('all_to_all', 4 * 16 * 2 * 32 * 4 // 2, 4 * 1) in ep_grid['calls']
+    assert step_time.row_work('grid_dp_cp_tp', config, 4, 4, 2) is None  # (dp x cp 8: no such sweep)
 
 
 def test_a_moe_rows_busiest_rank_computes_its_experts_share_of_the_slots():

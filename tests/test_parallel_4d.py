@@ -36,11 +36,29 @@ def assert_groups_are_the_grids_rows(out_dir, shape):
         assert g['dp_cp'] == grid[:, c['pp'], :, c['tp']].flatten().tolist()
 
 
+def assert_bench_prices_what_it_sends(out_dir):
+    """bench.py's predicted step for its grid_dp_cp_tp row counts the calls parallel_4d.py makes (this run is
+    that row's shape: dp 2 x cp 2 x tp 2, one micro-step of 2 microbatches a dp rank): the bytes of each
+    group's calls, beside what every rank counted at its calls. The ring's are exact; tp's and dp x cp's
+    within 5% (the model leaves out a few small calls and the parameters every tp rank keeps whole)."""
+    from common import step_time
+    from model import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=96, bias=False)
+    work = step_time.row_work('grid_dp_cp_tp', config, 4, 2, 2)
+    priced = {kind: sum(n * c for k, n, c in work['calls'] if k == kind)
+              for kind in ('all_reduce', 'send', 'all_reduce burst x4')}
+    for r in [r for r in read_log(out_dir) if 'collective_bytes_by_kind' in r]:
+        counted = r['collective_bytes_by_kind']
+        assert priced['send'] == counted['cp kv'] + counted['cp dkv'], (priced, counted)
+        assert priced['all_reduce'] == pytest.approx(counted['tp all_reduce'], rel=0.05), (priced, counted)
+        assert priced['all_reduce burst x4'] == pytest.approx(counted['dp_cp reduce_scatter'], rel=0.05)
+
+
 def test_dp2_cp2_tp2_resumes_and_consolidates_to_train_py(tmp_path, tmp_path_factory):
     """GPT-2 layout (learned positions, tied), ring attention across 2 cp ranks inside tensor-parallel blocks, ZeRO-1
     over dp x cp: 2 iterations, then resumed to 4, give train.py's curve; consolidated (ZeRO-1 chunks, tp slices and
     stages put back together), the checkpoint is the one train.py writes after the same 4 iterations: the same
-    parameters and AdamW moments."""
+    parameters and AdamW moments. And bench.py prices the calls it makes."""
     ref = train_py_reference(FLAGS, tmp_path_factory)
     flags = FLAGS + ['--cp=2', '--tp=2', f'--out_dir={tmp_path}']
     check(run_script('parallel_4d.py', flags + ['--max_iters=2'], nproc=8, timeout=400))
@@ -48,6 +66,7 @@ def test_dp2_cp2_tp2_resumes_and_consolidates_to_train_py(tmp_path, tmp_path_fac
     assert_same_losses(train_losses(tmp_path), train_losses(ref), range(4))
     assert_same_losses(eval_losses(tmp_path), eval_losses(ref), [0, 2, 4])
     assert_groups_are_the_grids_rows(tmp_path, (2, 1, 2, 2))
+    assert_bench_prices_what_it_sends(tmp_path)
     consolidate(str(tmp_path))
     assert_same_checkpoint(tmp_path / 'ckpt.pt', Path(ref) / 'ckpt.pt')
 
