@@ -203,9 +203,8 @@ class Zero:
                  device=None, offload=False, prefetch_blocks=0, params=None, divisor=None, overlap_comm=True):
         self.model, self.stage, self.rank, self.world_size, self.comm = model, stage, rank, world_size, comm
         self.divisor = divisor or world_size
-        self.prefetch_blocks, self.dtype, self.weight_decay = prefetch_blocks, dtype, weight_decay
-        self.overlap_comm = overlap_comm
-        self.device = device or next(model.parameters()).device
+        self.prefetch_blocks, self.overlap_comm, self.dtype = prefetch_blocks, overlap_comm, dtype
+        self.weight_decay, self.device = weight_decay, device or next(model.parameters()).device
         self.reduce, self.publish = STAGES[stage]
         decay = {id(p) for p in param_groups(model, weight_decay)[0]['params']}
         self.buckets = [Bucket(group, decay, rank, world_size, stage, dtype, self.device, offload)
@@ -242,8 +241,8 @@ class Zero:
                 self.buckets[self.next_bucket].ready == len(self.buckets[self.next_bucket].params):
             self.reduce(self, self.buckets[self.next_bucket])
             self.next_bucket += 1
-            if not self.overlap_comm:  # (DeepSpeed's overlap_comm off: a bucket's full gradients are
-                finish_in_flight(self)  # freed before backward fills the next; the reduce waits on the path)
+            if not self.overlap_comm:  # (off: freed before backward fills the next; waits on the path)
+                finish_in_flight(self)
 
     def finish_backward(self):
         """After backward: reduce any bucket whose hooks did not fire (unused parameters: zero gradients),
@@ -472,7 +471,6 @@ def main(argv):
     model, zero, iter_num, best_val_loss = build_zero(cfg, vocab_size, rank, world_size, dp)
     compiled = torch.compile(model) if cfg.compile else model
     writer = CheckpointWriter(cfg.max_iters)
-
     step = lambda it: train_step(zero, compiled, micro_batches(data, cfg, it, rank, world_size), ctx,
                                  cfg.grad_clip, get_lr(it, cfg), dp)
 
@@ -482,7 +480,6 @@ def main(argv):
                                   (RANK_FILE, world_size), {'stage': cfg.stage, 'ranks': world_size}, rank,
                                   vars(model.config), it, best, vars(cfg)),
                     rank_path(cfg.out_dir, RANK_FILE, rank), it)
-
     run = SimpleNamespace(model=compiled, optimizer=None, loss_of=loss_function(compiled, ctx), dp=dp,
                           data=data, step=step, save=save, n_devices=world_size, rank=rank,
                           flops_per_token=model.flops_per_token(cfg.block_size),
