@@ -1,0 +1,216 @@
+"""
+This machine's measured rates, at which common/step_time.py prices a bench row's step: one process's compute
+on the model (measure_compute; with its buffers mapped afresh, as zero.py's stage 3 and train_fsdp.py run:
+measure_mapped; the MoE model's: moe_rates), each kind of collective's time on gloo at each size (a short
+sweep: sweep_rounds, each call posted after some compute as in training), and both again with a grid's
+processes all computing and calling at once (crowded_rates). They are kept in the bench's out folder
+(machine.json; the sweep's in sweep.json) and measured again when the model, the processes, the cores or torch
+change, or with --remeasure.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.distributed import all_gather_single, return_freed_buffers_to_the_os
+from model import GPT
+
+VERSION = 5  # of machine.json: a file from another version is measured again
+SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
+KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
+
+
+def timed(fn, reps, between=None):
+    """The median seconds of reps calls of fn, after one to warm it up; between() runs untimed before each."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if between is not None:
+            between()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_compute(config, batch_size, threads):
+    """One process with `threads` threads on the model, as a latency and a rate: a forward and backward timed
+    on the whole micro-batch and on one short sequence, t = fixed + FLOPs / rate (the fixed part is the ops'
+    own cost, which a strategy that cuts the work into pieces pays on every piece); and the seconds of the
+    update (clip, AdamW's step). model.flops_per_token counts the FLOPs."""
+    torch.set_num_threads(threads)
+    model = GPT(config)
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
+    points = []
+    for rows, tokens in ((batch_size, config.block_size), (1, max(1, config.block_size // 8))):
+        x = torch.randint(0, config.vocab_size, (rows, tokens))
+        seconds = timed(lambda: model(x, x)[1].backward(), 5)
+        points.append((model.flops_per_token(tokens) * rows * tokens, seconds))
+    (f1, t1), (f0, t0) = points
+    rate = (f1 - f0) / max(t1 - t0, 1e-9)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, 5)}
+
+
+def _mapped(_, config, batch_size, threads, out):
+    """measure_compute with malloc mapping each buffer of 1 MB or more afresh, as zero.py's stage 3 and
+    train_fsdp.py run, and the seconds a byte of a fresh buffer takes to fill; in a process of its own
+    (measure_mapped spawns it: malloc's setting cannot be undone)."""
+    return_freed_buffers_to_the_os()
+    rates, block = measure_compute(config, batch_size, threads), torch.ones(8 << 18)  # (8 MiB)
+    rates['fresh_s_per_byte'] = timed(lambda: torch.empty_like(block).copy_(block), 10) / (8 << 20)
+    with open(out, 'w') as f:
+        json.dump(rates, f)
+
+
+def measure_mapped(config, batch_size, threads, folder):
+    """_mapped's rates: compute with buffers mapped afresh, and a fresh buffer's fill."""
+    mp.spawn(_mapped, args=(config, batch_size, threads, os.path.join(folder, 'mapped.json')), nprocs=1)
+    return json.load(open(os.path.join(folder, 'mapped.json')))
+
+
+def sweep_rounds(group=None, kinds=KINDS):
+    """Each kind of collective at each size among the ranks of `group` (None: the world), each call posted
+    after some compute, as a training step posts it (gloo's threads, idle meanwhile, must wake: on 2 busy CPU
+    cores that doubled a small all-reduce's time); a send between the group's first two ranks. All-reduces
+    and all-gathers also in bursts, posted back to back as a ZeRO engine posts its buckets (' burst'). In 5
+    rounds of every kind and size, so that a busy spell of the machine falls on them alike (one round's 512
+    KiB all-reduce: 0.6 to 2.9 ms from run to run). Returns {'kind bytes': the median of the rounds'
+    medians}."""
+    ranks, me = dist.get_process_group_ranks(group or dist.group.WORLD), dist.get_rank()
+    rounds, a = {}, torch.randn(256, 256)
+    compute = lambda: [a @ a for _ in range(3)]  # about a millisecond
+    for nbytes in [n for _ in range(5) for n in SIZES]:
+        t = torch.ones(nbytes // 4)
+        full = torch.empty(t.numel() * len(ranks))
+        send = {ranks[0]: lambda: dist.send(t, ranks[1]), ranks[1]: lambda: dist.recv(t, ranks[0])}.get(
+            me, lambda: None)
+        calls = {'all_reduce': lambda: dist.all_reduce(t, group=group), 'send': send,
+                 'all_gather': lambda: all_gather_single(full, t, group=group),
+                 'all_to_all': lambda: dist.all_to_all_single(full[:t.numel()], t, group=group)}
+        posted = {'all_reduce': lambda: dist.all_reduce(t, group=group, async_op=True),
+                  'all_gather': lambda: all_gather_single(full, t, group=group, async_op=True)}
+        for kind in kinds:
+            dist.barrier()
+            rounds.setdefault(f'{kind} {nbytes}', []).append(timed(calls[kind], 8, compute))
+            if kind in posted:  # a burst: 4 posted back to back, then waited for (a call's share of it)
+                burst = lambda: [work.wait() for work in [posted[kind]() for _ in range(4)]]
+                rounds.setdefault(f'{kind} burst {nbytes}', []).append(timed(burst, 4, compute) / 4)
+    return {key: statistics.median(times) for key, times in rounds.items()}
+
+
+def _sweep(rank, world_size, port, threads, out):
+    """One rank of the sweep (sweep_rounds among all of them); rank 0 writes the times."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group('gloo', rank=rank, world_size=world_size)
+    seconds = sweep_rounds()
+    if rank == 0:
+        with open(out, 'w') as f:
+            json.dump(seconds, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def moe_rates(folder, rates, config, batch_size, threads):
+    """The MoE model's compute rates (its experts' loop costs what a dense MLP does not) beside rates'
+    collectives, kept in machine.json's 'moe' entry (measured again with the rest)."""
+    key = [config.n_layer, config.n_embd, config.n_expert, config.n_expert_active, batch_size]
+    if rates.get('moe', {}).get('key') != key:
+        rates['moe'] = dict(measure_compute(config, batch_size, threads), key=key)
+        with open(os.path.join(folder, 'machine.json'), 'w') as f:
+            json.dump(rates, f, indent=1)
+    return dict(rates['moe'], collectives=rates['collectives'])
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def measure_collectives(world_size, threads, folder):
+    """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine."""
+    out = os.path.join(folder, 'sweep.json')
+    mp.spawn(_sweep, args=(world_size, free_port(), threads, out), nprocs=world_size)
+    return tables(json.load(open(out)))
+
+
+def tables(seconds):
+    """sweep_rounds' {'kind bytes': seconds} as {kind: [(bytes, seconds)], sizes ascending}."""
+    kinds = dict.fromkeys(key.rsplit(' ', 1)[0] for key in seconds)
+    return {kind: [(n, seconds[f'{kind} {n}']) for n in SIZES] for kind in kinds}
+
+
+def _crowded(rank, n, port, configs, batch_size, out):
+    """One of n one-thread processes measuring at once, as a grid row's n processes share this machine's
+    cores: measure_compute on each model in configs (every process at once), then the sweep in groups of 2
+    and of 4 ranks (each group calling at once with the others). Rank 0 writes the medians over the ranks."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', rank=rank, world_size=n)
+    mine = {}
+    for name, config in configs.items():
+        dist.barrier()
+        mine[name] = measure_compute(config, batch_size, 1)
+    for size, kinds in ((2, KINDS), (4, ('all_reduce', 'all_gather'))):
+        groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]  # (every rank: all)
+        measured = tables(sweep_rounds(groups[rank // size], kinds)).items()
+        mine['collectives'] = dict(mine.get('collectives', {}),
+                                   **{kind + ('' if size == 2 else ' x4'): table for kind, table in measured})
+    every = [None] * n
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        median = lambda values: statistics.median(values)
+        crowded = {name: {k: median(r[name][k] for r in every) for k in mine[name]} for name in configs}
+        crowded['collectives'] = {kind: [(b, median(r['collectives'][kind][i][1] for r in every))
+                                         for i, (b, _) in enumerate(table)]
+                                  for kind, table in mine['collectives'].items()}
+        with open(out, 'w') as f:
+            json.dump(crowded, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def crowded_rates(folder, rates, n, configs, batch_size):
+    """The rates of n processes sharing this machine's cores at once (_crowded): each model's compute in
+    configs ({'dense': ..., 'moe': ...}) and the collectives among groups of 2 and 4 ranks, kept in
+    machine.json's 'crowded' entry (measured again with the rest)."""
+    moe = configs.get('moe')
+    key = [n, sorted(configs), moe and [moe.n_expert, moe.n_expert_active]]
+    if rates.get('crowded', {}).get('key') != key:
+        out = os.path.join(folder, 'crowded.json')
+        mp.spawn(_crowded, args=(n, free_port(), configs, batch_size, out), nprocs=n)
+        rates['crowded'] = dict(json.load(open(out)), key=key)
+        with open(os.path.join(folder, 'machine.json'), 'w') as f:
+            json.dump(rates, f, indent=1)
+    return rates['crowded']
+
+
+def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
+    """The measured rates (measure_compute's, each kind of collective's times), from folder/machine.json when
+    it was measured for this model, these processes and this torch; else measured now (seconds) and kept."""
+    key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
+                                         batch_size, config.n_expert, config.n_expert_active],
+           'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count()}
+    path = os.path.join(folder, 'machine.json')
+    if not remeasure and os.path.exists(path):
+        kept = json.load(open(path))
+        if kept.get('key') == key:
+            return kept
+    os.makedirs(folder, exist_ok=True)
+    collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
+    rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives,
+                 mapped=measure_mapped(config, batch_size, threads, folder))
+    with open(path, 'w') as f:
+        json.dump(rates, f, indent=1)
+    return rates
