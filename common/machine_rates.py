@@ -20,13 +20,14 @@ import torch.multiprocessing as mp
 from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from model import GPT
 
-VERSION = 5  # of machine.json: a file from another version is measured again
+VERSION = 6  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 
 
-def timed(fn, reps, between=None):
-    """The median seconds of reps calls of fn, after one to warm it up; between() runs untimed before each."""
+def timed(fn, reps, between=None, average=statistics.median):
+    """The median (or another average) seconds of reps calls of fn, after one to warm it up; between() runs
+    untimed before each."""
     fn()
     times = []
     for _ in range(reps):
@@ -35,7 +36,7 @@ def timed(fn, reps, between=None):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return average(times)
 
 
 def measure_compute(config, batch_size, threads):
@@ -83,8 +84,10 @@ def sweep_rounds(group=None, kinds=KINDS):
     cores that doubled a small all-reduce's time); a send between the group's first two ranks. All-reduces
     and all-gathers also in bursts, posted back to back as a ZeRO engine posts its buckets (' burst'). In 5
     rounds of every kind and size, so that a busy spell of the machine falls on them alike (one round's 512
-    KiB all-reduce: 0.6 to 2.9 ms from run to run). Returns {'kind bytes': the median of the rounds'
-    medians}."""
+    KiB all-reduce: 0.6 to 2.9 ms from run to run). A round's time is the mean of its calls, not their median: a
+    step pays for every call, one that waited long for a thread to wake included (a 512 KiB all-reduce after
+    1 ms of compute: a median of 0.9 ms, a mean of 1.6 to 2.2). Returns {'kind bytes': the median of
+    the rounds' means}."""
     ranks, me = dist.get_process_group_ranks(group or dist.group.WORLD), dist.get_rank()
     rounds, a = {}, torch.randn(256, 256)
     compute = lambda: [a @ a for _ in range(3)]  # about a millisecond
@@ -100,10 +103,11 @@ def sweep_rounds(group=None, kinds=KINDS):
                   'all_gather': lambda: all_gather_single(full, t, group=group, async_op=True)}
         for kind in kinds:
             dist.barrier()
-            rounds.setdefault(f'{kind} {nbytes}', []).append(timed(calls[kind], 8, compute))
+            rounds.setdefault(f'{kind} {nbytes}', []).append(timed(calls[kind], 8, compute, statistics.mean))
             if kind in posted:  # a burst: 4 posted back to back, then waited for (a call's share of it)
                 burst = lambda: [work.wait() for work in [posted[kind]() for _ in range(4)]]
-                rounds.setdefault(f'{kind} burst {nbytes}', []).append(timed(burst, 4, compute) / 4)
+                seconds = timed(burst, 4, compute, statistics.mean) / 4
+                rounds.setdefault(f'{kind} burst {nbytes}', []).append(seconds)
     return {key: statistics.median(times) for key, times in rounds.items()}
 
 
