@@ -43,17 +43,6 @@ def call_seconds(table, nbytes):
     return max(t0, t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0))
 
 
-def call_price(table, kind, nbytes):
-    """A call's seconds, call_seconds on its kind's sweep; one posted while backward goes on (a kind ending
-    ' overlapped': the data-parallel rows' gradient buckets, async_op=True) pays its transfer only, the time
-    beyond the sweep's smallest call: its wait, for the peer and for gloo's thread to wake, is hidden behind
-    the compute, while its bytes still take the same cores' time."""
-    if kind.endswith(' overlapped'):
-        sweep = table[kind.removesuffix(' overlapped')]
-        return max(call_seconds(sweep, nbytes) - sweep[0][1], 0.0)
-    return call_seconds(table[kind], nbytes)
-
-
 # -----------------------------------------------------------------------------
 # What each bench row computes and sends in one step, per rank (the busiest)
 
@@ -123,26 +112,24 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
 
 def data_parallel_work(name, model, w, work, scalars):
     """The data-parallel rows of row_work (ddp, zero0-3, fsdp): each rank its micro-batch, and the
-    gradients' buckets reduced (gloo's reduce-scatter: an all-reduce), as the scripts bucket them, each
-    posted as backward fills it, while backward goes on (' overlapped': call_price)."""
+    gradients' buckets reduced (gloo's reduce-scatter: an all-reduce), as the scripts bucket them."""
     numel, L = sum(p.numel() for p in model.parameters()), model.config.n_layer
     block = sum(p.numel() for p in model.transformer.h[0].parameters())
-    if name in ('ddp', 'zero0'):  # every rank updates the whole model (the clip: local)
+    if name in ('ddp', 'zero0'):  # every rank updates the whole model
         zero0 = 4 * default_bucket_size(0)  # (in bytes, fp32)
         sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, zero0, zero0)
-        return work(1 / w, 1, 1, [('all_reduce overlapped', n, 1) for n in sizes] + [scalars(1)])
+        return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
     if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce) as backward fills it,
         # its chunk gathered after the step, every bucket's posted back to back (zero.publish_all: a burst)
         # (zero.py's buckets, in bytes; it closes one at a parameter's end: about these)
         bucket = 4 * default_bucket_size(int(name[-1]))
         calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
-                 for c in (('all_reduce overlapped', n, 1), ('all_gather burst', n // w, 1))]
+                 for c in (('all_reduce', n, 1), ('all_gather burst', n // w, 1))]
         return work(1 / w, 1, 1 / w, calls + [scalars(2)])
     if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
         # (zero.py's gather on gloo is point-to-point sends into the buffer: priced as the sweep's all-gather)
         buckets = [block] * L + [numel - L * block]
-        calls = [c for b in buckets
-                 for c in (('all_gather', 4 * b // w, 2), ('all_reduce overlapped', 4 * b, 1))]
+        calls = [c for b in buckets for c in (('all_gather', 4 * b // w, 2), ('all_reduce', 4 * b, 1))]
         # both map their buffers afresh (the mapped rates), and a step fills fresh ones: each bucket gathered
         # twice (zero.py into its flat; FSDP2 into its all-gather output, gloo's temporary, then the
         # parameters copied out: three times that) and its gradients once (zero.py's zeroed bucket; FSDP2's
@@ -257,7 +244,7 @@ def predict_ms(work, rates):
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
     compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
                work['update'] * rates['update_s'] + fresh)
-    comm = sum(count * call_price(table, kind, nbytes) for kind, nbytes, count in work['calls'])
+    comm = sum(count * call_seconds(table[kind], nbytes) for kind, nbytes, count in work['calls'])
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm
 
 
@@ -343,8 +330,7 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
         work = None if at is None else row_work(
             name, moe_config if on_moe else config, args.batch_size, args.world_size, args.n_microbatches,
             share)
-        if work is None or any(kind.removesuffix(' overlapped') not in at['collectives']
-                               for kind, _, _ in work['calls']):
+        if work is None or any(kind not in at['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue
         ms, compute, comm = predict_ms(work, at)
