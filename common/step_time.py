@@ -110,21 +110,32 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
     return None
 
 
+def zero_buckets(numels, bucket):
+    """The elements of each of zero.py's gradient buckets, as its bucket_groups makes them from parameters of
+    numels elements (the model's order): in the order backward produces their gradients, a bucket closed once
+    it holds `bucket` elements, so only at a parameter's end (a 100,000-element bucket takes a whole
+    1M-element weight)."""
+    sizes = [0]
+    for n in reversed(numels):
+        if sizes[-1] >= bucket:
+            sizes.append(0)
+        sizes[-1] += n
+    return sizes
+
+
 def data_parallel_work(name, model, w, work, scalars):
     """The data-parallel rows of row_work (ddp, zero0-3, fsdp): each rank its micro-batch, and the
     gradients' buckets reduced (gloo's reduce-scatter: an all-reduce), as the scripts bucket them."""
     numel, L = sum(p.numel() for p in model.parameters()), model.config.n_layer
+    buckets = lambda stage: zero_buckets([p.numel() for p in model.parameters()], default_bucket_size(stage))
     block = sum(p.numel() for p in model.transformer.h[0].parameters())
     if name in ('ddp', 'zero0'):  # every rank updates the whole model
-        zero0 = 4 * default_bucket_size(0)  # (in bytes, fp32)
-        sizes = ddp_buckets(4 * numel) if name == 'ddp' else ddp_buckets(4 * numel, zero0, zero0)
+        sizes = ddp_buckets(4 * numel) if name == 'ddp' else [4 * n for n in buckets(0)]
         return work(1 / w, 1, 1, [('all_reduce', n, 1) for n in sizes] + [scalars(1)])  # (the clip: local)
     if name in ('zero1', 'zero2'):  # each bucket reduce-scattered (gloo: an all-reduce) as backward fills it,
         # its chunk gathered after the step, every bucket's posted back to back (zero.publish_all: a burst)
-        # (zero.py's buckets, in bytes; it closes one at a parameter's end: about these)
-        bucket = 4 * default_bucket_size(int(name[-1]))
-        calls = [c for n in ddp_buckets(4 * numel, bucket, bucket)
-                 for c in (('all_reduce', n, 1), ('all_gather burst', n // w, 1))]
+        calls = [c for n in buckets(int(name[-1]))
+                 for c in (('all_reduce', 4 * n, 1), ('all_gather burst', 4 * n // w, 1))]
         return work(1 / w, 1, 1 / w, calls + [scalars(2)])
     if name in ('zero3', 'fsdp'):  # per bucket (each block, the root): 2 gathers, a reduce (gloo: all-reduce)
         # (zero.py's gather on gloo is point-to-point sends into the buffer: priced as the sweep's all-gather)
@@ -228,11 +239,15 @@ def grid_work(name, model, batch_size, w, work, scalars):
     if g['ep'] > 1:  # (the tp ranks share out the tokens; every expert on one rank of ep x tp: no edp)
         slots = b * t * c.n_expert_active * c.n_embd * 4 // tp
         calls += [('all_to_all', 8 * c.n_expert, m * moe_layers), ('all_to_all', slots, 4 * m * moe_layers)]
-    experts = sum(p.numel() for n, p in model.named_parameters() if '.mlp.experts.' in n)
-    dense = (sum(p.numel() for p in model.parameters()) - experts) // (pp * tp)
-    x4 = '' if dp_cp == 2 else ' x4'  # (its 100,000-element buckets: reduced, then gathered, in bursts)
-    calls += [call for n in ddp_buckets(4 * dense, 400_000, 400_000)
-              for call in ((f'all_reduce burst{x4}', n, 1), (f'all_gather burst{x4}', n // dp_cp, 1))]
+    # ZeRO-1 over the first stage's dense parameters, each a 1/tp slice (a norm's weight, whole on every tp
+    # rank, counted as a slice: a few hundred elements), in parallel_4d.py's 100,000-element buckets (closed
+    # at a parameter's end: zero_buckets), each reduced, then gathered, in bursts
+    first = lambda n: (int(n.split('.')[2]) < L if n.startswith('transformer.h.')
+                       else pp == 1 or 'ln_f' not in n)  # (the first stage: the embeddings, its blocks)
+    held = [p.numel() // tp for n, p in model.named_parameters() if first(n) and '.mlp.experts.' not in n]
+    x4 = '' if dp_cp == 2 else ' x4'
+    calls += [call for n in zero_buckets(held, 100_000)
+              for call in ((f'all_reduce burst{x4}', 4 * n, 1), (f'all_gather burst{x4}', 4 * n // dp_cp, 1))]
     return work(1 / (4 * w), m / pp, 1 / (4 * w), calls)
 
 

@@ -222,7 +222,9 @@ def test_each_row_sends_what_its_script_sends():
     act = 2 * 16 * 32 * 4
     assert pp_tp['calls'][0] == ('all_reduce', act, 2 * (4 * 1 + 1)) and ('send', act, 2 * 2) in pp_tp['calls']
     assert ('all_reduce', 64 * 32 * 4 // 2, 1) in pp_tp['calls']
-    assert pp_tp['calls'][-2:] == [('all_reduce burst', 4 * numel // 4, 1), ('all_gather burst', numel // 2, 1)]
+    first_stage = (64 * 32 + 16 * 32 + block) // 2  # (wte, wpe and block 0, a tp slice of each: one bucket)
+    assert pp_tp['calls'][-2:] == [('all_reduce burst', 4 * first_stage, 1),
+                                   ('all_gather burst', 4 * first_stage // 2, 1)]
     assert (pp_tp['pieces'], pp_tp['update'], pp_tp['flops']) == (1, 1 / 8, tp['flops'] / 4)
     # cp 2 x tp 2: half the tokens; the ring's k and v blocks (1 head of 16 on 8 tokens) 8 sends a layer
     # and microbatch; dp x cp is a group of 4 (' x4')
@@ -235,6 +237,24 @@ def test_each_row_sends_what_its_script_sends():
     ep_grid = step_time.row_work('grid_pp_tp_ep', moe, 4, 2, 2)
     assert ('all_to_all', 4 * 16 * 2 * 32 * 4 // 2, 4 * 1) in ep_grid['calls']
     assert step_time.row_work('grid_dp_cp_tp', config, 4, 4, 2) is None  # (dp x cp 8: no such sweep)
+
+
+def test_the_zero_rows_are_priced_with_the_buckets_zero_py_makes():
+    """step_time.zero_buckets against zero.py's own bucket_groups, stages 0-2, on the bench's 512-wide model
+    (on meta): a bucket closes only at a parameter's end, so stage 2's 100,000-element buckets each take a
+    whole weight (a 1M-element one among them), not equal slices of the gradients."""
+    import torch
+    import zero
+    from common import step_time
+    from common.distributed import default_bucket_size
+    from model import GPT, GPTConfig
+    with torch.device('meta'):
+        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=512, block_size=128, vocab_size=65, bias=False))
+    for stage in (0, 1, 2):
+        theirs = [sum(p.numel() for _, p in group) for group in zero.bucket_groups(model, stage, 0)]
+        ours = step_time.zero_buckets([p.numel() for p in model.parameters()], default_bucket_size(stage))
+        assert ours == theirs, stage
+    assert max(theirs) >= 512 * 4 * 512 and len(theirs) < sum(theirs) / 100_000 / 5  # (an MLP weight whole)
 
 
 def test_a_moe_rows_busiest_rank_computes_its_experts_share_of_the_slots():
