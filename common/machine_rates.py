@@ -84,10 +84,10 @@ def sweep_rounds(group=None, kinds=KINDS):
     cores that doubled a small all-reduce's time); a send between the group's first two ranks. All-reduces
     and all-gathers also in bursts, posted back to back as a ZeRO engine posts its buckets (' burst'). In 5
     rounds of every kind and size, so that a busy spell of the machine falls on them alike (one round's 512
-    KiB all-reduce: 0.6 to 2.9 ms from run to run). A round's time is the mean of its calls, not their median: a
-    step pays for every call, one that waited long for a thread to wake included (a 512 KiB all-reduce after
-    1 ms of compute: a median of 0.9 ms, a mean of 1.6 to 2.2). Returns {'kind bytes': the median of
-    the rounds' means}."""
+    KiB all-reduce, as the median of its calls: 0.6 to 2.9 ms from run to run). A round's time is the mean of
+    its calls, not their median: a step pays for every call, one that waited long for a thread to wake
+    included (a 512 KiB all-reduce after 1 ms of compute: a median of 0.9 ms, a mean of 1.6 to 2.2). Returns
+    {'kind bytes': the median of the rounds' means}."""
     ranks, me = dist.get_process_group_ranks(group or dist.group.WORLD), dist.get_rank()
     rounds, a = {}, torch.randn(256, 256)
     compute = lambda: [a @ a for _ in range(3)]  # about a millisecond

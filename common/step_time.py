@@ -1,20 +1,22 @@
 """
 A step's time, predicted (modelled) from the model's FLOPs and this machine's measured rates, never from the
-run it is compared with; bench.py prints it beside every row's measured ms/step.
+run it is compared with; bench.py prints it beside every row's measured ms/step. The rates are measured and
+kept by common/machine_rates.py (its functions named below).
 
 - compute: for every forward and backward pass a rank makes (a micro-batch; a pipeline stage's slot: 1/p of
   one), the ops' fixed cost, plus the training FLOPs (model.flops_per_token) of the tokens it computes at the
-  rate one process with a rank's threads measured on the model (measure_compute), plus the update (clip,
-  AdamW) of its share of the model. zero.py's stage 3 and train_fsdp.py map each buffer of 1 MB or more
-  afresh (return_freed_buffers_to_the_os), so its pages fault in again: they are priced at rates measured so
-  (measure_mapped), plus the fresh buffers their own code fills. ep, tp_moe: their busiest rank's experts;
-- communication: each collective the strategy makes in a step, at the time a short sweep measured for that
-  kind of collective on this backend, each call posted after some compute as in training (linear between the
-  sizes measured: a latency, then a bandwidth);
+  rate one process with a rank's threads measured on the model (machine_rates.measure_compute), plus the
+  update (clip, AdamW) of its share of the model. zero.py's stage 3 and train_fsdp.py map each buffer of 1 MB
+  or more afresh (distributed.return_freed_buffers_to_the_os), so its pages fault in again: they are priced
+  at rates measured so (machine_rates.measure_mapped), plus the fresh buffers their own code fills. ep,
+  tp_moe: their busiest rank's experts;
+- communication: each collective the strategy makes in a step, counted from the scripts (row_work), at the
+  time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
+  training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
+  measured: a latency, then a bandwidth;
 - a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
-On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add. The
-rates are measured and kept by common/machine_rates.py. Priced: fp32 on a CPU (the MoE rows at the MoE model's
-own compute rates, moe_rates).
+On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add.
+Priced: fp32 on a CPU (the MoE rows at the MoE model's own compute rates, machine_rates.moe_rates).
 
 A planned strategy's step on a GPU cluster, for bench.py --estimate, is common/cluster_time.py's.
 """
@@ -254,12 +256,12 @@ def grid_work(name, model, batch_size, w, work, scalars):
 def predict_ms(work, rates):
     """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates (a row
     that maps its buffers afresh at the rates measure_mapped measured, and its fresh buffers filled)."""
-    table = rates['collectives']
+    collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
     compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
                work['update'] * rates['update_s'] + fresh)
-    comm = sum(count * call_seconds(table[kind], nbytes) for kind, nbytes, count in work['calls'])
+    comm = sum(count * call_seconds(collectives[kind], nbytes) for kind, nbytes, count in work['calls'])
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm
 
 
