@@ -2,8 +2,9 @@
 This machine's measured rates, at which common/step_time.py prices a bench row's step: one process's compute
 on the model (measure_compute; with its buffers mapped afresh, as zero.py's stage 3 and train_fsdp.py run:
 measure_mapped; the MoE model's: moe_rates), each kind of collective's time on gloo at each size (a short
-sweep: sweep_rounds, each call posted after some compute as in training), and both again with a grid's
-processes all computing and calling at once (crowded_rates). They are kept in the bench's out folder
+sweep: sweep_rounds, each call posted after some compute as in training), the wait for the slower rank that
+a call adds after more compute (waits_after_compute), and both again with a grid's processes all computing
+and calling at once (crowded_rates). They are kept in the bench's out folder
 (machine.json; the sweep's in sweep.json) and measured again when the model, the processes, the cores or torch
 change, or with --remeasure.
 """
@@ -20,9 +21,10 @@ import torch.multiprocessing as mp
 from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from model import GPT
 
-VERSION = 6  # of machine.json: a file from another version is measured again
+VERSION = 7  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
+GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
 
 
 def timed(fn, reps, between=None, average=statistics.median):
@@ -111,28 +113,48 @@ def sweep_rounds(group=None, kinds=KINDS):
     return {key: statistics.median(times) for key, times in rounds.items()}
 
 
+def waits_after_compute(group=None):
+    """How much longer a call takes the more the ranks computed since their last one: inside a step each call
+    also waits for the slower rank, and on shared cores the ranks drift further apart over a longer stretch
+    of compute. Timed on a 16 KiB all-reduce (nearly all latency) after GAPS x the sweep's compute, the median
+    over 10 rounds of each round's mean call. Noisy: by hand, from sweep to sweep, 0 to 2 ms more after 10 ms
+    of compute, 1 to 2 ms after 30. Returns [(the compute's seconds, the call's seconds beyond the first
+    gap's)]."""
+    a, t = torch.randn(256, 256), torch.ones(4096)
+    compute = lambda: [a @ a for _ in range(3)]  # (sweep_rounds' unit: about a millisecond)
+    unit_s, rounds = timed(compute, 10), {}
+    for _ in range(10):
+        for k in GAPS:
+            dist.barrier()
+            rounds.setdefault(k, []).append(timed(lambda: dist.all_reduce(t, group=group), 8,
+                                                  lambda: [compute() for _ in range(k)], statistics.mean))
+    call = {k: statistics.median(times) for k, times in rounds.items()}
+    return [(k * unit_s, max(0.0, call[k] - call[GAPS[0]])) for k in GAPS]
+
+
 def _sweep(rank, world_size, port, threads, out):
-    """One rank of the sweep (sweep_rounds among all of them); rank 0 writes the times."""
+    """One rank of the sweep (sweep_rounds among all of them, then waits_after_compute); rank 0 writes the
+    times."""
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group('gloo', rank=rank, world_size=world_size)
-    seconds = sweep_rounds()
+    seconds, waits = sweep_rounds(), waits_after_compute()
     if rank == 0:
         with open(out, 'w') as f:
-            json.dump(seconds, f)
+            json.dump({'calls': seconds, 'waits': waits}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def moe_rates(folder, rates, config, batch_size, threads):
     """The MoE model's compute rates (its experts' loop costs what a dense MLP does not) beside rates'
-    collectives, kept in machine.json's 'moe' entry (measured again with the rest)."""
+    collectives and waits, kept in machine.json's 'moe' entry (measured again with the rest)."""
     key = [config.n_layer, config.n_embd, config.n_expert, config.n_expert_active, batch_size]
     if rates.get('moe', {}).get('key') != key:
         rates['moe'] = dict(measure_compute(config, batch_size, threads), key=key)
         with open(os.path.join(folder, 'machine.json'), 'w') as f:
             json.dump(rates, f, indent=1)
-    return dict(rates['moe'], collectives=rates['collectives'])
+    return dict(rates['moe'], collectives=rates['collectives'], waits=rates['waits'])
 
 
 def free_port():
@@ -143,10 +165,12 @@ def free_port():
 
 
 def measure_collectives(world_size, threads, folder):
-    """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine."""
+    """Each kind of collective's [(bytes, seconds)] on gloo among world_size processes of this machine, and
+    waits_after_compute's [(seconds of compute, seconds a call waits more)]."""
     out = os.path.join(folder, 'sweep.json')
     mp.spawn(_sweep, args=(world_size, free_port(), threads, out), nprocs=world_size)
-    return tables(json.load(open(out)))
+    swept = json.load(open(out))
+    return tables(swept['calls']), swept['waits']
 
 
 def tables(seconds):
@@ -212,8 +236,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
         if kept.get('key') == key:
             return kept
     os.makedirs(folder, exist_ok=True)
-    collectives = measure_collectives(world_size, threads, folder) if world_size > 1 else {}
-    rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives,
+    collectives, waits = measure_collectives(world_size, threads, folder) if world_size > 1 else ({}, [])
+    rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives, waits=waits,
                  mapped=measure_mapped(config, batch_size, threads, folder))
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)

@@ -13,7 +13,9 @@ kept by common/machine_rates.py (its functions named below).
 - communication: each collective the strategy makes in a step, counted from the scripts (row_work), at the
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
-  measured: a latency, then a bandwidth;
+  measured: a latency, then a bandwidth; and each call inside the step (not a burst) waits for the slower
+  rank as long as the sweep measured after the compute that comes before it, the step's compute spread
+  evenly over those calls (machine_rates.waits_after_compute: on shared cores the ranks drift apart);
 - a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
 On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add.
 Priced: fp32 on a CPU (the MoE rows at the MoE model's own compute rates, machine_rates.moe_rates).
@@ -253,16 +255,33 @@ def grid_work(name, model, batch_size, w, work, scalars):
     return work(1 / (4 * w), m / pp, 1 / (4 * w), calls)
 
 
+def wait_seconds(waits, gap):
+    """The wait for the slower rank that a call adds after gap seconds of compute, from the sweep's [(seconds
+    of compute, seconds more)]: none up to the first gap (the sweep's calls include its wait), linear between
+    the gaps measured, the last one's beyond them (not extrapolated)."""
+    if not waits or gap <= waits[0][0]:
+        return 0.0
+    for (g0, w0), (g1, w1) in zip(waits, waits[1:]):
+        if gap <= g1:
+            return w0 + (w1 - w0) * (gap - g0) / (g1 - g0)
+    return waits[-1][1]
+
+
 def predict_ms(work, rates):
-    """(ms, its compute, its communication) of a step: work from row_work, rates from machine_rates (a row
-    that maps its buffers afresh at the rates measure_mapped measured, and its fresh buffers filled)."""
+    """(ms, its compute, its communication, of which waiting) of a step: work from row_work, rates from
+    machine_rates (a row that maps its buffers afresh at the rates measure_mapped measured, and its fresh
+    buffers filled). The calls inside the step (not the bursts) each wait for the slower rank (wait_seconds)
+    after the step's compute spread evenly over them."""
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
     compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
                work['update'] * rates['update_s'] + fresh)
-    comm = sum(count * call_seconds(collectives[kind], nbytes) for kind, nbytes, count in work['calls'])
-    return 1000 * (compute + comm), 1000 * compute, 1000 * comm
+    inside = sum(count for kind, _, count in work['calls'] if 'burst' not in kind)
+    waiting = inside * wait_seconds(rates['waits'], compute / inside) if inside else 0.0
+    calls = sum(count * call_seconds(collectives[kind], nbytes) for kind, nbytes, count in work['calls'])
+    comm = calls + waiting
+    return 1000 * (compute + comm), 1000 * compute, 1000 * comm, 1000 * waiting
 
 
 def rates_line(rates, folder):
@@ -272,6 +291,8 @@ def rates_line(rates, folder):
     if rates['collectives']:
         (n0, t0), (n1, t1) = rates['collectives']['all_reduce'][0], rates['collectives']['all_reduce'][-1]
         text += f", an all-reduce {1e3 * t0:.2f} ms at {n0 >> 10} KiB and {1e3 * t1:.1f} ms at {n1 >> 20} MiB"
+        text += ", a call's wait for the slower rank " + ', '.join(
+            f"+{1e3 * w:.1f} ms after {1e3 * g:.0f} ms of compute" for g, w in rates['waits'][1:])
     return f"predicted ms/step (modelled, from rates measured on this machine: {text}; " \
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 
@@ -304,7 +325,8 @@ def grid_rates(args, rates, config, moe_config, grids):
     model = lambda name: 'moe' if GRIDS[name]['moe'] else 'dense'
     configs = {model(n): moe_config if GRIDS[n]['moe'] else config for n in grids}
     crowded = crowded_rates(args.out, rates, 4 * args.world_size, configs, args.batch_size)
-    return {n: dict(crowded[model(n)], collectives=crowded['collectives']) for n in grids}
+    # (no waits: waits_after_compute is not measured with 8 processes at once; their calls are the crowded's)
+    return {n: dict(crowded[model(n)], collectives=crowded['collectives'], waits=[]) for n in grids}
 
 
 def grid_note(crowded, n):
@@ -350,8 +372,9 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
         if work is None or any(kind not in at['collectives'] for kind, _, _ in work['calls']):
             lines.append(f"  {name:<8} (not priced yet)")
             continue
-        ms, compute, comm = predict_ms(work, at)
+        ms, compute, comm, waiting = predict_ms(work, at)
         r['predicted_ms'] = ms
-        lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}), "
-                     f"measured {r['ms']:6.1f}: {100 * (ms / r['ms'] - 1):+.0f}%")
+        lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}, "
+                     f"waiting {waiting:5.1f} of it), measured {r['ms']:6.1f}: "
+                     f"{100 * (ms / r['ms'] - 1):+.0f}%")
     return lines

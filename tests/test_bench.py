@@ -132,6 +132,8 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     # the step time predicted from this machine's measured rates (kept for the next run), beside the measured
     assert all(r['predicted_ms'] > 0 for r in results.values())
     assert 'predicted ms/step' in proc.stdout and (tmp_path / 'machine.json').exists()
+    gaps = [gap for gap, _ in json.loads((tmp_path / 'machine.json').read_text())['waits']]
+    assert len(gaps) == 4 and gaps == sorted(gaps)  # (the compute before a call, 1 to 30 of the sweep's units)
 
 
 def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwidth():
@@ -141,19 +143,38 @@ def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwi
     beyond the largest."""
     from common import step_time
     table = [(0, 1e-3), (2e6, 3e-3), (4e6, 4e-3)]
-    rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'collectives': {'all_reduce': table}}
+    rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'collectives': {'all_reduce': table},
+             'waits': []}
     work = {'flops': 2e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 1e6, 2)]}
-    assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0))
+    assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0, 0.0))
     # a row that maps its buffers afresh (zero3, fsdp) at the rates measured so: 2 x 3 + 400 + 10 ms, and
     # 1 MB of fresh buffers filled at 1 GB/s: 1 ms more
     rates['mapped'] = {'flops_per_s': 5e8, 'pass_fixed_s': 3e-3, 'update_s': 0.02, 'fresh_s_per_byte': 1e-9}
     mapped = dict(work, mapped=True, fresh_bytes=1e6)
-    assert step_time.predict_ms(mapped, rates) == pytest.approx((421.0, 417.0, 4.0))
-    assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0))
+    assert step_time.predict_ms(mapped, rates) == pytest.approx((421.0, 417.0, 4.0, 0.0))
+    assert step_time.predict_ms(work, rates) == pytest.approx((213.0, 209.0, 4.0, 0.0))
     table = [(1000, 1e-3), (2000, 3e-3), (4000, 4e-3)]
     assert [step_time.call_seconds(table, n) for n in (10, 1500, 3000, 8000)] == \
         pytest.approx([1e-3, 2e-3, 3.5e-3, 6e-3])
     assert step_time.ddp_buckets(60 << 20) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]  # DDP's: 1 MiB first
+
+
+def test_each_call_inside_the_step_waits_for_the_slower_rank_as_the_sweep_measured_after_that_compute():
+    """Rates given by hand: a call waits 2 ms more after 10 ms of compute than after 1 ms (the sweep's own
+    gap), 4 ms after 30 ms. A step of 40 ms of compute and 4 calls inside it has 10 ms before each: 4 x 2 ms
+    of waiting; a burst (posted back to back) waits for nothing; between the gaps linear, beyond the last
+    held, below the first none."""
+    from common import step_time
+    waits = [(1e-3, 0.0), (1e-2, 2e-3), (3e-2, 4e-3)]
+    rates = {'flops_per_s': 1e9, 'pass_fixed_s': 0.0, 'update_s': 0.0, 'waits': waits,
+             'collectives': {'all_reduce': [(0, 1e-3), (1e6, 1e-3)], 'all_gather burst': [(0, 1e-3), (1e6, 1e-3)]}}
+    work = {'flops': 4e7, 'pieces': 1, 'update': 0, 'calls': [('all_reduce', 100, 4)]}
+    assert step_time.predict_ms(work, rates) == pytest.approx((40 + 4 + 8, 40, 4 + 8, 8))
+    burst = dict(work, calls=[('all_reduce', 100, 4), ('all_gather burst', 100, 6)])
+    assert step_time.predict_ms(burst, rates) == pytest.approx((40 + 10 + 8, 40, 10 + 8, 8))
+    assert [step_time.wait_seconds(waits, g) for g in (5e-4, 5.5e-3, 2e-2, 1.0)] == \
+        pytest.approx([0.0, 1e-3, 3e-3, 4e-3])
+    assert step_time.predict_ms(work, dict(rates, waits=[])) == pytest.approx((44, 40, 4, 0))
 
 
 def test_a_grid_is_priced_at_the_rates_of_its_processes_at_once():
@@ -169,7 +190,7 @@ def test_a_grid_is_priced_at_the_rates_of_its_processes_at_once():
     rates = {'crowded': {'dense': slow, 'collectives': table, 'key': [8, ['dense'], None]}}
     args = SimpleNamespace(out='unused', world_size=2, batch_size=4)
     at = step_time.grid_rates(args, rates, config, None, ['grid_dp_cp_tp'])['grid_dp_cp_tp']
-    assert at == dict(slow, collectives=table)
+    assert at == dict(slow, collectives=table, waits=[])  # (the crowded sweep's calls include their waits)
     assert step_time.grid_note({'grid_dp_cp_tp': at}, 8)[0].startswith(
         "  (the grids at rates measured with 8 processes at once, as they run: a pass's fixed cost 50.0 ms")
 
