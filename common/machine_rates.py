@@ -114,12 +114,12 @@ def sweep_rounds(group=None, kinds=KINDS):
 
 
 def waits_after_compute(group=None):
-    """How much longer a call takes the more the ranks computed since their last one: inside a step each call
-    also waits for the slower rank, and on shared cores the ranks drift further apart over a longer stretch
-    of compute. Timed on a 16 KiB all-reduce (nearly all latency) after GAPS x the sweep's compute, the median
-    over 10 rounds of each round's mean call. Noisy: by hand, from sweep to sweep, 0 to 2 ms more after 10 ms
-    of compute, 1 to 2 ms after 30. Returns [(the compute's seconds, the call's seconds beyond the first
-    gap's)]."""
+    """How much longer a call takes the longer the ranks computed since their last one: a 16 KiB all-reduce
+    (nearly all latency) after GAPS x the sweep's ~1 ms of compute, the median over 10 rounds of each round's
+    mean call. That is what is measured; the presumed cause is that the ranks drift apart over a longer
+    stretch of compute on shared cores, so the first to call waits for the other (gloo's threads sleeping
+    longer may add to it). Noisy: in nine sweeps on 2026-12-05, 0 to 1.3 ms more after 10 ms of compute,
+    1.0 to 2.1 ms after 30. Returns [(the compute's seconds, the call's seconds beyond the first gap's)]."""
     a, t = torch.randn(256, 256), torch.ones(4096)
     compute = lambda: [a @ a for _ in range(3)]  # (sweep_rounds' unit: about a millisecond)
     unit_s, rounds = timed(compute, 10), {}
@@ -128,8 +128,8 @@ def waits_after_compute(group=None):
             dist.barrier()
             rounds.setdefault(k, []).append(timed(lambda: dist.all_reduce(t, group=group), 8,
                                                   lambda: [compute() for _ in range(k)], statistics.mean))
-    call = {k: statistics.median(times) for k, times in rounds.items()}
-    return [(k * unit_s, max(0.0, call[k] - call[GAPS[0]])) for k in GAPS]
+    call_s = {k: statistics.median(times) for k, times in rounds.items()}
+    return [(k * unit_s, max(0.0, call_s[k] - call_s[GAPS[0]])) for k in GAPS]
 
 
 def _sweep(rank, world_size, port, threads, out):

@@ -14,8 +14,8 @@ kept by common/machine_rates.py (its functions named below).
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
   measured: a latency, then a bandwidth; and each call inside the step (not a burst) waits for the slower
-  rank as long as the sweep measured after the compute that comes before it, the step's compute spread
-  evenly over those calls (machine_rates.waits_after_compute: on shared cores the ranks drift apart);
+  rank as long as the sweep measured after the compute that comes before it, the compute a rank does (not a
+  pipeline's bubble) spread evenly over those calls (machine_rates.waits_after_compute);
 - a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
 On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add.
 Priced: fp32 on a CPU (the MoE rows at the MoE model's own compute rates, machine_rates.moe_rates).
@@ -206,7 +206,8 @@ def pipeline_work(name, config, batch_size, w, m, work, scalars):
     measured = [scalars(2 * w)] if name == 'pp_1f1b_measured' else []
     # (the scalars: a loss a schedule, the clip's)
     calls = [('send', act // m, 2 * m * v * w)] + tied + measured + [scalars(w + 2)]
-    return work(slots / m / w, slots, 1 / w, calls)
+    # (busy: the share of its slots a stage computes; in the bubble it waits, which no call's gap counts)
+    return dict(work(slots / m / w, slots, 1 / w, calls), busy=m / slots)
 
 
 # bench.py's grid rows (parallel_4d.py on 4 x world_size processes, dp = world_size): their pp, cp, tp, ep
@@ -277,10 +278,14 @@ def predict_ms(work, rates):
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
     compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
                work['update'] * rates['update_s'] + fresh)
-    inside = sum(count for kind, _, count in work['calls'] if 'burst' not in kind)
-    waiting = inside * wait_seconds(rates['waits'], compute / inside) if inside else 0.0
-    calls = sum(count * call_seconds(collectives[kind], nbytes) for kind, nbytes, count in work['calls'])
-    comm = calls + waiting
+    # the gap before each call inside the step: the compute the rank does (not a pipeline's idle bubble),
+    # spread evenly over those calls. A simplification: DDP's and ZeRO's buckets come close together in
+    # backward, a pipeline's sends one a slot; each kind of call is assumed to wait as the all-reduce does
+    calls_inside = sum(count for kind, _, count in work['calls'] if 'burst' not in kind)
+    gap = compute * work.get('busy', 1.0) / max(calls_inside, 1)
+    waiting = calls_inside * wait_seconds(rates['waits'], gap)
+    calls_s = sum(count * call_seconds(collectives[kind], nbytes) for kind, nbytes, count in work['calls'])
+    comm = calls_s + waiting
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm, 1000 * waiting
 
 
