@@ -188,6 +188,8 @@ def summarize(log, warmup):
     for key in ('ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'):
         values = [r[key] for r in timed if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
+    times = [r['ms'] for r in timed if r.get('ms') is not None]
+    out['ms_range'] = (min(times), max(times)) if times else None  # the spread of this run's own steps
     out['final_loss'] = train_rows[-1]['loss'] if train_rows else None
     out['tokens_per_expert'] = [r['tokens_per_expert'] for r in log
                                 if 'tokens_per_expert' in r and 'rank' not in r and r['iter'] >= warmup]
@@ -370,6 +372,7 @@ def repeated_times(times, results):
     lines = []
     for name, ms in times.items():
         results[name]['ms'] = statistics.median(ms)
+        results[name]['ms_range'] = None  # (the first run's steps: not the median's; the runs' range below)
         lines.append(f"{name}: {statistics.median(ms):.1f} ms/step, the median of {len(ms)} runs "
                      f"({min(ms):.1f} to {max(ms):.1f})")
     if len(times) == 2:

@@ -379,7 +379,8 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
             continue
         ms, compute, comm, waiting = predict_ms(work, at)
         r['predicted_ms'] = ms
+        spread = '' if not r.get('ms_range') else ' (its steps %.0f-%.0f)' % tuple(r['ms_range'])
         lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}, "
-                     f"waiting {waiting:5.1f} of it), measured {r['ms']:6.1f}: "
+                     f"waiting {waiting:5.1f} of it), measured {r['ms']:6.1f}{spread}: "
                      f"{100 * (ms / r['ms'] - 1):+.0f}%")
     return lines

@@ -132,6 +132,9 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     # the step time predicted from this machine's measured rates (kept for the next run), beside the measured
     assert all(r['predicted_ms'] > 0 for r in results.values())
     assert 'predicted ms/step' in proc.stdout and (tmp_path / 'machine.json').exists()
+    for name, r in results.items():  # beside the measured median, the spread of that row's own steps
+        low, high = r['ms_range']
+        assert low <= r['ms'] <= high and f"(its steps {low:.0f}-{high:.0f})" in proc.stdout
     waits = json.loads((tmp_path / 'machine.json').read_text())['waits']  # [(compute before a call, more s)]
     gaps = [gap for gap, _ in waits]  # (1, 3, 10 and 30 of the sweep's compute units, timed: increasing)
     assert len(waits) == 4 and all(a < b for a, b in zip(gaps, gaps[1:])) and gaps[2] > 3 * gaps[0]
@@ -449,7 +452,8 @@ def test_repeated_rows_report_each_median_and_the_ratio_run_by_run():
     times = {'zero0': [110.0, 99.0, 200.0], 'ddp': [100.0, 100.0, 180.0]}
     results = {'zero0': {'ms': None}, 'ddp': {'ms': None}}
     text = bench.repeated_times(times, results)
-    assert results == {'zero0': {'ms': 110.0}, 'ddp': {'ms': 100.0}}  # each row's median of its runs
+    # each row's median of its runs; no spread of steps (one run's steps are not the median's)
+    assert results == {'zero0': {'ms': 110.0, 'ms_range': None}, 'ddp': {'ms': 100.0, 'ms_range': None}}
     assert 'zero0: 110.0 ms/step, the median of 3 runs (99.0 to 200.0)' in text
     assert 'zero0 / ddp, run by run: median 1.100 (0.990 to 1.111)' in text, text
 
@@ -554,3 +558,4 @@ def test_summarize_keeps_the_routing_of_the_timed_iterations():
     log += [{'rank': 0, 'iter': 3, 'tokens_per_expert': [[9, 9, 9, 9]]}]
     out = bench.summarize(log, warmup=2)
     assert out['tokens_per_expert'] == [[[2, 1, 1, 1]], [[3, 1, 1, 1]]] and out['ms'] == 12.5
+    assert out['ms_range'] == (12.0, 13.0)  # the spread of the timed steps, the warm-up's left out
