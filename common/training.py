@@ -178,6 +178,9 @@ def model_config(cfg, vocab_size):
 # so 'L4' is not found inside 'L40S'.
 PEAK_FLOPS = {
     'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
+    # (dense peaks, float32 as TF32: the scripts allow it; the PCIe and NVL cards before the SXM's name)
+    'H100 PCIe': {'bfloat16': 756e12, 'float16': 756e12, 'float32': 378e12},
+    'H100 NVL': {'bfloat16': 835e12, 'float16': 835e12, 'float32': 418e12},
     'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
     'A100': {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12},
     'L40S': {'bfloat16': 362e12, 'float16': 362e12, 'float32': 183e12},
