@@ -134,11 +134,15 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     assert 'predicted ms/step' in proc.stdout and (tmp_path / 'machine.json').exists()
     for name, r in results.items():  # beside the measured median, the spread of that row's own steps
         low, high = r['ms_range']
-        assert low <= r['ms'] <= high and f"(its steps {low:.0f}-{high:.0f})" in proc.stdout
+        assert f"(its steps {low:.0f}-{high:.0f})" in proc.stdout
+        # the model's order of magnitude, not its accuracy (a benchmark's claim): a unit slip (s for ms, a
+        # rate per byte for per element) lands far outside this band
+        assert 0.2 < r['predicted_ms'] / r['ms'] < 5, (name, r['predicted_ms'], r['ms'])
     waits = json.loads((tmp_path / 'machine.json').read_text())['waits']  # [(compute before a call, more s)]
-    gaps = [gap for gap, _ in waits]  # (1, 3, 10 and 30 of the sweep's compute units, timed: increasing)
-    assert len(waits) == 4 and all(a < b for a, b in zip(gaps, gaps[1:])) and gaps[2] > 3 * gaps[0]
-    assert waits[0][1] == 0 and all(more >= 0 for _, more in waits)  # (its size is noise: no sign asserted)
+    # four gaps, the first one timed unit of the sweep's compute (about a millisecond of three 256 x 256
+    # matmuls): a clock or a unit slip puts it out of this range. (The later gaps are its multiples and the
+    # waits its differences, clipped at 0 by construction: nothing more of their shape can be asserted.)
+    assert len(waits) == 4 and 1e-5 < waits[0][0] < 0.1, waits
 
 
 def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwidth():

@@ -22,7 +22,7 @@ from common.distributed import peak_resident_bytes
 import pipeline, tensor_parallel as tpm
 config = GPTConfig(n_layer=4, n_head=16, n_embd=1024, block_size=64, vocab_size=96)
 tiny = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=8)
-with torch.device('meta'):  # warm-up: the meta device's kernels load on first use (150 MB of code, not data)
+with torch.device('meta'):  # warm-up: the meta device's kernels load on first use (~70 MiB of code, not data)
     materialize(GPT(tiny), 'cpu')
 init_params(tiny, 0, lambda name, values: None)
 before = peak_resident_bytes()  # (VmHWM: this process's own, not its parent's from before the exec)
@@ -178,5 +178,7 @@ def test_zero3_resident_peak_is_the_tensors_it_counts():
     the activations and their gradients (batch 1 x 16 tokens: small), a block's initial values at the build."""
     from helpers import spawn
     for rank, (rise, counted) in enumerate(spawn(zero3_peak_rise, 2)):
-        assert counted > 40e6, counted  # (the model's states: 16 bytes x 3.1M parameters / 2, and the buffers)
-        assert rise < 1.15 * counted, (rank, rise / counted, rise, counted)
+        assert counted > 40e6, counted  # (its chunks: 16 bytes x 7.1M parameters / 2 = 57 MB, and the buffers)
+        # within 15% both ways: more, something else grows with the model; less, zero.py counts tensors it
+        # does not hold (1.09 on this machine)
+        assert 0.85 * counted < rise < 1.15 * counted, (rank, rise / counted, rise, counted)
