@@ -138,6 +138,19 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
         # the model's order of magnitude, not its accuracy (a benchmark's claim): a unit slip (s for ms, a
         # rate per byte for per element) lands far outside this band
         assert 0.2 < r['predicted_ms'] / r['ms'] < 5, (name, r['predicted_ms'], r['ms'])
+    # what the prediction prices for zero3 against what zero.py counted at its calls, on every rank: each
+    # bucket (a block, the root) gathered twice and reduced once (gloo: an all-reduce of the whole bucket);
+    # the sweep's all-gather is keyed by each rank's chunk, zero.py counts the gathered whole
+    from common import step_time
+    from model import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=96, bias=False)
+    calls = step_time.row_work('zero3', config, 4, 2, 4)['calls']
+    priced = lambda kind, big: sum(n * c for k, n, c in calls if k == kind and (n > 4) == big)
+    for r in results['zero3']['ranks']:
+        counted = r['collective_bytes_by_kind']
+        assert priced('all_gather', True) * 2 == counted['all_gather'], (calls, counted)
+        assert priced('all_reduce', True) == counted['reduce_scatter'], (calls, counted)
+        assert priced('all_reduce', False) == counted['scalars'], (calls, counted)  # the loss, the clip's norm
     waits = json.loads((tmp_path / 'machine.json').read_text())['waits']  # [(compute before a call, more s)]
     # four gaps, the first one timed unit of the sweep's compute (about a millisecond of three 256 x 256
     # matmuls): a clock or a unit slip puts it out of this range. (The later gaps are its multiples and the
