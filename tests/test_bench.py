@@ -203,8 +203,8 @@ def test_each_call_inside_the_step_waits_for_the_slower_rank_as_the_sweep_measur
 
 def test_a_grid_is_priced_at_the_rates_of_its_processes_at_once():
     """A grid row (8 processes on this machine's cores) at the rates measured with 8 processes at once (kept in
-    machine.json's 'crowded'), its model's compute and the collectives of groups of 2 and 4; the other rows at
-    the 2-process rates. Given by hand: nothing is measured here."""
+    machine.json's 'crowded'), its model's compute and the collectives of groups of 2 and 4, and no waits.
+    Given by hand: nothing is measured here."""
     from types import SimpleNamespace
     from common import step_time
     from model import GPTConfig
