@@ -17,6 +17,13 @@ TINY = ['--n_layer=2', '--n_head=4', '--n_embd=16', '--block_size=16', '--batch_
         '--dtype=float32', '--compile=False', '--eval_iters=2', '--sample_at_end=False', '--device=cpu']
 
 
+def stdlib_vocab():
+    """The vocabulary of the data set the scripts train on by default (stdlib_char: the characters of this
+    Python's standard library; 96 with 3.11, built on first use): a test that prices a run's logits needs it."""
+    from common.training import load_dataset
+    return load_dataset('stdlib_char')[1]
+
+
 def run_script(script, args, nproc=None, timeout=240, env=None):
     """Run `python script args` (nproc None) or `torchrun --nproc_per_node=nproc script args` from the repo root.
     Returns the CompletedProcess; never raises on a non-zero exit. A run past timeout seconds (a hang) fails the

@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from helpers import REPO, TINY, check, read_log, run_script
+from helpers import REPO, TINY, check, read_log, run_script, stdlib_vocab
 
 import bench
 from common import planner
@@ -143,7 +143,7 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     # the sweep's all-gather is keyed by each rank's chunk, zero.py counts the gathered whole
     from common import step_time
     from model import GPTConfig
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=96, bias=False)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=stdlib_vocab(), bias=False)
     calls = step_time.row_work('zero3', config, 4, 2, 4)['calls']
     priced = lambda kind, big: sum(n * c for k, n, c in calls if k == kind and (n > 4) == big)
     for r in results['zero3']['ranks']:

@@ -11,7 +11,7 @@ import torch
 from consolidate import consolidate
 from helpers import (TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
                      measuring_calls_per_step, one_error_line_per_rank, read_log, run_script, spawn, train_losses,
-                     train_py_reference)
+                     stdlib_vocab, train_py_reference)
 
 FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
                 '--learning_rate=1e-2', '--warmup_iters=1']
@@ -43,7 +43,7 @@ def assert_bench_prices_what_it_sends(out_dir):
     within 5% (the model leaves out a few small calls and the parameters every tp rank keeps whole)."""
     from common import step_time
     from model import GPTConfig
-    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=96, bias=False)
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=stdlib_vocab(), bias=False)
     work = step_time.row_work('grid_dp_cp_tp', config, 4, 2, 2)
     priced = {kind: sum(n * c for k, n, c in work['calls'] if k == kind)
               for kind in ('all_reduce', 'send', 'all_reduce burst x4')}

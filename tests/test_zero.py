@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import (REPO, TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, free_port, read_log,
-                     spawn, train_losses, train_py_reference)
+                     spawn, stdlib_vocab, train_losses, train_py_reference)
 
 import consolidate
 from common import deepspeed_config
@@ -118,14 +118,15 @@ def test_every_stage_matches_train_py_and_formulas(tmp_path, tmp_path_factory, r
                 assert r['peak_param_bytes'] < 4 * r['numel']
             # the activations saved for backward, measured: as backward starts every block's are alive (what
             # saved_bytes_formula reads off model.py), and at most the head's logits and log-softmax besides
-            logits = 4 * 16 * 96 * 4
+            logits = 4 * 16 * stdlib_vocab() * 4
             assert 8 * block_saved <= r['peak_saved_bytes'] <= 8 * block_saved + 2 * logits, (stage, r)
 
 
 def meta_model():
     from model import GPT, GPTConfig
     with torch.device('meta'):
-        return GPT(GPTConfig(n_layer=8, n_head=4, n_embd=16, block_size=16, vocab_size=96, bias=False))
+        return GPT(GPTConfig(n_layer=8, n_head=4, n_embd=16, block_size=16, vocab_size=stdlib_vocab(),
+                             bias=False))
 
 
 def test_comm_bytes_per_step_are_the_theory():
