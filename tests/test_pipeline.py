@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from consolidate import consolidate
 from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
                      one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, train_losses,
-                     train_py_reference)
+                     stdlib_vocab, train_py_reference)
 
 from common import formulas
 
@@ -405,13 +405,18 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
     rows = [r for r in read_log(pipe) if 'rank' in r]
     assert sorted(r['iter'] for r in rows) == [0, 0, 3, 3, 3, 3]  # each run's first step only is measured
     rows = [r for r in rows if r['iter'] == 3]  # the resumed run's: every rank's row, dp x pp
+    from common import formulas
+    from model import GPTConfig
+    gptconf = GPTConfig(n_layer=4, n_head=4, n_embd=16, block_size=16, vocab_size=stdlib_vocab())  # (ARGS')
     assert sorted((r['rank'], r['dp_rank'], r['stage']) for r in rows) == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     for r in rows:
         assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'] == 2 - r['stage']
         assert r['peak_activation_bytes'] == r['peak_activation_bytes_formula'] > 0
+        if r['stage'] == 0:  # and against the model of a block's saves, not one microbatch's measured: its 2
+            # blocks' for 2 microbatches of 2 sequences (the embedding's saved token indices besides: 0.6%)
+            modelled = 2 * 2 * formulas.saved_bytes_formula(gptconf, 16, 2)
+            assert r['peak_activation_bytes'] == pytest.approx(modelled, rel=0.01), (r, modelled)
         assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0
-        assert r['compute_fraction'] + r['send_recv_fraction'] + r['other_fraction'] == pytest.approx(1)
-        assert r['bubble_fraction'] == pytest.approx(1 - r['compute_fraction'])
         assert 0.0 <= r['bubble_fraction'] < 1.0 and r['bubble_fraction_formula'] == pytest.approx(1 / 3)
 
 
