@@ -19,7 +19,7 @@ from common.formulas import (activation_bytes_formula, bubble_fraction_formula, 
 from common.formulas import fsdp_held_bytes_formula
 from common.measure import (comm_report, nbytes, print_measured, print_schedule_report, schedule_measurements,
                             storage_bytes)
-from model import MoE
+from model import GPT, MoE
 from common.training import log_rank_rows
 from common.model_parallel import GRID_DIMS
 
@@ -262,12 +262,13 @@ def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why
     (ep, edp, dp), c = comms, model.config
     a2a = {k: v for k, v in ep.collective_bytes.items() if k.startswith(('dispatch', 'combine'))}  # the rows'
     moe = [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoE)]
-    experts = sum(p.numel() for m in moe for e in m.experts if e is not None for p in e.parameters())
-    dense = sum(p.numel() for p in model.parameters()) - experts
     micro = cfg.gradient_accumulation_steps // dp.size
     uniform = ep_all_to_all_bytes_formula(cfg.batch_size * cfg.block_size, c.n_expert_active, c.n_embd,
                                           ep.size, 4, 2 if cfg.dtype == 'bfloat16' else 4)
-    held = ep_model_state_bytes_formula(dense, experts * ep.size, ep.size)
+    with torch.device('meta'):  # the whole model's counts (shapes only), not what this rank kept of it
+        whole = GPT(c)
+    experts = sum(p.numel() for n, p in whole.named_parameters() if '.mlp.experts.' in n)
+    held = ep_model_state_bytes_formula(whole.get_num_params(False) - experts, experts, ep.size)
     moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
     rows = log_rank_rows(cfg.out_dir, dict(
         rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, ep_rank=ep.rank,

@@ -266,6 +266,7 @@ def test_the_script_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_p
     for r in rows:
         assert [sum(layer) for layer in r['tokens_per_expert']] == [2 * 4 * 16] * 2  # k x batch x block
         assert r['all_to_all_bytes_by_kind']['dispatch'] == 2 * 2 * 4 * 16 * 2 * 16 * 4  # 2 micro x 2 layers
+        # what this rank holds (measured) against the formula on the whole model's counts (n_expert/ep each)
         assert (r['param_bytes'], r['grad_bytes'], r['optim_bytes']) == (
             r['param_bytes_formula'], r['grad_bytes_formula'], r['optim_bytes_formula'])
     from common import planner  # the planner's expert-parallel row holds what each rank held
