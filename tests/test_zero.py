@@ -261,10 +261,12 @@ def test_offload_optimizer_trains_the_same_numbers(split_runs, reference):
 
 
 def test_offload_copies_each_buckets_gradients_to_the_host_during_backward():
-    """ZeRO-Offload overlaps the copy to the host with backward: when backward (and finish_backward) is over, and
-    before any step, every bucket's host buffer already holds its reduced gradient chunk."""
-    for copied in spawn(offload_copy_during_backward, 2):
-        assert copied == [True] * len(copied) and len(copied) > 1
+    """ZeRO-Offload overlaps the copy to the host with backward: when backward returns, every bucket but the
+    one still being reduced (stage 2 keeps one in flight) has its reduced chunk on the host already; after
+    finish_backward, and before any step, every one."""
+    for during, after in spawn(offload_copy_during_backward, 2):
+        assert len(after) > 2 and after == [True] * len(after), after
+        assert sum(during) == len(during) - 1, during  # (copied only at the end: none would be)
 
 
 def offload_copy_during_backward(rank, world_size):
@@ -276,8 +278,10 @@ def offload_copy_during_backward(rank, world_size):
                   offload=True)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     model(x, x)[1].backward()
+    during = [bool(b.grad_host.abs().sum() > 0) for b in z.buckets]  # backward is over, finish_backward not yet
     z.finish_backward()
-    return [bool(torch.equal(b.grad_host, b.grad_shard)) and bool(b.grad_shard.abs().sum() > 0) for b in z.buckets]
+    after = [bool(torch.equal(b.grad_host, b.grad_shard)) and bool(b.grad_shard.abs().sum() > 0) for b in z.buckets]
+    return during, after
 
 
 def test_bfloat16_holds_the_papers_2_2_12_bytes(split_runs):
