@@ -1,8 +1,9 @@
-"""parallel_4d.py: the pieces of tensor_parallel.py, context_parallel.py, pipeline.py and zero.py composed on one
-dp x pp x cp x tp grid of 8 gloo processes train train.py's loss curve; every rank's groups are the grid's rows
-along each dimension; a run resumes on the same grid and consolidates into train.py's checkpoint; bad input is one
-line; a step main() does not measure makes no measuring call. (Three 8-process runs: each costs half a minute
-on two cores.)"""
+"""parallel_4d.py: tensor_parallel.py's, context_parallel.py's and zero.py's pieces composed on a dp 2 x cp 2 x tp 2
+grid of 8 gloo processes train train.py's loss curve, resume on the same grid and consolidate into train.py's
+checkpoint; every rank's groups are the grid's rows along each dimension; the bench's price of that grid counts
+the calls it makes; bad input is one line; a step main() does not measure makes no measuring call (on a pp 2 x
+tp 2 grid). The grids with a pipeline and with experts train train.py's curve in tests/test_matrix.py. (Three
+8-process runs: each costs half a minute on two cores.)"""
 from pathlib import Path
 
 import pytest
