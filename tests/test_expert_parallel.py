@@ -258,7 +258,6 @@ def test_the_script_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_p
     assert 'load max/mean: ranks' in proc.stdout and 'rank 1 bytes sent' in proc.stdout
     assert_same_losses(train_losses(straight), train_losses(ref), range(4))
     assert_same_losses(eval_losses(straight), eval_losses(ref), [0, 2, 4])
-    import expert_parallel as epm
     import consolidate
     assert_same_checkpoint(consolidate.consolidate(str(straight), str(tmp_path / 'joined')), f'{ref}/ckpt.pt')
     rows = [r for r in read_log(straight) if 'rank' in r]
