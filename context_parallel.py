@@ -9,8 +9,8 @@ all the weights), and attention, the one place where tokens meet, is computed ac
 ring     (Liu et al. 2023, ring attention): the keys and values go around the ring of cp ranks in cp steps;
          each step's partial attention is merged into the result with the online softmax (running log-sum-exp,
          as FlashAttention does). Backward passes the keys and values around again, with their gradients.
-ulysses  (DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all turns sequence-sharded q, k, v into whole
-         sequences of this rank's heads; plain attention runs on them, and a second all-to-all turns it back.
+ulysses  (DeepSpeed-Ulysses, Jacobs et al. 2023): all-to-alls turn sequence-sharded q, k, v (one each) into
+         whole sequences of this rank's heads; plain attention runs on them; one more turns the output back.
 
 The sequence is split "zig-zag": 2·cp chunks, rank i holding chunks i and 2·cp-1-i, so that under the causal
 mask every rank has the same work at every ring step. Every token keeps its global position (learned positions
@@ -188,7 +188,8 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-# Ulysses: two all-to-alls around ordinary attention
+# Ulysses: all-to-alls around ordinary attention (q, k, v each to heads, the output back: four, and four in
+# backward)
 
 
 def seq_to_heads(x, cp):

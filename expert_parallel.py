@@ -5,8 +5,9 @@ every mixture-of-experts layer are split over the ep ranks of an ep group, rank 
 rank is a data-parallel rank of the batch. Per MoE layer: route (the model's own router), dispatch (each
 token-slot to the rank of its expert: an all-to-all of variable sizes, the sizes exchanged first), compute
 (each expert on the rows sent to it), combine (the reverse all-to-all, then the router's weighted sum in slot
-order). Backward runs the two all-to-alls the other way. The dense gradients are averaged over all ranks, each
-expert's over the ranks that hold it (the world/ep replicas: the "expert data-parallel" group).
+order). Backward runs the two all-to-alls the other way. The dense gradients are averaged over all ranks; each
+expert's are summed over the ranks that hold it (the world/ep replicas: the "expert data-parallel" group) and
+divided by the world size, since each already sums the tokens its whole ep group sent it (sync_gradients).
 
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep=4 --n_expert=4 --n_expert_active=2
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep=2 --n_expert=4   # 2 replicas of ep 2

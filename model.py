@@ -413,7 +413,8 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only, never on biases or norms:
-        the two groups, in this order, of every script's optimizer (and of ZeRO's hand-written one)."""
+        the two groups, in this order, of every script's optimizer (zero.py keeps one group of chunks and
+        applies this split's decay range by range)."""
         return torch.optim.AdamW(param_groups(self, weight_decay), lr=learning_rate, betas=betas,
                                  fused=device_type == 'cuda')
 

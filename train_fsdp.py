@@ -8,7 +8,7 @@ weights and fp32 gradient reduction), not autocast.
     torchrun --standalone --nproc_per_node=2 train_fsdp.py               # CPU (gloo) or GPUs (NCCL)
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --dtype=bfloat16 --activation_checkpointing=True
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --init_from=resume   # ckpt_dcp/ (or a ckpt.pt)
-    python consolidate.py out      # out/ckpt_dcp/ -> out/ckpt.pt, train.py's format, offline
+    python consolidate.py out-fsdp # out-fsdp/ckpt_dcp/ -> out-fsdp/ckpt.pt, train.py's format, offline
 
 Checkpoints are sharded (torch.distributed.checkpoint: every rank writes its own shards to out_dir/ckpt_dcp/);
 consolidate.py joins them into train.py's ckpt.pt, from which train.py, sample.py and every script continue.

@@ -134,7 +134,7 @@ def reduce_stage_0(z, b):
 
 def reduce_stage_1(z, b):
     """Every rank keeps the full gradients (they accumulate over micro-steps in grad_flat), but it updates
-    only its chunk: a reduce-scatter gives it that chunk of the average, for half an all-reduce's bytes."""
+    only its chunk: a reduce-scatter gives it that chunk of the average (NCCL: half an all-reduce's bytes)."""
     b.grad_shard = torch.empty(b.shard_numel, dtype=z.dtype, device=z.device)
     b.grad_flat.div_(z.divisor)
     z.in_flight.append((z.comm.reduce_scatter(b.grad_shard, b.grad_flat, async_op=True), None, None, b))
@@ -227,7 +227,7 @@ class Zero:
         self.in_flight = []          # (work, full buffer, output, bucket) of reductions not yet waited for
 
     def grad_ready(self, b, i, p):
-        """post_accumulate_grad hook: p.grad now holds this micro-step's full gradient of p."""
+        """post_accumulate_grad hook: p's gradient is in (stages 0-1: summed over the micro-steps)."""
         if self.stage < 2 and not self.last_micro_step:
             return
         b.ready += 1
@@ -278,8 +278,8 @@ class Zero:
 
     def clip_grad_norm(self, max_norm, weights=None, other_comms=(), also=()):
         """clip_grad_norm_ over the model: this rank's chunks' squares, all-reduced. parallel_4d.py adds
-        other_comms (ranks holding other parts), weights {id(parameter): w} (held by w ranks) and also, its
-        experts' engine: its chunks join the squares (its ranks, ep x edp, are this one's)."""
+        other_comms (ranks holding other parts), weights {id(p): w} (p's squares count w times here: 1/k for a
+        copy on k ranks, 0 if counted elsewhere) and also, its experts' engine (whose chunks count too)."""
         grads = [g for z in (self, *also) for g in z.grads()]
         counted = [(g, 1.0) for g in grads]
         for b, g in zip([b for z in (self, *also) for b in z.buckets], grads):
@@ -329,7 +329,7 @@ class Zero:
     def pieces(self, cut=None, key='zero'):
         """Where this rank's chunks sit in the whole model, for consolidate.py: in each bucket a run of each
         parameter's elements (checkpoints.pieces_of). Stage 0's buckets are whole on every rank: rank 0's.
-        cut(name, p): parallel_4d.py's (its parameters are tp slices), as checkpoints.held_pieces takes it;
+        cut(name, p): parallel_4d.py's (its parameters are tp slices), as model_parallel.held_pieces takes it;
         key: the engine's state_dict in the rank file."""
         pieces = []
         for k, b in enumerate(self.buckets if self.stage > 0 or self.rank == 0 else ()):

@@ -1,10 +1,11 @@
 """
 ZeRO stage 3's other half (zero.py has the rest): the parameters sharded. At rest a rank keeps only its chunk
 of each block's flat bucket; a block's parameters are all-gathered just before its forward and freed just
-after, gathered again just before its backward and freed once its gradients are reduce-scattered
-(zero.reduce_stage_3). The root bucket (embeddings, final norm, head) is gathered for the whole forward and
-again for the whole backward. So a rank holds the root and one block in full (k more with prefetching), plus
-its chunk of the rest: the 1/N of stage 3, paid for with a second all-gather per block per micro-step.
+after, gathered again just before its backward and freed once backward has made all its gradients, as their
+reduce-scatter is posted (zero.reduce_stage_3). The root bucket (embeddings, final norm, head) is gathered
+for the whole forward and again for the whole backward. So a rank holds the root and one block in full (k
+more with prefetching), plus its chunk of the rest: the 1/N of stage 3, paid for with a second all-gather per
+block per micro-step.
 
 With prefetch_blocks = k the gathers of the next k blocks (in forward order during forward, in backward order
 during backward) are posted while this block computes, as FSDP's and DeepSpeed's prefetching do: the wait

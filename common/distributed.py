@@ -1,8 +1,8 @@
 """
 Process groups and the collectives every parallel script calls: init_distributed / finish_distributed
-(torchrun's group: NCCL on GPUs, gloo on CPU), the dp x pp x cp x tp grid, and Comm, one group's collectives
-with every byte handed to them counted (the papers' ring formula beside it); the gradient average and the
-global-norm clip over ranks; two collectives written for gloo's memory (all_gather_direct,
+(torchrun's group: NCCL on GPUs, gloo on CPU), and Comm, one group's collectives with every byte handed to
+them counted (the papers' ring formula beside it); the global-norm clip over ranks (the grid and the gradient
+average: common/model_parallel.py); two collectives written for gloo's memory (all_gather_direct,
 reduce_scatter_of) with glibc's allocator setting that ZeRO-3 needs (return_freed_buffers_to_the_os); and the
 process's memory: its peak, and what the run added to it (torch's own code left out).
 """
