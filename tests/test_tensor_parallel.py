@@ -1,5 +1,5 @@
 """tensor_parallel.py against the dense model (logits, loss, every re-assembled gradient), against PyTorch's own
-tensor parallelism (DTensor ColwiseParallel/RowwiseParallel), against train.py's loss curve (dp x tp, tp=4 with
+tensor parallelism (DTensor ColwiseParallel/RowwiseParallel on Linears and the embedding, loss_parallel), against train.py's loss curve (dp x tp, tp=4 with
 sequence parallelism, consolidate-and-continue, resume) and against its own formulas."""
 import contextlib
 import copy
@@ -162,7 +162,40 @@ def _against_dtensor(rank, world_size):
                          _rel_err(col.bias.grad, ref[0].bias.grad.to_local()),
                          _rel_err(row.weight.grad, ref[2].weight.grad.to_local()),
                          _rel_err(row.bias.grad, ref[2].bias.grad.full_tensor()))
+    errors['vocab'] = _vocab_against_dtensor(rank, world_size, mesh, g)
     return errors
+
+
+def _vocab_against_dtensor(rank, world_size, mesh, g):
+    """The vocabulary-parallel embedding against DTensor's RowwiseParallel nn.Embedding (rows sharded, the
+    lookups summed), and vocab_parallel_cross_entropy against DTensor's loss_parallel on logits sharded along
+    the vocabulary: the embedding's output and weight gradient, the loss and the logits' gradient."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel, parallelize_module
+    import tensor_parallel as tpm
+    V, n = 16, 16 // world_size  # (a vocabulary both cut into equal runs: DTensor's Shard and tensor_split agree)
+    tp, start, gen = tpm.TensorParallel(g, False), rank * n, torch.Generator().manual_seed(3)
+    torch.manual_seed(1)
+    dense = nn.Embedding(V, 8)
+    ref = parallelize_module(copy.deepcopy(dense), mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                         output_layouts=Replicate()))
+    ours = tpm.VocabParallelEmbedding(nn.Parameter(dense.weight.detach()[start:start + n].clone()), start, tp)
+    idx, w = torch.randint(0, V, (3, 8), generator=gen), torch.randn(3, 8, 8, generator=gen)
+    y_ref, y_ours = ref(idx), ours(idx)
+    (y_ref * w).sum().backward()
+    (y_ours * w).sum().backward()
+    logits, targets = torch.randn(3, 8, V, generator=gen), torch.randint(0, V, (3, 8), generator=gen)
+    mine = logits[..., start:start + n].clone().requires_grad_()
+    loss = tpm.vocab_parallel_cross_entropy(mine, targets, start, tp)
+    loss.backward()
+    sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_()
+    with loss_parallel():
+        loss_ref = F.cross_entropy(sharded.flatten(0, 1), targets.flatten())
+        loss_ref.backward()
+    return max(_rel_err(y_ours, y_ref), _rel_err(ours.weight.grad, ref.weight.grad.full_tensor()[start:start + n]),
+               _rel_err(loss, loss_ref.full_tensor()), _rel_err(mine.grad, sharded.grad.to_local()))
 
 
 def _dropout_checks(rank, world_size):
@@ -293,6 +326,7 @@ def test_a_tp_layer_equals_dtensor_colwise_rowwise(spawned):
     for rank, (_, errors, *_) in enumerate(spawned):
         assert errors[False] < TOL, f"plain TP vs DTensor, rank {rank}: {errors[False]}"
         assert errors[True] < TOL, f"sequence parallel vs DTensor (Shard(1)), rank {rank}: {errors[True]}"
+        assert errors['vocab'] < TOL, f"vocabulary-parallel embedding and loss vs DTensor, rank {rank}"
 
 
 def test_measured_bytes_against_the_formulas(spawned):
