@@ -1,6 +1,7 @@
 """tensor_parallel.py against the dense model (logits, loss, every re-assembled gradient), against PyTorch's own
-tensor parallelism (DTensor ColwiseParallel/RowwiseParallel on Linears and the embedding, loss_parallel), against train.py's loss curve (dp x tp, tp=4 with
-sequence parallelism, consolidate-and-continue, resume) and against its own formulas."""
+tensor parallelism (DTensor ColwiseParallel/RowwiseParallel on an MLP, a grouped-query attention's heads and the
+embedding, and loss_parallel), against train.py's loss curve (dp x tp, tp=4 with sequence parallelism,
+consolidate-and-continue, resume) and against its own formulas."""
 import contextlib
 import copy
 import os
@@ -163,7 +164,51 @@ def _against_dtensor(rank, world_size):
                          _rel_err(row.weight.grad, ref[2].weight.grad.to_local()),
                          _rel_err(row.bias.grad, ref[2].bias.grad.full_tensor()))
     errors['vocab'] = _vocab_against_dtensor(rank, world_size, mesh, g)
+    errors['attention'] = _attention_against_dtensor(rank, world_size, mesh, g)
     return errors
+
+
+def _attention_against_dtensor(rank, world_size, mesh, g):
+    """A grouped-query attention layer cut by shard_gpt (c_attn's 'qkv' slices: this rank's query heads and
+    their key/value heads) against the plan torchtitan uses: separate q, k, v Linears ColwiseParallel, c_proj
+    RowwiseParallel, each rank attending over its local heads. Output, input gradient and every weight's."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import tensor_parallel as tpm
+    from model import GPT, GPTConfig
+    config = GPTConfig(n_layer=1, n_head=8, n_kv_head=4, n_embd=32, block_size=8, vocab_size=16, bias=True)
+    torch.manual_seed(0)
+    ours_model = GPT(config)
+    dense = copy.deepcopy(ours_model.transformer.h[0].attn)
+    tp = tpm.TensorParallel(g, False)
+    tpm.shard_gpt(ours_model, tp)
+    ours = ours_model.transformer.h[0].attn
+    q_n, kv_n, _ = tpm.qkv_split(config)
+    ref = nn.ModuleDict({name: nn.Linear(32, n) for name, n in (('q', q_n), ('k', kv_n), ('v', kv_n))})
+    ref['c_proj'] = copy.deepcopy(dense.c_proj)
+    for (name, linear), part_w, part_b in zip(list(ref.items())[:3], dense.c_attn.weight.split([q_n, kv_n, kv_n]),
+                                             dense.c_attn.bias.split([q_n, kv_n, kv_n])):
+        linear.weight.data.copy_(part_w)
+        linear.bias.data.copy_(part_b)
+    parallelize_module(ref, mesh, {'q': ColwiseParallel(), 'k': ColwiseParallel(), 'v': ColwiseParallel(),
+                                   'c_proj': RowwiseParallel()})
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 8, 32, generator=gen), torch.randn(2, 8, 32, generator=gen)
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    heads = lambda t: t.view(2, 8, -1, 4).transpose(1, 2)  # (this rank's heads, head_dim 4)
+    q, k, v = heads(ref['q'](x_ref)), heads(ref['k'](x_ref)), heads(ref['v'](x_ref))
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    y_ref = ref['c_proj'](y.transpose(1, 2).reshape(2, 8, -1))
+    y_ours = ours(tp.enter(x_ours))
+    (y_ref * w).sum().backward()
+    (y_ours * w).sum().backward()
+    local = lambda name, kind: getattr(ref[name], kind).grad.to_local()
+    return max(_rel_err(y_ours, y_ref), _rel_err(x_ours.grad, x_ref.grad),
+               _rel_err(ours.c_attn.weight.grad, torch.cat([local(n, 'weight') for n in 'qkv'])),
+               _rel_err(ours.c_attn.bias.grad, torch.cat([local(n, 'bias') for n in 'qkv'])),
+               _rel_err(ours.c_proj.weight.grad, local('c_proj', 'weight')),
+               _rel_err(ours.c_proj.bias.grad, ref['c_proj'].bias.grad.full_tensor()))
 
 
 def _vocab_against_dtensor(rank, world_size, mesh, g):
@@ -322,11 +367,12 @@ def test_a_sharded_model_refuses_the_dense_forward():
         model(torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_a_tp_layer_equals_dtensor_colwise_rowwise(spawned):
+def test_tp_layers_equal_dtensor_colwise_rowwise_and_loss_parallel(spawned):
     for rank, (_, errors, *_) in enumerate(spawned):
         assert errors[False] < TOL, f"plain TP vs DTensor, rank {rank}: {errors[False]}"
         assert errors[True] < TOL, f"sequence parallel vs DTensor (Shard(1)), rank {rank}: {errors[True]}"
         assert errors['vocab'] < TOL, f"vocabulary-parallel embedding and loss vs DTensor, rank {rank}"
+        assert errors['attention'] < TOL, f"grouped-query attention's head split vs DTensor, rank {rank}"
 
 
 def test_measured_bytes_against_the_formulas(spawned):
