@@ -177,8 +177,9 @@ def model_config(cfg, vocab_size):
 # peak where the GPU has one (autocast_context turns TF32 on). A key matches the device name as a whole word,
 # so 'L4' is not found inside 'L40S'.
 PEAK_FLOPS = {
-    'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
     # (dense peaks, float32 as TF32: the scripts allow it; the PCIe and NVL cards before the SXM's name)
+    'H200 NVL': {'bfloat16': 835e12, 'float16': 835e12, 'float32': 418e12},
+    'H200': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},
     'H100 PCIe': {'bfloat16': 756e12, 'float16': 756e12, 'float32': 378e12},
     'H100 NVL': {'bfloat16': 835e12, 'float16': 835e12, 'float32': 418e12},
     'H100': {'bfloat16': 989e12, 'float16': 989e12, 'float32': 495e12},

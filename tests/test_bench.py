@@ -135,28 +135,32 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     for name, r in results.items():  # beside the measured median, the spread of that row's own steps
         low, high = r['ms_range']
         assert f"(its steps {low:.0f}-{high:.0f})" in proc.stdout
-        # the model's order of magnitude, not its accuracy (a benchmark's claim): a unit slip (s for ms, a
-        # rate per byte for per element) lands far outside this band
+        # the model's order of magnitude, not its accuracy (a benchmark's claim): a unit slip (seconds for
+        # milliseconds) lands far outside this band
         assert 0.2 < r['predicted_ms'] / r['ms'] < 5, (name, r['predicted_ms'], r['ms'])
-    # what the prediction prices for zero3 against what zero.py counted at its calls, on every rank: each
-    # bucket (a block, the root) gathered twice and reduced once (gloo: an all-reduce of the whole bucket);
-    # the sweep's all-gather is keyed by each rank's chunk, zero.py counts the gathered whole
-    from common import step_time
-    from model import GPTConfig
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=stdlib_vocab(), bias=False)
-    calls = step_time.row_work('zero3', config, 4, 2, 4)['calls']
-    priced = lambda kind, big: sum(n * c for k, n, c in calls if k == kind and (n > 4) == big)
-    for r in results['zero3']['ranks']:
-        counted = r['collective_bytes_by_kind']
-        assert priced('all_gather', True) * 2 == counted['all_gather'], (calls, counted)
-        assert priced('all_reduce', True) == counted['reduce_scatter'], (calls, counted)
-        assert priced('all_reduce', False) == counted['scalars'], (calls, counted)  # the loss, the clip's norm
+    assert_zero3_priced_as_counted(results['zero3'])
     waits = json.loads((tmp_path / 'machine.json').read_text())['waits']  # [(compute before a call, more s)]
     # four gaps, the first one timed unit of the sweep's compute (about a millisecond of three 256 x 256
     # matmuls): a clock or a unit slip puts it out of this range. (The later gaps are its multiples and the
     # waits its differences, clipped at 0 by construction: nothing more of their shape can be asserted.)
     assert len(waits) == 4 and 1e-5 < waits[0][0] < 0.1, waits
 
+
+
+def assert_zero3_priced_as_counted(row):
+    """What the prediction prices for the bench's zero3 row against what zero.py counted at its calls, on every
+    rank: each bucket (a block, the root) gathered twice and reduced once (gloo: an all-reduce of the whole
+    bucket); the sweep's all-gather is keyed by each rank's chunk, zero.py counts the gathered whole."""
+    from common import step_time
+    from model import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=stdlib_vocab(), bias=False)
+    calls = step_time.row_work('zero3', config, 4, 2, 4)['calls']
+    priced = lambda kind, big: sum(n * c for k, n, c in calls if k == kind and (n > 4) == big)
+    for r in row['ranks']:
+        counted = r['collective_bytes_by_kind']
+        assert priced('all_gather', True) * 2 == counted['all_gather'], (calls, counted)
+        assert priced('all_reduce', True) == counted['reduce_scatter'], (calls, counted)
+        assert priced('all_reduce', False) == counted['scalars'], (calls, counted)  # the loss, the clip's norm
 
 def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwidth():
     """The arithmetic, on rates given by hand: two passes at 2 ms fixed, 2e8 FLOPs at 1e9 FLOP/s, half of a

@@ -126,7 +126,7 @@ def test_gpt2_weights_are_read_one_tensor_at_a_time_by_the_sharded_scripts(tmp_p
 
 
 def zero3_peak_rise(rank, world_size):
-    """In each spawned rank: ZeRO-3 (prefetching one block) trains a 3M-parameter model (4 layers, 384 wide) for 2
+    """In each spawned rank: ZeRO-3 (prefetching one block) trains a 7.1M-parameter model (4 layers, 384 wide) for 2
     steps. Returns (the rise of this process's resident peak over the step's start, the bytes of the tensors
     zero.py counts at their peak, sampled as its report samples them)."""
     from contextlib import nullcontext

@@ -2,7 +2,7 @@
 grid of 8 gloo processes train train.py's loss curve, resume on the same grid and consolidate into train.py's
 checkpoint; every rank's groups are the grid's rows along each dimension; the bench's price of that grid counts
 the calls it makes; bad input is one line; a step main() does not measure makes no measuring call (on a pp 2 x
-tp 2 grid). The grids with a pipeline and with experts train train.py's curve in tests/test_matrix.py. (Three
+tp 2 grid). The grids with a pipeline and with experts train train.py's curve in tests/test_matrix.py. (Two
 8-process runs: each costs half a minute on two cores.)"""
 from pathlib import Path
 

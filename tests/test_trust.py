@@ -103,7 +103,7 @@ def test_the_wire_meter_reads_the_bytes_this_rank_sent():
     ('NVIDIA H100 80GB HBM3', 'float32', 495e12), ('NVIDIA A100-SXM4-80GB', 'bfloat16', 312e12),
     ('Tesla T4', 'bfloat16', None), ('NVIDIA GeForce RTX 4090', 'float16', 165e12),
     ('Some Future GPU', 'bfloat16', None), ('NVIDIA H100 PCIe', 'bfloat16', 756e12),
-    ('NVIDIA H100 NVL', 'float32', 418e12),  # (not the SXM's 989 and 495: the first key that names the card)
+    ('NVIDIA H100 NVL', 'float32', 418e12), ('NVIDIA H200 NVL', 'bfloat16', 835e12),  # (not the SXM's 989 and 495: the first key that names the card)
     ('NVIDIA RTX A1000', 'bfloat16', None), ('NVIDIA GH200 480GB', 'bfloat16', None)])  # (whole names only)
 def test_peak_flops_table_matches_whole_names(name, dtype, peak):
     assert training.peak_flops_for('cuda:0', dtype, device_name=name) == peak
