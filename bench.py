@@ -180,16 +180,15 @@ MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'pea
 
 
 def summarize(log, warmup):
-    """What the script reported: median ms, tokens/s, MFU after the warm-up, the loss curve, a MoE's routing
-    (counted), per-rank rows (merged by rank), the largest rank's value of each measured number, formula."""
+    """What the script reported: median ms (and its timed steps' range), tokens/s, MFU after the warm-up, the
+    loss curve, a MoE's routing (counted), per-rank rows (merged), the largest of each measured number."""
     train_rows = [r for r in log if 'loss' in r and 'rank' not in r and 'ms' in r]
     timed = [r for r in train_rows if r['iter'] >= warmup] or train_rows
     out = {'losses': {r['iter']: r['loss'] for r in train_rows}}
     for key in ('ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'):
         values = [r[key] for r in timed if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
-    times = [r['ms'] for r in timed if r.get('ms') is not None]
-    out['ms_range'] = (min(times), max(times)) if times else None  # the spread of this run's own steps
+    out['ms_range'] = (min(r['ms'] for r in timed), max(r['ms'] for r in timed)) if timed else None
     out['final_loss'] = train_rows[-1]['loss'] if train_rows else None
     out['tokens_per_expert'] = [r['tokens_per_expert'] for r in log
                                 if 'tokens_per_expert' in r and 'rank' not in r and r['iter'] >= warmup]
@@ -214,8 +213,7 @@ def run_row(name, script, flags, nproc, args, runs_dir):
     out_dir = os.path.join(runs_dir, name)
     shutil.rmtree(out_dir, ignore_errors=True)  # log.jsonl appends: start each row from nothing
     cmd = command(script, model_flags(args) + [f'--out_dir={out_dir}'] + flags, nproc)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED='1')
-    t0 = time.time()
+    env, t0 = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED='1'), time.time()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout,
                               env=env)
@@ -371,8 +369,7 @@ def repeated_times(times, results):
     their ratio run by run: a busy moment slows both runs of a pair, so that ratio is the steadier number."""
     lines = []
     for name, ms in times.items():
-        results[name]['ms'] = statistics.median(ms)
-        results[name]['ms_range'] = None  # (the first run's steps: not the median's; the runs' range below)
+        results[name].update(ms=statistics.median(ms), ms_range=None)  # (the runs' range is printed below)
         lines.append(f"{name}: {statistics.median(ms):.1f} ms/step, the median of {len(ms)} runs "
                      f"({min(ms):.1f} to {max(ms):.1f})")
     if len(times) == 2:
