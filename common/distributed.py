@@ -221,11 +221,14 @@ def init_distributed(timeout_s, group_of_one=False):
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
     backend, timeout = 'nccl' if torch.cuda.is_available() else 'gloo', datetime.timedelta(seconds=timeout_s)
+    # NCCL: the group is bound to this rank's GPU (its barriers use it; without it torch warns that they take
+    # the current device), and its communicator is made here, so a broken NCCL fails at the start
+    bound = dict(device_id=torch.device(device)) if torch.cuda.is_available() else {}
     if 'RANK' in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, **bound)
     else:
         dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0,
-                                world_size=1)
+                                world_size=1, **bound)
     _GROUP_IS_OURS = JOINED = True
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
