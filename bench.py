@@ -308,8 +308,8 @@ def bench_markdown(results, rows, all_same, rtol):
     if all_same:
         verdict = (f"Final loss: the same in every row that ran ({len(ok)} rows, loss curves within {rtol:g} "
                    f"relative).")
-    elif all_same is None:
-        verdict = "No row ran."
+    elif all_same is None:  # (the GPT-2 row alone: a model of its own, nothing to compare its loss with)
+        verdict = "No row of the bench's model ran: no losses to compare."
     else:
         differ = [n for n in ok if not results[n]['loss_matches']]
         verdict = (f"Final loss: DIFFERS in rows {', '.join(differ)} (more than {rtol:g} relative from "
