@@ -110,6 +110,8 @@ class Stage:
         self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
+        self.act_dtype = torch.float32  # the stream between stages: fp32 under autocast, but bf16 where the
+        # parameters are (parallel_4d.py's ZeRO in bf16 sets it), and the buffers it arrives in must match
         self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
         # loss_sum: the last stage's losses, and each stage's MoE auxiliary loss
         self.observer, self.loss_sum = None, torch.zeros((), device=device)
@@ -136,8 +138,8 @@ def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_nex
         # tag 0: activations, tag 1: gradients (on a ring of two stages both go to one peer)
         sends = [(t.detach().contiguous(), peer, tag) for t, peer, tag in
                  ((send_next, stage.next_rank, 0), (send_prev, stage.prev_rank, 1)) if t is not None]
-        from_prev = torch.empty(stage.act_shape, device=stage.device) if recv_prev else None
-        from_next = torch.empty(stage.act_shape, device=stage.device) if recv_next else None
+        buffer = lambda: torch.empty(stage.act_shape, dtype=stage.act_dtype, device=stage.device)
+        from_prev, from_next = buffer() if recv_prev else None, buffer() if recv_next else None
         recvs = [(t, peer, tag) for t, peer, tag in
                  ((from_prev, stage.prev_rank, 0), (from_next, stage.next_rank, 1)) if t is not None]
         send_works, recv_works = stage.comm.send_recv(sends, recvs)
