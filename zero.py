@@ -288,7 +288,7 @@ class Zero:
                     start, end, _ = b.owned_part(j)
                     counted.append((g[start:max(start, end)], weights[id(p)] - 1.0))
         comms = ([self.comm] if self.stage >= 1 else []) + list(other_comms)  # (stage 0: every rank has all)
-        return clip_grad_norm(grads, max_norm, comms, counted)
+        return clip_grad_norm(grads, max_norm, comms, counted, self.device)  # (offload: the host's grads)
 
     @torch.no_grad()
     def step(self, lr):

@@ -126,16 +126,18 @@ class Comm:
         return works[:len(sends)], works[len(sends):]
 
 
-def clip_grad_norm(grads, max_norm, comms=(), counted=None):
+def clip_grad_norm(grads, max_norm, comms=(), counted=None, device=None):
     """torch.nn.utils.clip_grad_norm_ for a model spread over ranks, the one written here for every script.
     The norm's square is this rank's share, summed over comms (the ranks holding the other parts): the
     squares of its entries, each entry of the model counted once over all ranks. counted: [(tensor, weight)]
     (default: each of grads once): a copy that k ranks hold weighs 1/k on each, or 1 on one rank and 0 on the
-    others. Then every gradient this rank holds (grads) is scaled by the one coefficient. Returns the norm."""
-    local_sq = torch.zeros((), device=grads[0].device if grads else None)
+    others. Then every gradient this rank holds (grads) is scaled by the one coefficient. Returns the norm.
+    device: where the sum is all-reduced, if not the gradients' (ZeRO-Offload's are on the host; NCCL takes
+    only the GPU's tensors)."""
+    local_sq = torch.zeros((), device=device or (grads[0].device if grads else None))
     for g, weight in [(g, 1.0) for g in grads] if counted is None else counted:
         if weight:
-            local_sq += weight * g.float().pow(2).sum()  # (fp32)
+            local_sq += (weight * g.float().pow(2).sum()).to(local_sq.device)  # (fp32; offload: to the GPU)
     for comm in comms:
         comm.all_reduce(local_sq, kind='scalars')
     norm = local_sq.sqrt()
