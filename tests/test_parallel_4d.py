@@ -131,18 +131,3 @@ def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
         assert per_step[0].get('clock', 0) > 0 and per_step[0].get('barrier', 0) > 0, (rank, per_step[0])
         assert per_step[1] == per_step[2] == {}, (rank, per_step)
 
-
-def run_main(rank, world_size, argvs):
-    import parallel_4d
-    for argv in argvs:
-        parallel_4d.main(argv)
-
-
-def test_a_pipeline_grid_in_bfloat16_sends_its_stream_as_it_is(tmp_path):
-    """bfloat16, the GPU's default: the grid's ZeRO keeps the parameters in bf16, so the residual stream that
-    crosses from stage to stage is bf16, and the receiving buffers must be too (they were fp32: the first
-    stage's bytes landed in an fp32 buffer, and the second stage failed on it). pp 2, 2 ranks: the same losses
-    as the grid in fp32, within bf16's rounding."""
-    argv = FLAGS + ['--pp=2', '--max_iters=2', '--eval_interval=2', '--sample_at_end=False']
-    spawn(run_main, 2, [argv + [f'--dtype={d}', f'--out_dir={tmp_path / d}'] for d in ('bfloat16', 'float32')])
-    assert_same_losses(train_losses(tmp_path / 'bfloat16'), train_losses(tmp_path / 'float32'), rel=1e-2)
