@@ -130,4 +130,3 @@ def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
         assert len(per_step) == 3, (rank, per_step)
         assert per_step[0].get('clock', 0) > 0 and per_step[0].get('barrier', 0) > 0, (rank, per_step[0])
         assert per_step[1] == per_step[2] == {}, (rank, per_step)
-
