@@ -246,8 +246,8 @@ def ep_all_to_all_bytes_formula(tokens, k, h, ep, bytes_per_elem=4, out_bytes_pe
     router spreads the slots evenly over the experts, so 1/ep of them stay on this rank's own experts. A real
     router is not uniform: what a rank hands to the combine and sends off-rank follows its experts' load,
     which is why the scripts print the counted bytes beside this. The split sizes exchanged first (ep·E/ep
-    integers each way) are left out."""
-    handed = 2 * tokens * k * h * (bytes_per_elem + (out_bytes_per_elem or bytes_per_elem))
+    integers each way) are left out. With ep 1 every expert is on the rank: no all-to-all, 0."""
+    handed = 2 * tokens * k * h * (bytes_per_elem + (out_bytes_per_elem or bytes_per_elem)) if ep > 1 else 0
     return {'all_to_all_bytes': handed, 'wire_bytes': (ep - 1) / ep * handed}
 
 

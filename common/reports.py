@@ -308,7 +308,7 @@ def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why
                    f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "
                    f"(counted at the calls; modelled: uniform routing)", lines,
                    ["all-to-all counted != modelled: the formula assumes the router spreads the slots "
-                    "evenly; each rank's combine carries its experts' real load"]
+                    "evenly; each rank's combine carries its experts' real load"] * (ep.size > 1)
                    + ([f"wire bytes {why_not}"] if why_not else []))
 
 

@@ -36,6 +36,7 @@ STRATEGIES = [
     ('fsdp2', 'train_fsdp', ROWS_2, 4),
     ('zero1', 'zero', ROWS_2 + ['--stage=1'], 4),
     ('zero3', 'zero', ROWS_2 + ['--stage=3'], 4),
+    ('ep1', 'expert_parallel', ROWS_2 + ['--ep=1'], 4),
     ('ep2', 'expert_parallel', ROWS_2 + ['--ep=2'], 4),
     ('tp2', 'tensor_parallel', ROWS_2 + ['--tp=2'], 4),
     ('tp2-sp', 'tensor_parallel', ROWS_2 + ['--tp=2', '--sequence_parallel=True'], 4),
@@ -51,7 +52,8 @@ STRATEGIES = [
 # bfloat16, the GPU's default, on two of the models (with every option between them): CI has no GPU
 IN_BF16, BF16 = [('gpt2', 'dense'), ('llama', 'moe')], ['--dtype=bfloat16']
 # the cells that must refuse (a dense model has no experts to share out), and the line that says why
-REFUSED = {('ep2', 'dense'): 'n_expert=0: a dense model has no experts',
+REFUSED = {('ep1', 'dense'): 'n_expert=0: a dense model has no experts',
+           ('ep2', 'dense'): 'n_expert=0: a dense model has no experts',
            ('4d-dp4-tp2-ep2', 'dense'): '--ep=2 needs a mixture of experts',
            ('4d-dp2-pp2-tp2-ep2-zb1-sp', 'dense'): '--ep=2 needs a mixture of experts'}
 
@@ -119,6 +121,27 @@ def test_every_strategy_trains_in_bfloat16_near_train_py_in_float32(matrix, tmp_
     assert seen == [None] * world, f"{cell} stopped: {seen}"
     want = train_losses(train_py_reference(COMMON + ROWS_2 + MODELS[layout, kind], tmp_path_factory))
     assert_same_losses(train_losses(os.path.join(out_root, cell)), want, range(3), rel=2e-2)
+
+
+@pytest.mark.parametrize('cell', [f'ep{ep}-{layout}-moe' for ep in (1, 2) for layout in ('gpt2', 'llama')])
+def test_expert_parallel_reports_its_all_to_alls_beside_the_formula(matrix, cell):
+    """expert_parallel.py's report, the first step's: with ep 1 (every expert on each rank) no all-to-all,
+    counted and modelled; with ep 2 the dispatch and the combine's backward hand every token's k slots (the
+    routing decides where, not how many): together half of the formula's four all-to-alls, exactly, where no
+    slot is dropped (LLaMA's MoE here); GPT-2's capacity factor of 1 drops some, which go nowhere."""
+    from helpers import read_log
+    outcomes, out_root = matrix
+    rows = [r for r in read_log(os.path.join(out_root, cell)) if 'all_to_all_bytes_by_kind' in r]
+    assert len(rows) == 4, rows
+    for r in rows:
+        if cell.startswith('ep1'):
+            assert r['all_to_all_bytes'] == r['all_to_all_bytes_formula'] == 0, r
+        else:
+            slots = r['all_to_all_bytes_by_kind']['dispatch'] + r['all_to_all_bytes_by_kind']['combine backward']
+            if 'llama' in cell:
+                assert slots == r['all_to_all_bytes_formula'] / 2 > 0, r
+            else:
+                assert 0.5 * r['all_to_all_bytes_formula'] / 2 < slots < r['all_to_all_bytes_formula'] / 2, r
 
 
 @pytest.mark.parametrize('layout', ['gpt2', 'llama'])
