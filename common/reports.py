@@ -249,7 +249,7 @@ def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation
                        [(name, *(r.get(k) for k in keys)) for name, *keys in CP_REPORT],
                        ["bytes handed to the calls, by kind (of an all-to-all's, its own rank's block stays: "
                         f"{C - 1}/{C} is sent): " +
-                        ', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items())]
+                        (', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items()) or 'none')]
                        + [r['wire_bytes_note']] * bool(r['wire_bytes_note']))
 
 
