@@ -406,10 +406,10 @@ def run_bench(args):
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
     cmd_line = 'python bench.py ' + ' '.join(sys.argv[1:])
-    header = (f"`{cmd_line.strip()}` on {machine}. Model: {args.n_layer} layers, {args.n_head} "
-              f"heads, {args.n_embd} wide, block {args.block_size}; global batch "
-              f"{args.batch_size * args.world_size} sequences; {args.dtype}. Times: median of iterations "
-              f"{args.warmup}..{args.max_iters - 1}. "
+    other = ' (the GPT-2 row: its own)' * (GPT2_ROW in results)
+    header = (f"`{cmd_line.strip()}` on {machine}. Model{other}: {args.n_layer} layers, {args.n_head} heads, "
+              f"{args.n_embd} wide, block {args.block_size}; global batch {args.batch_size * args.world_size}"
+              f" sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
               f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
     table = bench_markdown(results, rows, all_same, rtol)
     table += '\n\n' + '\n'.join(predicted)
