@@ -134,16 +134,17 @@ def clip_grad_norm(grads, max_norm, comms=(), counted=None, device=None):
     others. Then every gradient this rank holds (grads) is scaled by the one coefficient. Returns the norm.
     device: where the sum is all-reduced, if not the gradients' (ZeRO-Offload's are on the host; NCCL takes
     only the GPU's tensors)."""
-    local_sq = torch.zeros((), device=device or (grads[0].device if grads else None))
+    local_sq = torch.zeros((), device=grads[0].device if grads else None)
     for g, weight in [(g, 1.0) for g in grads] if counted is None else counted:
         if weight:
-            local_sq += (weight * g.float().pow(2).sum()).to(local_sq.device)  # (fp32; offload: to the GPU)
+            local_sq += weight * g.float().pow(2).sum()  # (fp32)
+    local_sq = local_sq.to(device or local_sq.device)  # (offload: the host's sum to the GPU, once)
     for comm in comms:
         comm.all_reduce(local_sq, kind='scalars')
     norm = local_sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device if grads else norm.device)
     for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))  # (no copy: coef is on the gradients' device already)
     return norm
 
 
