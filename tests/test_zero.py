@@ -269,18 +269,20 @@ def run_mains_on_nccls_branch(rank, world_size, module, argvs):
     run_mains(rank, world_size, module, argvs)
 
 
-def test_the_collectives_branch_for_nccl_trains_the_same_numbers(tmp_path, reference):
+def test_the_collectives_branch_for_nccl_trains_the_same_numbers(tmp_path, tmp_path_factory):
     """Stages 1-3 on the calls zero.py makes on GPUs (CI's gloo takes the other branch of all_gather_direct
-    and reduce_scatter_of): train.py's loss curve and checkpoint, and the same bytes counted at the calls."""
-    ref_dir, ref = reference
-    spawn(run_mains_on_nccls_branch, 2, 'zero', [zero_args(tmp_path / f's{s}', s) for s in (1, 2, 3)])
-    spawn(run_mains, 2, 'zero', [zero_args(tmp_path / 'gloo3', 3)])
+    and reduce_scatter_of): train.py's loss curve and checkpoint, unclipped (so a sum where the mean belongs
+    shows in AdamW's moments), and the same bytes counted at the calls as the gloo branch's."""
+    ref_dir, ref = train_py_run(tmp_path_factory, '--grad_clip=0.0')
+    argvs = lambda name: [zero_args(tmp_path / f'{name}{s}', s, 3, '--grad_clip=0.0') for s in (1, 2, 3)]
+    spawn(run_mains_on_nccls_branch, 2, 'zero', argvs('nccl'))
+    spawn(run_mains, 2, 'zero', argvs('gloo'))
+    counted = lambda out: [r['collective_bytes_by_kind'] for r in read_log(str(out)) if 'rank' in r]
     for stage in (1, 2, 3):
-        out = str(tmp_path / f's{stage}')
+        out = str(tmp_path / f'nccl{stage}')
         assert_same_losses(train_losses(out), train_losses(ref_dir))
         assert_same_checkpoint(torch.load(consolidate.consolidate(out), weights_only=False), ref)
-    counted = lambda out: [r['collective_bytes_by_kind'] for r in read_log(str(out)) if 'rank' in r]
-    assert counted(tmp_path / 's3') == counted(tmp_path / 'gloo3')
+        assert counted(out) == counted(tmp_path / f'gloo{stage}'), stage
 
 
 def test_offload_copies_each_buckets_gradients_to_the_host_during_backward():
