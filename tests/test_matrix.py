@@ -2,7 +2,7 @@
 iterations, fp32, dropout 0, to 1e-5), or refuses in one line, the same on every rank. The MoE models use every
 routing option between them: GPT-2's softmax scores with a capacity factor that drops slots and DeepSeek-V3's
 balancing bias, LLaMA's sigmoid scores with the router z-loss and a shared expert. And in bfloat16, the GPU's
-default, on GPT-2 dense and LLaMA MoE: every strategy within 2% of train.py's fp32 losses.
+default, on GPT-2 dense and LLaMA MoE: every strategy within 2e-3 of train.py's fp32 losses.
 
 Every script's main() runs in-process, one after another, inside one gloo world (4 processes, 8 for the grid):
 the start-up is paid once, each cell costs well under a second. Each cell splits train.py's global batch (8
@@ -109,9 +109,10 @@ def test_every_strategy_trains_train_py_first_steps_or_refuses(matrix, tmp_path_
 def test_every_strategy_trains_in_bfloat16_near_train_py_in_float32(matrix, tmp_path_factory, strategy, world,
                                                                     layout, kind):
     """bfloat16, the dtype every script takes on a GPU (autocast; zero.py and the grid keep their parameters in
-    bf16 too): every cell runs on every rank (or refuses as in fp32), its first losses within 2% of train.py's
-    fp32 ones (tests/test_gpu.py's bar on a GPU). The pipeline grids failed in bf16 until their stages'
-    buffers took the stream's dtype."""
+    bf16 too): every cell runs on every rank (or refuses as in fp32), its first losses within 2e-3 of
+    train.py's fp32 ones: bf16's rounding moves them by 4.4e-4 at most here (zero1 on LLaMA MoE), a learning
+    rate off by half by 1.5%. The pipeline grids failed in bf16 until their stages' buffers took the stream's
+    dtype."""
     outcomes, out_root = matrix
     cell = f'{strategy}-{layout}-{kind}-bf16'
     seen = [per_rank[cell] for per_rank in outcomes[world]]
@@ -120,7 +121,7 @@ def test_every_strategy_trains_in_bfloat16_near_train_py_in_float32(matrix, tmp_
         return
     assert seen == [None] * world, f"{cell} stopped: {seen}"
     want = train_losses(train_py_reference(COMMON + ROWS_2 + MODELS[layout, kind], tmp_path_factory))
-    assert_same_losses(train_losses(os.path.join(out_root, cell)), want, range(3), rel=2e-2)
+    assert_same_losses(train_losses(os.path.join(out_root, cell)), want, range(3), rel=2e-3)
 
 
 @pytest.mark.parametrize('cell', [f'ep{ep}-{layout}-moe' for ep in (1, 2) for layout in ('gpt2', 'llama')])
