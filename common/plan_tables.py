@@ -66,7 +66,7 @@ def estimate_markdown(rows, header, n_micro, mixed_precision):
         "log-softmax per micro-batch it holds. total = states + activations + logits, but a pipeline's is "
         "its larger stage's: the first's activations, or the last's (fewer) activations plus the logits",
         f"comm per step: what the busiest rank sends per optimizer step of {n_micro or 'm'} micro-batches, "
-        f"in the dtype each script sends (fp32 gradients for DDP, the fp32 residual stream between pipeline "
+        f"in the dtype each script sends (fp32 gradients for DDP, the residual stream between pipeline "
         f"stages, fp32 dK/dV around the ring). The model-state table above gives the ZeRO paper's count, one "
         f"micro-batch per step in {'16' if mixed_precision else '32'}-bit gradients: "
         + ("DDP's row here is twice it (fp32 gradients), " if mixed_precision else '')

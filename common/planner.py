@@ -224,9 +224,10 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     'cp'), m micro-batches of b sequences of s tokens, in
     the dtype each script sends: the stage-0 scripts all-reduce fp32 gradients, zero.py reduces bf16 ones
     under bf16 (and ZeRO-2/3 at every micro-batch); tensor parallelism's collectives carry bf16 activations;
-    a pipeline sends the fp32 residual stream and its fp32 gradient (pipeline.py's buffers, whatever the
-    dtype); the ring sends bf16 kv blocks and fp32 dK, dV (formulas.cp_comm_bytes_formula). A few scalars (the
-    loss, the gradient norm) are left out; the calls are counted roughly (25 MB gradient buckets)."""
+    a pipeline sends the residual stream and its gradient, fp32 under autocast (pipeline.py), in the weights'
+    dtype on the grid (parallel_4d.py's ZeRO-1); the ring sends bf16 kv blocks and fp32 dK, dV
+    (formulas.cp_comm_bytes_formula). A few scalars (the loss, the gradient norm) are left out; the calls are
+    counted roughly (25 MB gradient buckets)."""
     dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
     h, a, L = gptconf.n_embd, gptconf.n_head, gptconf.n_layer
     act_bytes = 2 if mixed_precision else 4
@@ -262,9 +263,9 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
         # tied weight's fp32 gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron
         # does)
         tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, 4) if gptconf.tie_embeddings else 0
-        parts['pp'] = (max(formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4),
-                           formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=4, stage=0) + tied),
-                       2 * m + 1)
+        stream = act_bytes if stage > 0 else 4  # (the grid's ZeRO-1 keeps the weights, so the stream, bf16)
+        sent = lambda i: formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=stream, stage=i)
+        parts['pp'] = (max(sent(None), sent(0) + tied), 2 * m + 1)  # the busiest stage, or the first
     if c > 1:
         parts['cp'] = (L * m * formulas.cp_comm_bytes_formula(s, b, a, gptconf.n_kv_head, h // a, c, 'ring',
                                                               act_bytes), L * m * (3 * (c - 1) + 1))
