@@ -44,6 +44,7 @@ STRATEGIES = [
     ('pp2-zb1', 'pipeline', PIPELINED + ['--pp=2', '--schedule=zb1'], 4),
     ('cp2-ring', 'context_parallel', ROWS_2 + ['--cp=2', '--cp_attention=ring'], 4),
     ('cp2-ulysses', 'context_parallel', ROWS_2 + ['--cp=2', '--cp_attention=ulysses'], 4),
+    ('4d-dp2-pp2', 'parallel_4d', PIPELINED + ['--pp=2'], 4),
     ('4d-pp2-cp2-tp2', 'parallel_4d', PIPELINED + ['--pp=2', '--cp=2', '--tp=2'], 8),
     ('4d-dp4-tp2-ep2', 'parallel_4d', ROWS_2 + ['--tp=2', '--ep=2', '--n_microbatches=1'], 8),
     ('4d-dp2-pp2-tp2-ep2-zb1-sp', 'parallel_4d', PIPELINED + ['--pp=2', '--tp=2', '--ep=2', '--schedule=zb1',
@@ -143,6 +144,25 @@ def test_expert_parallel_reports_its_all_to_alls_beside_the_formula(matrix, cell
                 assert slots == r['all_to_all_bytes_formula'] / 2 > 0, r
             else:
                 assert 0.5 * r['all_to_all_bytes_formula'] / 2 < slots < r['all_to_all_bytes_formula'] / 2, r
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_the_planner_prices_the_grids_pipeline_sends_as_counted(matrix, dtype):
+    """bench.py --estimate's dp x PP ZeRO-1 row (parallel_4d.py) prices the first stage's sends, its
+    activations and the tied embedding's gradient, in the grid's dtype: bf16 where its ZeRO-1 keeps the
+    weights in bf16 (pipeline.py's autocast stream stays fp32); against what each rank counted at its calls."""
+    from common import planner
+    from common.training import load_dataset
+    from helpers import read_log
+    outcomes, out_root = matrix
+    cell = '4d-dp2-pp2-gpt2-dense' + ('-bf16' if dtype == 'bfloat16' else '')
+    counted = [r['collective_bytes_by_kind'] for r in read_log(os.path.join(out_root, cell)) if 'numel' in r]
+    assert len(counted) == 4, counted
+    gptconf = planner.gpt_config_from(None, COMMON + MODELS['gpt2', 'dense'], load_dataset('stdlib_char')[1])
+    rows = planner.estimate(gptconf, 4, 1, 2, 16, 1, 2, 1, 2, dtype == 'bfloat16')
+    grid = [r for r in rows if r['pp'] == r['dp'] == 2]  # (dp=2 x PP=2 1F1B, ZeRO-1)
+    assert len(grid) == 1, rows
+    assert grid[0]['comm_parts']['pp'][0] == max(c['pp send'] + c.get('embed all_reduce', 0) for c in counted)
 
 
 @pytest.mark.parametrize('layout', ['gpt2', 'llama'])
