@@ -98,7 +98,8 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     34/t, activation_bytes_formula). bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32
     weights (train.py, DDP, tensor and pipeline parallelism) the bf16 copy of each weight that autocast makes
     is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
-    no copy."""
+    no copy; their stream is bf16, but a GPU's autocast runs each LayerNorm in fp32 on a copy of its input,
+    which is what it saves (a CPU's leaves it in bf16: zero.py's measured bytes are below this there)."""
     e, fp32 = bytes_per_elem, 4
     residual = 4 if e == 2 else e  # bf16 autocast leaves the residual stream in fp32
     hd = config.n_embd // config.n_head
