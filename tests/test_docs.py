@@ -1,5 +1,5 @@
 """README.md and README.zh-CN.md state the same facts: every command and every file named in one is named in the
-other, so neither drifts when the code changes."""
+other, so neither drifts when the code changes; and the planner's tables in docs/big_models.md are what it prints."""
 import ast
 import os
 import re
@@ -91,3 +91,24 @@ def test_zero_py_copied_with_the_files_the_readme_names_trains_the_same(tmp_path
     assert '(iter 0 not measured: common/observe.py is not here)' in copied.stdout, copied.stdout
     check(run_script('zero.py', args + [f'--out_dir={tmp_path / "here"}'], nproc=2))
     assert train_losses(tmp_path / 'copied') == train_losses(tmp_path / 'here') != {}
+
+
+def test_the_planners_tables_in_big_models_md_are_what_it_prints(tmp_path):
+    """docs/big_models.md shows bench.py --estimate's tables for TinyLlama on 8 x 80 GB (and that command's
+    ranking), and for Llama 2 7B on 16 GPUs over a thin network: every row shown there is a row the planner
+    prints today (they went stale once when the planner's bf16 pricing changed)."""
+    doc = open(os.path.join(REPO, 'docs', 'big_models.md')).read()
+    tiny, thin = 'config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80', 'config/llama2_7b.py --gpus=16 --ib_gbps=6.25'
+    printed = {}
+    for flags in (tiny, thin):
+        proc = subprocess.run([sys.executable, 'bench.py', '--estimate', *flags.split(), f'--out={tmp_path}'],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        printed[flags] = proc.stdout.splitlines()
+    for flags, where in ((tiny, 'The output of the command above, today'), (tiny, 'For TinyLlama on one node'),
+                         (thin, 'falls to 25% MFU and ZeRO-1 leads')):
+        block = doc[doc.index(where):].split('```')[1]
+        shown = [line for line in block.splitlines() if line.startswith('| ') and
+                 ('GB |' in line or line.split('|')[1].strip().isdigit())]
+        assert len(shown) >= 4, (where, block[:300])
+        assert [line for line in shown if line not in printed[flags]] == [], where
