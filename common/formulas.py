@@ -101,7 +101,7 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     no copy; their stream is bf16, but a GPU's autocast runs each LayerNorm in fp32 on a copy of its input,
     which is what it saves (a CPU's leaves it in bf16: zero.py's measured bytes are below this there)."""
     e, fp32 = bytes_per_elem, 4
-    residual = 4 if e == 2 else e  # bf16 autocast leaves the residual stream in fp32
+    residual = 4 if e == 2 else e  # a norm's saved input under autocast: fp32 (see above)
     hd = config.n_embd // config.n_head
     heads, kv, hidden = config.n_head // t, config.n_kv_head // t, config.n_hidden // t
     tokens, norm_tokens = s * b, s * b // (t if sequence_parallel else 1)

@@ -264,8 +264,9 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     if p > 1:
         # tied weight's gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron does);
         # it and the stream are fp32 under autocast, bf16 where the grid's ZeRO-1 keeps bf16 weights
-        tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, grad_bytes) * gptconf.tie_embeddings
-        sent = lambda i: formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=grad_bytes, stage=i)
+        stream = act_bytes if stage > 0 else 4  # (bytes an element)
+        tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, stream) * gptconf.tie_embeddings
+        sent = lambda i: formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=stream, stage=i)
         parts['pp'] = (max(sent(None), sent(0) + tied), 2 * m + 1)  # the busiest stage, or the first
     if c > 1:
         parts['cp'] = (L * m * formulas.cp_comm_bytes_formula(s, b, a, gptconf.n_kv_head, h // a, c, 'ring',
