@@ -81,9 +81,10 @@ def strategies(gpus, tp, pp, cp, ep=1, n_expert=0):
     communication volume first (DDP = ZeRO-1 = ZeRO-2 < ZeRO-3 < tensor parallelism's per-layer collectives),
     then the pipeline's bubble, then context parallelism's ring, then offload's traffic over PCIe."""
     def shape(**k):
-        return dict(dict(dp=1, tp=1, pp=1, cp=1, ep=1, stage=0, sp=False, schedule=None, offload=False), **k)
+        return dict(dict(dp=1, tp=1, pp=1, cp=1, ep=1, stage=0, sp=False, schedule=None, offload=False,
+                         fsdp=False), **k)
     rows = [('DDP', shape(dp=gpus))] + [(f'ZeRO-{s}', shape(dp=gpus, stage=s)) for s in (1, 2, 3)]
-    rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3))]
+    rows += [('FSDP2 (full shard = ZeRO-3)', shape(dp=gpus, stage=3, fsdp=True))]
     if ep > 1 and gpus % ep == 0:  # a mixture of experts: its experts split over ep of the dp ranks
         rows += [(f'dp={gpus} with EP={ep} (each expert on 1 of {ep} ranks)', shape(dp=gpus, ep=ep))]
     # parallel_4d.py --tp --ep: the largest ep dividing ep and dp, whole experts on each ep x tp rank
@@ -109,14 +110,20 @@ def strategies(gpus, tp, pp, cp, ep=1, n_expert=0):
     return rows + [('ZeRO-3 + offload', shape(dp=gpus, stage=3, offload=True))]
 
 
-def model_states_of(gptconf, k, counts, mixed_precision):
+def model_states_of(gptconf, k, counts, mixed_precision, micro_steps=1):
     """(the parameters a rank holds, {param_bytes, grad_bytes, optim_bytes, ...}) for strategy shape k. With
     experts split over ep ranks: expert_parallel.py keeps DDP's states, the dense weights whole and 1/ep of
     the experts; parallel_4d.py (tp > 1) keeps 1/tp of the dense weights and n_expert/(ep·tp) whole experts,
-    each part's AdamW state sharded (ZeRO-1) over the ranks that hold the same: dp x cp, and dp x cp / ep."""
+    each part's AdamW state sharded (ZeRO-1) over the ranks that hold the same: dp x cp, and dp x cp / ep.
+    FSDP2 keeps fp32 shards and fp32 gradients, and over micro_steps > 1 the whole gradients (its own split,
+    formulas.fsdp_held_bytes_formula: the same 16 bytes a parameter over N, plus those)."""
     t, dp, c, ep, stage = k['tp'], k['dp'], k['cp'], k['ep'], k['stage']
     numel = (math.ceil(formulas.param_bytes_formula(gptconf, t, bytes_per_elem=1)) if t > 1 else
              counts['pp_stage_max'] if k['pp'] > 1 else counts['total'])
+    if k['fsdp']:
+        held = formulas.fsdp_held_bytes_formula(numel, dp, micro_steps)
+        return numel, {'param_bytes': held['param_bytes'], 'grad_bytes': held['peak_grad_bytes'],
+                       'optim_bytes': held['optim_bytes'], 'host_bytes': 0}
     if ep == 1:
         # zero.py holds bf16 weights and an fp32 master (2+2+12 bytes, the ZeRO paper's count); the stage-0
         # scripts keep fp32 weights and gradients under autocast (4+4+8): the same total, split differently
@@ -161,7 +168,7 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         if problems:
             rows.append(dict(row, error=problems[0]))
             continue
-        numel, states = model_states_of(gptconf, k, param_counts(gptconf, p), mixed_precision)
+        numel, states = model_states_of(gptconf, k, param_counts(gptconf, p), mixed_precision, m)
         row.update(states, params_per_rank=numel)
         if k['schedule'] == 'zb1':
             row['notes'].append("ZB-H1 also holds W's input (formulas.zb1_output_grad_bytes_formula), not "
@@ -235,6 +242,8 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     act_bytes = 2 if mixed_precision else 4
     grad_bytes = act_bytes if stage > 0 else 4
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
+    if k['fsdp'] and dp > 1:  # FSDP2: both gathers at every micro-batch, one fp32 reduce-scatter a step
+        comm = (dp - 1) / dp * numel * (2 * m * act_bytes + 4)
     # ZeRO-1 and 2: of that, the updated parameters' all-gather after the step (the rest reduces gradients)
     gather = lambda n, ranks: (ranks - 1) / ranks * n * grad_bytes if stage in (1, 2) else 0
     gathered = gather(numel, dp * c)

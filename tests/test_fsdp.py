@@ -92,6 +92,15 @@ def test_held_bytes_are_the_shards_and_match_psi_over_n(runs, run, world_size):
         for r in rows:
             assert r[key + '_formula'] == pytest.approx(per_param * numel / world_size)
             assert r[key] <= per_param * padded_share
+    # bench.py --estimate's FSDP2 row holds what the ranks held: fp32 shards, the whole fp32 gradients while
+    # the micro-steps accumulate, AdamW's moments (it priced ZeRO-3's 2 + 2 + 12 split before)
+    from common import planner
+    gptconf = planner.gpt_config_from(None, ARGS, model.config.vocab_size)
+    plan = [p for p in planner.estimate(gptconf, world_size, 1, 4, 16, 1, 1, 1, rows[0]['micro_steps'], False)
+            if p['strategy'].startswith('FSDP2')]
+    for key in ('param_bytes', 'optim_bytes'):  # (summed: the shards' dim-0 rounding moves a rank's own)
+        assert sum(r[key] for r in rows) == pytest.approx(world_size * plan[0][key]), (key, plan[0])
+    assert all(r['peak_grad_bytes'] == plan[0]['grad_bytes'] for r in rows), plan[0]
 
 
 def _mixed_precision_worker(rank, world_size):
