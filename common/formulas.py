@@ -99,7 +99,8 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     weights (train.py, DDP, tensor and pipeline parallelism) the bf16 copy of each weight that autocast makes
     is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
     no copy; their stream is bf16, but a GPU's autocast runs each LayerNorm in fp32 on a copy of its input,
-    which is what it saves (a CPU's leaves it in bf16: zero.py's measured bytes are below this there)."""
+    which is what it saves (a CPU's leaves it in bf16: zero.py's measured bytes are below this there), as
+    RMSNorm does everywhere (model.py's takes x.float()), whose normalised x is then bf16."""
     e, fp32 = bytes_per_elem, 4
     residual = 4 if e == 2 else e  # a norm's saved input under autocast: fp32 (see above)
     hd = config.n_embd // config.n_head
@@ -107,8 +108,8 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     tokens, norm_tokens = s * b, s * b // (t if sequence_parallel else 1)
     h = config.n_embd
     per_norm = norm_tokens * (h * residual + fp32 * (2 if config.norm == 'layernorm' else 1))
-    if config.norm == 'rmsnorm':
-        per_norm += norm_tokens * h * fp32
+    if config.norm == 'rmsnorm':  # and its normalised x, in the stream's dtype (bf16 over bf16 weights)
+        per_norm += norm_tokens * h * (fp32 if fp32_weights or e == 4 else e)
     linear_inputs = 2 * tokens * h * e  # c_attn's and c_fc's (full sequence: all-gathered under SP)
     gqa, rope = config.n_kv_head != config.n_head, config.pos == 'rope'
     qkv_output = tokens * (heads + 2 * kv) * hd * e
@@ -122,8 +123,9 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     n_mlp_in = 2 if config.mlp == 'swiglu' else 1
     weights = h * (heads + 2 * kv) * hd + heads * hd * h + (n_mlp_in + 1) * h * hidden
     autocast_copies = weights * e if e == 2 and fp32_weights else 0  # autocast's bf16 weights, kept too
-    if e == 2 and config.mlp == 'swiglu':  # and c_gate and c_fc each cast their input: two bf16 copies of it
-        autocast_copies += tokens * h * e
+    if e == 2 and config.mlp == 'swiglu' and (fp32_weights or config.norm == 'layernorm'):
+        autocast_copies += tokens * h * e  # c_gate and c_fc each cast their fp32 input: two bf16 copies
+        # (over bf16 weights an RMSNorm's output is bf16 already; a LayerNorm's is fp32 in a GPU's autocast)
     return 2 * per_norm + linear_inputs + attention + mlp + autocast_copies
 
 
