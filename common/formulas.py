@@ -98,9 +98,9 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     34/t, activation_bytes_formula). bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32
     weights (train.py, DDP, tensor and pipeline parallelism) the bf16 copy of each weight that autocast makes
     is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
-    no copy; their stream is bf16, but a GPU's autocast runs each LayerNorm in fp32 on a copy of its input,
-    which is what it saves (a CPU's leaves it in bf16: zero.py's measured bytes are below this there), as
-    RMSNorm does everywhere (model.py's takes x.float()), whose normalised x is then bf16."""
+    no copy. Their stream is bf16, and each norm still saves an fp32 input: RMSNorm its own x.float() on any
+    device (its normalised x is then bf16), LayerNorm the fp32 copy a GPU's autocast makes (a CPU's autocast
+    leaves it bf16: zero.py measures less than this there)."""
     e, fp32 = bytes_per_elem, 4
     residual = 4 if e == 2 else e  # a norm's saved input under autocast: fp32 (see above)
     hd = config.n_embd // config.n_head
