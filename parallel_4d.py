@@ -34,14 +34,14 @@ from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_gr
                                 init_params, materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import finish_distributed, world_size_from_env
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
-from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, keep_slices, qkv_split, shard_gpt,
-                             slice_boxes, sync_tp_grads, tp_embed, tp_head)
+from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, shard_gpt, sync_tp_grads, tp_embed,
+                             tp_head)
 from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
                              micro_batches, outputs_line, profiled, refuse, run_main, run_shape,
                              shared_refusals, start_run, training_loop)
 from zero import Zero
-from common.model_parallel import (along, data_parallel_size, expert_groups, group_comm, print_grid,
-                                   process_grid, whole_shapes)
+from common.model_parallel import (along, data_parallel_size, expert_groups, group_comm, keep_slices,
+                                   print_grid, process_grid, qkv_split, slice_boxes, whole_shapes)
 from expert_parallel import cut_experts
 from model import balance_routers
 
@@ -276,7 +276,7 @@ def run_grid(cfg, world_size):
 
 def rank_checkpoint(model, zeros, layout, tp, coords, cfg, world_size, iter_num, best_val_loss):
     """This rank's file: its part of the model, its ZeRO-1 chunks (and its experts') and random stream, where
-    it sits on the grid; its pieces for consolidate.py: ZeRO-1's run of each tp slice (tensor_parallel.
+    it sits on the grid; its pieces for consolidate.py: ZeRO-1's run of each tp slice (model_parallel.
     slice_boxes) of its stage's parameters (both stages' copies of a tied embedding: the same values)."""
     qkv, dense_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
     shapes = whole_shapes(vars(model.config))

@@ -17,7 +17,6 @@ why). Each rank keeps its slice of train.py's seeded GPT: train.py's loss curve.
 import contextlib
 import functools
 import os
-from itertools import accumulate
 from types import SimpleNamespace
 
 import torch
@@ -32,7 +31,8 @@ from common.training import (autocast_context, config_defaults, configure, load_
                              outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
                              training_loop)
 from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
-                                   print_grid, process_grid, whole_shapes)
+                                   keep_slices, print_grid, process_grid, qkv_split, slice_boxes, take_slice,
+                                   whole_shapes)
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
@@ -204,42 +204,6 @@ def give_tp_ranks_their_dropout(model, tp):
 # -----------------------------------------------------------------------------
 # The parallel layers. Each holds this rank's slice of the dense layer's weights.
 
-def qkv_split(config):
-    """The sizes of q, k and v along c_attn's output features (k and v have n_kv_head heads)."""
-    return [n * (config.n_embd // config.n_head) for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
-
-
-def slice_boxes(shape, kind, tp_group, qkv_sizes=None):
-    """Where this rank's slice of a dense tensor of that shape sits in it: [(box, first, last)], the slice's
-    rows first .. last-1 being the dense tensor's box (a (start, stop) per dimension). 'col': a run of its
-    rows (output features), 'row': a run of its columns (input features), 'qkv': a run of rows in each of q,
-    k and v (this rank's heads); all of it for the rest ('replicated', and a MoE's 'shared' router and its
-    'expert's, whole on the rank that holds them). Runs as torch.tensor_split cuts them."""
-    n, r, whole = tp_group.size, tp_group.rank, [(0, size) for size in shape]
-
-    def run(length, offset=0):  # the r-th of tensor_split's n runs of length (the first ones one longer)
-        short, longer = divmod(length, n)
-        start = offset + r * short + min(r, longer)
-        return start, start + short + (r < longer)
-    if kind == 'row':
-        return [(whole[:1] + [run(shape[1])] + whole[2:], 0, shape[0])]
-    if kind in ('replicated', 'shared', 'expert'):
-        return [(whole, 0, shape[0])]
-    sizes, boxes, first = qkv_sizes if kind == 'qkv' else [shape[0]], [], 0
-    for offset, size in zip(accumulate([0] + sizes), sizes):
-        start, stop = run(size, offset)
-        boxes.append(([(start, stop)] + whole[1:], first, first + stop - start))
-        first += stop - start
-    return boxes
-
-
-def take_slice(full, kind, tp_group, qkv_sizes=None):
-    """This rank's part of a dense tensor: its boxes (slice_boxes), their rows one after another."""
-    parts = [full[tuple(slice(*b) for b in box)] for box, _, _ in
-             slice_boxes(full.shape, kind, tp_group, qkv_sizes)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r^T + b_r: this rank's output features, from X whole on every rank (put there once, after the
     norm before it, by NormThenEnter: the MLP's c_fc and c_gate share one f)."""
@@ -400,16 +364,6 @@ def take_a_share(x, n):
     if x.requires_grad and n > 1:
         x.register_hook(lambda grad: grad / n)
     return x
-
-
-def keep_slices(layout, tp, config):
-    """For init_values: copy this rank's slice of each dense parameter's values into its local parameter."""
-    qkv_sizes = qkv_split(config)
-
-    def keep(name, full):
-        if name in layout:
-            layout[name][0].data.copy_(take_slice(full, layout[name][1], tp.group, qkv_sizes))
-    return keep
 
 
 def forward_needs_tp_forward(*args, **kwargs):

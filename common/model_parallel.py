@@ -3,10 +3,11 @@ What the model-parallel scripts share (tensor, pipeline, context and expert para
 the data-parallel ones never import: the process grid torch.arange(world).view(dp, pp, cp, tp), its groups
 (made in one place: group_comm) and its printout, and the all-to-all with a backward (expert parallelism's
 dispatch and combine, Ulysses' sequence <-> heads); and a model cut by layers or slices: the values each rank
-keeps, the pieces it declares for consolidate.py.
+keeps (a tp rank's slices: slice_boxes), the pieces it declares for consolidate.py.
 """
 
 import math
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -179,3 +180,53 @@ def held_pieces(model, optimizer, cut, buffers):
                               for k in ('exp_avg', 'exp_avg_sq', 'step')})
             pieces += pieces_of(*where[:2], paths, boxes=where[2])
     return pieces + (buffer_pieces(model) if buffers else [])
+
+
+# -----------------------------------------------------------------------------
+# A tensor-parallel rank's slice of each dense tensor (tensor_parallel.py's layers, the 4-D grid's): where it
+# sits in the whole tensor, the values it copies out at the start, the pieces it declares for consolidate.py
+
+def qkv_split(config):
+    """The sizes of q, k and v along c_attn's output features (k and v have n_kv_head heads)."""
+    return [n * (config.n_embd // config.n_head) for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
+
+
+def slice_boxes(shape, kind, tp_group, qkv_sizes=None):
+    """Where this rank's slice of a dense tensor of that shape sits in it: [(box, first, last)], the slice's
+    rows first .. last-1 being the dense tensor's box (a (start, stop) per dimension). 'col': a run of its
+    rows (output features), 'row': a run of its columns (input features), 'qkv': a run of rows in each of q,
+    k and v (this rank's heads); all of it for the rest ('replicated', and a MoE's 'shared' router and its
+    'expert's, whole on the rank that holds them). Runs as torch.tensor_split cuts them."""
+    n, r, whole = tp_group.size, tp_group.rank, [(0, size) for size in shape]
+
+    def run(length, offset=0):  # the r-th of tensor_split's n runs of length (the first ones one longer)
+        short, longer = divmod(length, n)
+        start = offset + r * short + min(r, longer)
+        return start, start + short + (r < longer)
+    if kind == 'row':
+        return [(whole[:1] + [run(shape[1])] + whole[2:], 0, shape[0])]
+    if kind in ('replicated', 'shared', 'expert'):
+        return [(whole, 0, shape[0])]
+    sizes, boxes, first = qkv_sizes if kind == 'qkv' else [shape[0]], [], 0
+    for offset, size in zip(accumulate([0] + sizes), sizes):
+        start, stop = run(size, offset)
+        boxes.append(([(start, stop)] + whole[1:], first, first + stop - start))
+        first += stop - start
+    return boxes
+
+
+def take_slice(full, kind, tp_group, qkv_sizes=None):
+    """This rank's part of a dense tensor: its boxes (slice_boxes), their rows one after another."""
+    parts = [full[tuple(slice(*b) for b in box)] for box, _, _ in
+             slice_boxes(full.shape, kind, tp_group, qkv_sizes)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def keep_slices(layout, tp, config):
+    """For init_values: copy this rank's slice of each dense parameter's values into its local parameter."""
+    qkv_sizes = qkv_split(config)
+
+    def keep(name, full):
+        if name in layout:
+            layout[name][0].data.copy_(take_slice(full, layout[name][1], tp.group, qkv_sizes))
+    return keep

@@ -16,7 +16,7 @@ from helpers import REPO
 BUILD = r'''
 import sys, types, torch
 from common.checkpoints import init_params, materialize
-from common.model_parallel import keep_own
+from common.model_parallel import keep_own, keep_slices
 from model import GPT, GPTConfig
 from common.distributed import peak_resident_bytes
 import pipeline, tensor_parallel as tpm
@@ -36,7 +36,7 @@ else:
     if way == 'tp':  # rank 1 of 4 tensor-parallel ranks (shard_gpt reads only the group's size and rank)
         tp = tpm.TensorParallel(types.SimpleNamespace(size=4, rank=1))
         layout = tpm.shard_gpt(model, tp)
-        keep = tpm.keep_slices(layout, tp, config)
+        keep = keep_slices(layout, tp, config)
     elif way == 'pp':  # stage 1 of 4 pipeline stages
         pipeline.keep_stage(model, 1, 4)
         keep = keep_own(model)

@@ -16,7 +16,7 @@ from consolidate import consolidate
 from helpers import (LoopbackFlood, TINY, assert_same_losses, check, read_log, run_script, run_train_py_here,
                      spawn, train_losses, train_py_reference)
 
-from common import formulas
+from common import formulas, model_parallel
 
 # Both layouts, shapes that divide by tp = 1, 2, 4. LLaMA: grouped-query attention (8 heads, 4 KV heads), untied,
 # and a vocabulary of 97 so that the vocabulary split is uneven.
@@ -50,11 +50,10 @@ def _gather(x, g):
 
 
 def _joined(slices, kind, shape, qkv_sizes):
-    """The dense tensor from every tp rank's slice (in rank order), laid where tensor_parallel.slice_boxes says."""
-    import tensor_parallel as tpm
+    """The dense tensor from every tp rank's slice (in rank order), laid where model_parallel.slice_boxes says."""
     dense = torch.empty(shape)
     for r, part in enumerate(slices):
-        for box, first, last in tpm.slice_boxes(shape, kind, SimpleNamespace(size=len(slices), rank=r), qkv_sizes):
+        for box, first, last in model_parallel.slice_boxes(shape, kind, SimpleNamespace(size=len(slices), rank=r), qkv_sizes):
             dense[tuple(slice(*b) for b in box)] = part[first:last]
     return dense
 
@@ -144,7 +143,7 @@ def _against_dtensor(rank, world_size):
             plan = {'0': ColwiseParallel(), '2': RowwiseParallel()}
         parallelize_module(ref, mesh, plan)
         tp = tpm.TensorParallel(g, sp)
-        cut = lambda t, kind: nn.Parameter(tpm.take_slice(t.detach(), kind, g).clone())
+        cut = lambda t, kind: nn.Parameter(model_parallel.take_slice(t.detach(), kind, g).clone())
         col = tpm.ColumnParallelLinear(cut(dense[0].weight, 'col'), cut(dense[0].bias, 'col'))
         row = tpm.RowParallelLinear(cut(dense[2].weight, 'row'), cut(dense[2].bias, 'replicated'), tp)
         gen = torch.Generator().manual_seed(2)
@@ -184,7 +183,7 @@ def _attention_against_dtensor(rank, world_size, mesh, g):
     tp = tpm.TensorParallel(g, False)
     tpm.shard_gpt(ours_model, tp)
     ours = ours_model.transformer.h[0].attn
-    q_n, kv_n, _ = tpm.qkv_split(config)
+    q_n, kv_n, _ = model_parallel.qkv_split(config)
     ref = nn.ModuleDict({name: nn.Linear(32, n) for name, n in (('q', q_n), ('k', kv_n), ('v', kv_n))})
     ref['c_proj'] = copy.deepcopy(dense.c_proj)
     for (name, linear), part_w, part_b in zip(list(ref.items())[:3], dense.c_attn.weight.split([q_n, kv_n, kv_n]),
