@@ -41,7 +41,7 @@ from common.training import (autocast_context, config_defaults, configure, get_l
                              shared_refusals, start_run, training_loop)
 from zero import Zero
 from common.model_parallel import (along, data_parallel_size, expert_groups, group_comm, keep_slices,
-                                   print_grid, process_grid, qkv_split, slice_boxes, whole_shapes)
+                                   print_grid, process_grid, slice_places)
 from expert_parallel import cut_experts
 from model import balance_routers
 
@@ -277,13 +277,9 @@ def run_grid(cfg, world_size):
 def rank_checkpoint(model, zeros, layout, tp, coords, cfg, world_size, iter_num, best_val_loss):
     """This rank's file: its part of the model, its ZeRO-1 chunks (and its experts') and random stream, where
     it sits on the grid; its pieces for consolidate.py: ZeRO-1's run of each tp slice (model_parallel.
-    slice_boxes) of its stage's parameters (both stages' copies of a tied embedding: the same values)."""
-    qkv, dense_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
-    shapes = whole_shapes(vars(model.config))
-
-    def cut(name, p):
-        dense, kind = dense_of[id(p)]
-        return dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv)
+    slice_places) of its stage's parameters (both stages' copies of a tied embedding: the same values)."""
+    where = slice_places(model, layout, tp)
+    cut = lambda name, p: where(p)
     replica = coords['dp'] if coords['pp'] == coords['cp'] == coords['tp'] == 0 else None  # (its stream)
     buffers = buffer_pieces(model) if coords['dp'] == coords['cp'] == coords['tp'] == 0 else []  # (a stage's)
     engines = dict(zip(ENGINES, zeros))

@@ -31,8 +31,7 @@ from common.training import (autocast_context, config_defaults, configure, load_
                              outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
                              training_loop)
 from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
-                                   keep_slices, print_grid, process_grid, qkv_split, slice_boxes, take_slice,
-                                   whole_shapes)
+                                   keep_slices, print_grid, process_grid, qkv_split, slice_places, take_slice)
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
@@ -468,13 +467,9 @@ RANK_FILE = 'ckpt_rank{}.pt'
 
 def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter_num, best_val_loss):
     """This rank's slices, AdamW state and streams; the pieces of data-parallel replica 0's ranks (the others
-    hold the same): each dense parameter's boxes (slice_boxes)."""
-    qkv, kind_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
-    shapes = whole_shapes(vars(model.config))
-
-    def cut(name, p):
-        dense, kind = kind_of[id(p)]
-        return None if dp_rank else (dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv))
+    hold the same): each dense parameter's boxes (slice_places)."""
+    where = slice_places(model, layout, tp)
+    cut = lambda name, p: None if dp_rank else where(p)
     return checkpoint_of(dict(model=model.state_dict(), optimizer=optimizer.state_dict()),
                          held_pieces(model, optimizer, cut, dp_rank == tp.group.rank == 0),
                          (RANK_FILE, world_size),

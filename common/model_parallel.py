@@ -230,3 +230,15 @@ def keep_slices(layout, tp, config):
         if name in layout:
             layout[name][0].data.copy_(take_slice(full, layout[name][1], tp.group, qkv_sizes))
     return keep
+
+
+def slice_places(model, layout, tp):
+    """For a rank file's pieces: where(p) = (its name in the whole model, its whole shape, the boxes its rows
+    fill there: slice_boxes) for each parameter of a tp layout {dense name: (parameter, kind)}."""
+    qkv, dense_of = qkv_split(model.config), {id(p): (dense, kind) for dense, (p, kind) in layout.items()}
+    shapes = whole_shapes(vars(model.config))
+
+    def where(p):
+        dense, kind = dense_of[id(p)]
+        return dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv)
+    return where
