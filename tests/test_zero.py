@@ -264,13 +264,24 @@ def test_offload_optimizer_trains_the_same_numbers(split_runs, reference):
             assert r['host_bytes_formula'] <= r['host_bytes'] <= r['host_bytes_formula'] + 32 * 2 * r['buckets'], r
 
 
-def run_mains_on_nccls_branch(rank, world_size, module, argvs):
-    """run_mains with our code told the backend is NCCL: all_gather_direct and reduce_scatter_of take the
-    branch written for it (all_gather_into_tensor into the buffer, reduce_scatter_tensor into a chunk of its
-    own), which gloo runs too. torch's own code calls its module's get_backend, not this name."""
+def run_mains_counting(rank, world_size, module, argvs, as_nccl):
+    """run_mains, counting the all-gathers and reduce-scatters handed to torch; as_nccl: with our code told
+    the backend is NCCL, so all_gather_direct and reduce_scatter_of take the branch written for it
+    (all_gather_into_tensor into the buffer, reduce_scatter_tensor into a chunk of its own), which gloo runs
+    too. torch's own code calls its module's get_backend, not this name."""
     import torch.distributed as dist
-    dist.get_backend = lambda group=None: 'nccl'
+    from common import distributed
+    if as_nccl:
+        dist.get_backend = lambda group=None: 'nccl'
+    calls = {'all_gather': 0, 'reduce_scatter': 0}
+    for name, fn in (('all_gather', distributed.all_gather_single),
+                     ('reduce_scatter', distributed.reduce_scatter_single)):
+        def counted(*args, _name=name, _fn=fn, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        setattr(distributed, f'{name}_single', counted)
     run_mains(rank, world_size, module, argvs)
+    return calls
 
 
 def test_the_collectives_branch_for_nccl_trains_the_same_numbers(tmp_path, tmp_path_factory):
@@ -279,8 +290,10 @@ def test_the_collectives_branch_for_nccl_trains_the_same_numbers(tmp_path, tmp_p
     shows in AdamW's moments), and the same bytes counted at the calls as the gloo branch's."""
     ref_dir, ref = train_py_run(tmp_path_factory, '--grad_clip=0.0')
     argvs = lambda name: [zero_args(tmp_path / f'{name}{s}', s, 3, '--grad_clip=0.0') for s in (1, 2, 3)]
-    spawn(run_mains_on_nccls_branch, 2, 'zero', argvs('nccl'))
-    spawn(run_mains, 2, 'zero', argvs('gloo'))
+    nccl = spawn(run_mains_counting, 2, 'zero', argvs('nccl'), True)
+    gloo = spawn(run_mains_counting, 2, 'zero', argvs('gloo'), False)
+    for kind in ('all_gather', 'reduce_scatter'):  # the branch ran: more of torch's calls than gloo's branch
+        assert all(n[kind] > g[kind] for n, g in zip(nccl, gloo)), (kind, nccl, gloo)
     counted = lambda out: [r['collective_bytes_by_kind'] for r in read_log(str(out)) if 'rank' in r]
     for stage in (1, 2, 3):
         out = str(tmp_path / f'nccl{stage}')
@@ -317,15 +330,16 @@ def test_bfloat16_llama_blocks_keep_what_the_formula_counts_over_bf16_weights(sp
     """zero.py computes with bf16 weights, so the residual stream is bf16: a LLaMA block (RMSNorm, SwiGLU,
     RoPE, GQA) keeps saved_bytes_formula(fp32_weights=False)'s bytes, the RMSNorm's normalised x in bf16 and
     one bf16 input for SwiGLU's two Linears (it counted them fp32 and twice: 10% more than measured here).
-    Measured as backward starts: every block's, and at most the head's logits and log-softmax besides. (A
+    Measured as backward starts: every block's, and the final norm's and the head's input besides, under three
+    fp32 copies of the stream (2.6%: a count 7% low fails too). (A
     GPT-2 block's LayerNorm depends on the device: a GPU's autocast keeps an fp32 copy, a CPU's does not.)"""
     from model import GPTConfig
     config = GPTConfig(n_layer=8, n_head=4, n_kv_head=2, n_embd=16, block_size=16, vocab_size=stdlib_vocab(),
                        bias=False, norm='rmsnorm', mlp='swiglu', pos='rope', tie_embeddings=False)
     blocks = 8 * formulas.saved_bytes_formula(config, 16, 4, bytes_per_elem=2, fp32_weights=False)
-    logits = 4 * 16 * stdlib_vocab() * 4
+    stream = 4 * 16 * 16 * 4  # (b x s x h, fp32)
     rows = [r for r in read_log(split_runs / 'bf16_llama') if 'rank' in r]
-    assert len(rows) == 2 and all(blocks <= r['peak_saved_bytes'] <= blocks + 2 * logits for r in rows), rows
+    assert len(rows) == 2 and all(blocks <= r['peak_saved_bytes'] <= blocks + 3 * stream for r in rows), rows
 
 
 def test_bfloat16_holds_the_papers_2_2_12_bytes(split_runs):
