@@ -197,6 +197,12 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
     return rows
 
 
+def stream_bytes(mixed_precision, stage):
+    """Bytes an element of the residual stream: fp32 under autocast over fp32 weights (stage 0: train.py, DDP,
+    tp, pp), in the compute dtype where the weights are in it (zero.py's stages, FSDP2, the grid's ZeRO-1)."""
+    return 2 if mixed_precision and stage > 0 else 4
+
+
 def activations_of(gptconf, k, s, b, m, mixed_precision):
     """A rank's activations for strategy shape k: what this repo's blocks save for backward
     (formulas.saved_bytes_formula, read off model.py's code and tested equal to the bytes measured) for the
@@ -211,8 +217,7 @@ def activations_of(gptconf, k, s, b, m, mixed_precision):
     # zero.py and FSDP2 compute with bf16 weights, so a bf16 stream; the others autocast fp32 weights (a bf16
     # copy per layer), and their stream stays fp32
     layer = formulas.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0)
-    stream = 4 if mixed_precision and stage == 0 else act_bytes
-    block_input = tokens * b * h * stream // (t if k['sp'] else 1)
+    block_input = tokens * b * h * stream_bytes(mixed_precision, stage) // (t if k['sp'] else 1)
     first, last = ((1, 1) if p == 1 else
                    (formulas.peak_microbatches_formula(k['schedule'], p, m, stage=i) for i in (0, p - 1)))
     layers = gptconf.n_layer // p
@@ -273,7 +278,7 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     if p > 1:
         # tied weight's gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron does);
         # it and the stream are fp32 under autocast, bf16 where the grid's ZeRO-1 keeps bf16 weights
-        stream = act_bytes if stage > 0 else 4  # (bytes an element)
+        stream = stream_bytes(mixed_precision, stage)
         tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, stream) * gptconf.tie_embeddings
         sent = lambda i: formulas.p2p_comm_bytes_formula(s, b, h, p, m, bytes_per_elem=stream, stage=i)
         parts['pp'] = (max(sent(None), sent(0) + tied), 2 * m + 1)  # the busiest stage, or the first
