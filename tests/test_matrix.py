@@ -152,13 +152,12 @@ def test_the_planner_prices_the_grids_pipeline_sends_as_counted(matrix, dtype):
     activations and the tied embedding's gradient, in the grid's dtype: bf16 where its ZeRO-1 keeps the
     weights in bf16 (pipeline.py's autocast stream stays fp32); against what each rank counted at its calls."""
     from common import planner
-    from common.training import load_dataset
-    from helpers import read_log
+    from helpers import read_log, stdlib_vocab
     outcomes, out_root = matrix
     cell = '4d-dp2-pp2-gpt2-dense' + ('-bf16' if dtype == 'bfloat16' else '')
     counted = [r['collective_bytes_by_kind'] for r in read_log(os.path.join(out_root, cell)) if 'numel' in r]
     assert len(counted) == 4, counted
-    gptconf = planner.gpt_config_from(None, COMMON + MODELS['gpt2', 'dense'], load_dataset('stdlib_char')[1])
+    gptconf = planner.gpt_config_from(None, COMMON + MODELS['gpt2', 'dense'], stdlib_vocab())
     rows = planner.estimate(gptconf, 4, 1, 2, 16, 1, 2, 1, 2, dtype == 'bfloat16')
     grid = [r for r in rows if r['pp'] == r['dp'] == 2]  # (dp=2 x PP=2 1F1B, ZeRO-1)
     assert len(grid) == 1, rows

@@ -320,9 +320,10 @@ def offload_copy_during_backward(rank, world_size):
                   offload=True)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     model(x, x)[1].backward()
-    during = [bool(b.grad_host.abs().sum() > 0) for b in z.buckets]  # backward is over, finish_backward not yet
+    copied = lambda b: bool(torch.equal(b.grad_host, b.grad_shard)) and bool(b.grad_shard.abs().sum() > 0)
+    during = [copied(b) for b in z.buckets]  # backward is over, finish_backward not yet
     z.finish_backward()
-    after = [bool(torch.equal(b.grad_host, b.grad_shard)) and bool(b.grad_shard.abs().sum() > 0) for b in z.buckets]
+    after = [copied(b) for b in z.buckets]
     return during, after
 
 
