@@ -239,7 +239,8 @@ def cp_attention_forward(attn, cp, x):
                                     attn.n_kv_head * attn.head_dim], dim=2)
     q, k, v = (t.view(B, L, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
     if attn.rope:
-        cos, sin = rope_cos_sin(int(cp.positions.max()) + 1, attn.head_dim, attn.rope_theta, x.device)
+        # the whole sequence's table (cp ranks x L tokens), read at this rank's positions: no GPU sync
+        cos, sin = rope_cos_sin(cp.group.size * L, attn.head_dim, attn.rope_theta, x.device)
         cos, sin = cos[cp.positions], sin[cp.positions]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     y = RingAttention.apply(q, k, v, cp) if cp.attention == 'ring' else ulysses_attention(q, k, v, cp)
