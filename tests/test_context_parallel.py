@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
-                     one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, train_losses, train_py_reference)
+                     one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, stdlib_vocab, train_losses,
+                     train_py_reference)
 
+import context_parallel
 from common import formulas
-from model import GPTConfig
+from common.training import configure, model_config
 
 TOL = 1e-5
 LAYOUTS = {
@@ -222,8 +224,6 @@ FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_i
                 '--learning_rate=1e-2', '--warmup_iters=1']
 LLAMA = ['--n_embd=32', '--n_head=4', '--n_kv_head=2', '--norm=rmsnorm', '--mlp=swiglu', '--pos=rope',
          '--tie_embeddings=False']
-LLAMA_CONFIG = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, norm='rmsnorm', mlp='swiglu',
-                         pos='rope', tie_embeddings=False)  # (the model of TINY + LLAMA)
 
 
 def test_ring_and_ulysses_cp2_train_train_py_curve_and_measure_their_own_bytes(tmp_path, tmp_path_factory):
@@ -237,6 +237,7 @@ def test_ring_and_ulysses_cp2_train_train_py_curve_and_measure_their_own_bytes(t
     for out in (ring, ulysses):
         assert_same_losses(train_losses(out), train_losses(ref), range(4))
         assert_same_losses(eval_losses(out), eval_losses(ref), [0, 2, 4])
+    llama = model_config(configure(context_parallel.config, FLAGS + LLAMA), stdlib_vocab())  # the runs' model
     for out, attention in ((ring, 'ring'), (ulysses, 'ulysses')):
         rows = [r for r in read_log(out) if 'rank' in r]
         # measured: the first step, and (ring: --measure_every=2) every 2nd; each rank's own row
@@ -249,7 +250,7 @@ def test_ring_and_ulysses_cp2_train_train_py_curve_and_measure_their_own_bytes(t
             # repo's count, read off model.py: 91,392 bytes here, the whole sequence's 182,784), and the
             # attention's own extras (the ring's log-sum-exp and k, v widened for GQA; Ulysses' all-to-all
             # outputs): 4.8% and 6.7% more here
-            chunk = formulas.saved_bytes_formula(LLAMA_CONFIG, 16 // 2, 4)
+            chunk = formulas.saved_bytes_formula(llama, 16 // 2, 4)
             assert chunk <= r['activation_bytes'] <= 1.1 * chunk, (r['activation_bytes'], chunk)
             assert r['attention_compute_s'] > 0 and r['attention_wait_s'] > 0
             # this rank's own sockets: what its calls hand gloo (ring all-reduces, sends, all-to-alls), plus the
