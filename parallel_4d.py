@@ -85,10 +85,10 @@ def build_stage(model, cfg, grid, coords, comms, checkpoint):
         shard_sequence(model, cp)
         cp.positions = zigzag_positions(cfg.block_size, cp.group.size, cp.group.rank, cfg.device)
     tokens = cfg.block_size // cp.group.size // (tp.group.size if cfg.sequence_parallel else 1)
+    stream = torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32  # build_zeros' parameters' dtype
     stage = Stage(model, chunks, coords['pp'], cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device,
-                  autocast_context(cfg.device.split(':')[0], cfg.dtype), comms['pp'])
-    stage.act_dtype = torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32  # build_zeros' parameters'
+                  autocast_context(cfg.device.split(':')[0], cfg.dtype), comms['pp'], act_dtype=stream)
     mine = (lambda t: t) if cp.positions is None else (lambda t: t[:, cp.positions])  # this rank's tokens
     stage.embed = lambda idx: tp_embed(model, mine(idx), tp, cp.positions)
     stage.head = lambda h, targets: tp_head(model, h, mine(targets), tp)

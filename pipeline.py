@@ -103,15 +103,17 @@ class Stage:
     """One pipeline stage: its part of the model, its neighbours, what it holds. observer: a measured step's
     (see timed), None on every other step."""
 
-    def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm):
+    def __init__(self, model, chunks, index, pp_size, grid_row, act_shape, device, ctx, pp_comm,
+                 act_dtype=torch.float32):
         self.model, self.chunks, self.index, self.pp = model, chunks, index, pp_size
         self.is_first, self.is_last = index == 0, index == pp_size - 1  # the embedding / the head and loss
         ring = len(chunks) > 1  # with chunks, a ring: the last stage's chunk c feeds the first's c + 1
         self.prev_rank = None if self.is_first and not ring else int(grid_row[(index - 1) % pp_size])
         self.next_rank = None if self.is_last and not ring else int(grid_row[(index + 1) % pp_size])
         self.act_shape, self.device, self.ctx, self.comm = act_shape, device, ctx, pp_comm
-        self.act_dtype = torch.float32  # the stream between stages: fp32 under autocast, but bf16 where the
-        # parameters are (parallel_4d.py's ZeRO in bf16 sets it), and the buffers it arrives in must match
+        # the stream between stages: fp32 under autocast, but bf16 where the parameters are (parallel_4d.py's
+        # ZeRO in bf16), and the buffers it arrives in must match
+        self.act_dtype = act_dtype
         self.embed, self.head = model.embed, model.head  # (parallel_4d.py brings vocabulary-parallel ones)
         # loss_sum: the last stage's losses, and each stage's MoE auxiliary loss
         self.observer, self.loss_sum = None, torch.zeros((), device=device)
