@@ -50,6 +50,15 @@ def fsdp_held_bytes_formula(numel, world_size, micro_steps):
             'peak_grad_bytes': 4 * numel if micro_steps > 1 else 4 * numel / world_size}
 
 
+def fsdp_comm_bytes_formula(numel, world_size, micro_steps, gather_bytes_per_elem=4):
+    """Bytes one rank sends per step as FSDP2 (train_fsdp.py) communicates, ring algorithms: every micro-step
+    gathers the parameters for forward and again for backward (in the compute dtype: bf16 under its
+    MixedPrecisionPolicy), then one fp32 reduce-scatter of the gradients in the last micro-step's backward
+    (the others accumulate unsharded, without a sync): (N-1)/N·Ψ·(2m·g + 4). FSDP2 keeps the root group's
+    parameters (embeddings, final norm) gathered from forward to backward: a little less."""
+    return (world_size - 1) / world_size * numel * (2 * micro_steps * gather_bytes_per_elem + 4)
+
+
 # -----------------------------------------------------------------------------
 # Tensor parallelism (Megatron-LM; Korthikanti et al. 2022): tensor_parallel.py
 

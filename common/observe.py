@@ -9,8 +9,8 @@ reports.py. The idea files name nothing of this, and on every other step none of
 What each kind reads: zero: run.zero (Zero.held: the tensors it holds), what autograd saves and run.comms;
 tensor_parallel: the model's first block (the bytes it saves for backward) and run.tp; pipeline and
 parallel_4d: run.stage, whose ops it times (stage.observer); context_parallel: run.cp (its Comm, timed) and
-the model's attention layers; expert_parallel: run.optimizer (the gradients it is handed); fsdp: the model
-and run.optimizer.
+the model's attention layers; expert_parallel: run.optimizer (the gradients it is handed); fsdp: the model,
+run.optimizer and the process's sockets.
 """
 
 import contextlib
@@ -186,12 +186,13 @@ def observe_fsdp(run, cfg, iter_num):
         seen['grad_bytes'] = nbytes(p.grad for p in run.model.parameters())
     hooks = [run.model.register_forward_pre_hook(sample), run.optimizer.register_step_pre_hook(before_step)]
     try:
-        loss = run.step(iter_num)
+        with counting([run.dp]) as wire:  # (torch's FSDP2 makes its own calls: only its sockets see them)
+            loss = run.step(iter_num)
     finally:
         for hook in hooks:
             hook.remove()
     reports.report_fsdp(cfg, iter_num, run.model, run.optimizer, seen,
-                        cfg.gradient_accumulation_steps // run.n_devices)
+                        cfg.gradient_accumulation_steps // run.n_devices, wire)
     return loss
 
 

@@ -248,7 +248,7 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     grad_bytes = act_bytes if stage > 0 else 4
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
     if k['fsdp'] and dp > 1:  # FSDP2: both gathers at every micro-batch, one fp32 reduce-scatter a step
-        comm = (dp - 1) / dp * numel * (2 * m * act_bytes + 4)
+        comm = formulas.fsdp_comm_bytes_formula(numel, dp, m, act_bytes)
     # ZeRO-1 and 2: of that, the updated parameters' all-gather after the step (the rest reduces gradients)
     gather = lambda n, ranks: (ranks - 1) / ranks * n * grad_bytes if stage in (1, 2) else 0
     gathered = gather(numel, dp * c)

@@ -16,7 +16,7 @@ from common.formulas import (activation_bytes_formula, bubble_fraction_formula, 
                              model_state_bytes_formula, p2p_comm_bytes_formula, param_bytes_formula,
                              peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
                              tp_edge_comm_bytes_formula, zb1_output_grad_bytes_formula)
-from common.formulas import fsdp_held_bytes_formula
+from common.formulas import fsdp_comm_bytes_formula, fsdp_held_bytes_formula
 from common.measure import (comm_report, nbytes, print_measured, print_schedule_report, schedule_measurements,
                             storage_bytes)
 from model import GPT, MoE
@@ -315,9 +315,10 @@ def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why
 # -----------------------------------------------------------------------------
 # train_fsdp.py: the bytes in each rank's shards
 
-def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps):
-    """Each rank's bytes (its shards after the step), measured, and the formula: a log row each, one table.
-    grads: {'peak_grad_bytes', 'grad_bytes'}, measured by the observer."""
+def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
+    """Each rank's bytes (its shards after the step) and what its sockets sent, measured, and the formulas: a
+    log row each, one table. grads: {'peak_grad_bytes', 'grad_bytes'}, measured by the observer; wire: its
+    WireMeter (torch's FSDP2 makes the calls: none is counted at ours)."""
     numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
     moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
     measured = dict(grads, param_bytes=nbytes(model.parameters()), optim_bytes=nbytes(moments))
@@ -325,11 +326,22 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps):
     row = {'iter': iter_num, 'rank': dist.get_rank(), 'numel': numel, 'micro_steps': micro_steps}
     for key, value in measured.items():
         row[key], row[key + '_formula'] = value, formula[key]
+    gathered = 2 if cfg.dtype == 'bfloat16' else 4  # (the MixedPrecisionPolicy's param_dtype)
+    row.update(wire_bytes=wire.sent, wire_bytes_note=wire.why_not, wire_bytes_formula=fsdp_comm_bytes_formula(
+        numel, dist.get_world_size(), micro_steps, gathered))
     rows = log_rank_rows(cfg.out_dir, row)
     if dist.get_rank() == 0:
         peak = ("4Ψ: unsharded, accumulated without a sync" if micro_steps > 1 else
                 "4Ψ/N: one micro-step, each gradient reduce-scattered as it is made")
+        notes = [f"wire bytes {wire.why_not}"] if wire.sent is None else []
+        if wire.sent is not None:  # (gloo: a process's own sockets carry its bytes)
+            extra = (len(rows) - 1) / len(rows) * 4 * numel
+            notes.append(f"more on the wire than the ring formula: on gloo FSDP2's reduce-scatter is an "
+                         f"all-reduce underneath, 2(N-1)/N of the gradients, not (N-1)/N: {extra:,.0f} more")
         print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of "
-                       f"the gradients over {micro_steps} micro-step(s): {peak})",
+                       f"the gradients over {micro_steps} micro-step(s): {peak}) and sent in the step (its "
+                       f"own sockets; the ring formula: both gathers every micro-step, one reduce-scatter)",
                        [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
-                        for r in rows for k in measured])
+                        for r in rows for k in measured] +
+                       [(f"rank {r['rank']} bytes sent", r['wire_bytes'], None, r['wire_bytes_formula'])
+                        for r in rows], notes)

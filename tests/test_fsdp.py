@@ -103,6 +103,25 @@ def test_held_bytes_are_the_shards_and_match_psi_over_n(runs, run, world_size):
     assert all(r['peak_grad_bytes'] == plan[0]['grad_bytes'] for r in rows), plan[0]
 
 
+@pytest.mark.parametrize('run,world_size', [('f', 2), ('h', 3)])
+def test_bytes_sent_are_the_ring_formula_plus_gloos_all_reduce(runs, run, world_size):
+    """What each rank's sockets sent in its measured step (torch's FSDP2 calls: nothing counts them at ours)
+    is the ring formula logged beside it, both gathers every micro-step and one reduce-scatter a step, plus
+    what gloo adds: its reduce-scatter is an all-reduce underneath, (N-1)/N·4Ψ more; for Ψ the parameters as
+    FSDP2 pads them (dim 0 rounded up to N equal shards: 5% more here on 3 ranks). A little less: FSDP2 keeps
+    the root's parameters (the embeddings, 23% of Ψ here) gathered from forward to backward."""
+    from model import GPT, GPTConfig
+    rows = [r for r in read_log(runs[run]) if 'rank' in r]
+    rows = [r for r in rows if r['iter'] == rows[-1]['iter']]
+    model = GPT(GPTConfig(block_size=16, vocab_size=torch.load(os.path.join(runs[run], 'ckpt.pt'),
+                                                               weights_only=False)['model_args']['vocab_size'],
+                          n_layer=2, n_head=4, n_embd=16, bias=False))
+    n, padded = world_size, sum(-(-p.shape[0] // world_size) * world_size * p[0].numel() for p in model.parameters())
+    for r in rows:
+        gloo = r['wire_bytes_formula'] * padded / r['numel'] + (n - 1) / n * 4 * padded
+        assert 0.95 * gloo <= r['wire_bytes'] <= gloo + 4096, (r['wire_bytes'], gloo, r)
+
+
 def _mixed_precision_worker(rank, world_size):
     """bf16 MixedPrecisionPolicy: blocks compute with bf16 weights while the stored shards, their gradients and
     the reduction stay fp32; and with gradient sync off the sharded gradients are not produced (no
