@@ -105,6 +105,8 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     weights are read one tensor at a time by init_values. Returns (model, the checkpoint or None, iter_num,
     best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
+    # the GPTConfig fields that do not change the weights come from this run's flags (as nanoGPT's dropout)
+    overrides = dict(dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
 
     def on_meta():  # (torch's meta kernels loaded first, just before the build: torch's code, not the run's)
         if meta:
@@ -118,7 +120,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
             checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False, mmap=meta)
         check_resume_files(checkpoint, ckpt_path)
         with on_meta():
-            model = GPT(GPTConfig(**checkpoint['model_args']))
+            model = GPT(GPTConfig(**dict(checkpoint['model_args'], **overrides)))
         if not meta:
             model.load_state_dict(checkpoint['model'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
@@ -126,7 +128,6 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
             trim_log(cfg.out_dir, iter_num)
     elif gpt2 and is_gpt2(cfg.init_from):
         from common import hf  # (Hugging Face's files, and transformers, only here)
-        overrides = dict(dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
         if meta:  # the shapes from its config; its weights come later, one tensor at a time (init_values)
             with on_meta():
                 model = GPT(hf.open_gpt2(cfg.init_from, **overrides)[0])

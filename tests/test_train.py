@@ -326,6 +326,19 @@ def test_a_new_run_starts_its_own_log_and_a_resume_continues_it(tmp_path):
     assert all(0 < r['mem_added_bytes'] < r['peak_mem_bytes'] for r in rows), rows
 
 
+def test_a_resume_takes_dropout_and_checkpointing_from_its_flags(tmp_path):
+    """The checkpoint gives the architecture; dropout and activation checkpointing, which no weight depends on,
+    are this run's flags (a resume with --activation_checkpointing=True had silently not checkpointed)."""
+    import train
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--sample_at_end=False']
+    train.main(flags)
+    cfg = training.configure(train.config, flags + ['--init_from=resume', '--dropout=0.1',
+                                                    '--activation_checkpointing=True'])
+    model = checkpoints.init_model(cfg, None, os.path.join(tmp_path, 'ckpt.pt'))[0]
+    assert model.config.dropout == 0.1 and model.config.activation_checkpointing, model.config
+    assert model.transformer.drop.p == 0.1 and model.config.n_embd == 16
+
+
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
     says so before the run; an idle CPU, one thread, or a GPU gets none."""
