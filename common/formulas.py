@@ -94,7 +94,8 @@ def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, 
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
 
 
-def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_elem=4, fp32_weights=True):
+def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_elem=4, fp32_weights=True,
+                        autocast=True):
     """Bytes one of this repo's blocks keeps for backward on one tp rank, read off model.py's code (dropout 0;
     scaled_dot_product_attention's flash/efficient kernels keep no s x s matrix, only q, k, v, out and the
     log-sum-exp). What saves what: each norm its input (the residual stream, fp32 under autocast) and fp32
@@ -109,14 +110,17 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
     no copy. Their stream is bf16, and each norm still saves an fp32 input: RMSNorm its own x.float() on any
     device (its normalised x is then bf16), LayerNorm the fp32 copy a GPU's autocast makes (a CPU's autocast
-    leaves it bf16: zero.py measures less than this there)."""
+    leaves it bf16: zero.py measures less than this there). FSDP2 casts with its MixedPrecisionPolicy, not
+    autocast (autocast=False): a LayerNorm then saves its bf16 input and bf16 statistics (measured on a CPU;
+    a GPU's kernel may keep the statistics in fp32, 4 bytes a token more)."""
     e, fp32 = bytes_per_elem, 4
-    residual = 4 if e == 2 else e  # a norm's saved input under autocast: fp32 (see above)
+    in_fp32 = autocast or config.norm == 'rmsnorm'  # a norm computes in fp32 (RMSNorm: its own x.float())
+    residual, stats = (4 if e == 2 else e, fp32) if in_fp32 else (e, e)  # its saved input, statistics
     hd = config.n_embd // config.n_head
     heads, kv, hidden = config.n_head // t, config.n_kv_head // t, config.n_hidden // t
     tokens, norm_tokens = s * b, s * b // (t if sequence_parallel else 1)
     h = config.n_embd
-    per_norm = norm_tokens * (h * residual + fp32 * (2 if config.norm == 'layernorm' else 1))
+    per_norm = norm_tokens * (h * residual + stats * (2 if config.norm == 'layernorm' else 1))
     if config.norm == 'rmsnorm':  # and its normalised x, in the stream's dtype (bf16 over bf16 weights)
         per_norm += norm_tokens * h * (fp32 if fp32_weights or e == 4 else e)
     linear_inputs = 2 * tokens * h * e  # c_attn's and c_fc's (full sequence: all-gathered under SP)

@@ -18,11 +18,16 @@ import torch
 import torch.distributed as dist
 
 
-def saved_bytes_counter(model, noting=lambda: True):
+def storage_ptrs(tensors):
+    """The storages' addresses of tensors (a DTensor's: its local shard's)."""
+    return {(t.to_local() if hasattr(t, 'to_local') else t).untyped_storage().data_ptr() for t in tensors}
+
+
+def saved_bytes_counter(params, noting=lambda: True):
     """Measured activations: saved_tensors_hooks that note every distinct storage autograd keeps for backward
-    (while noting() says so), the model's parameters left out. Use `with hooks:` around a forward;
-    sum(seen.values()) is the bytes held. Returns (hooks, seen: {storage: bytes})."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    (while noting() says so), the parameters' storages (params, a set the caller may add to, as FSDP2 gathers
+    a block) left out. Use `with hooks:` around a forward; sum(seen.values()) is the bytes held. Returns
+    (hooks, seen: {storage: bytes})."""
     seen = {}
 
     def pack(t):
@@ -413,7 +418,7 @@ class ScheduleClock:
 
     @contextlib.contextmanager
     def holding(self, key):
-        hooks, saved = saved_bytes_counter(self.stage.model)
+        hooks, saved = saved_bytes_counter(storage_ptrs(self.stage.model.parameters()))
         with hooks:
             yield
         self.held_bytes[key] = sum(saved.values())
@@ -448,12 +453,14 @@ def first_block_saved_bytes(model):
 
     def enter(*_):
         state['inside'] = not state['done']
+        params.update(storage_ptrs(block.parameters()))  # (FSDP2: the block's gathered parameters, now)
 
     def leave(*_):
         state['done'] = state['done'] or state['inside']
         state['inside'] = False
     handles = [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
-    hooks, seen = saved_bytes_counter(model, lambda: state['inside'])
+    params = storage_ptrs(model.parameters())
+    hooks, seen = saved_bytes_counter(params, lambda: state['inside'])
     try:
         with hooks:
             yield result

@@ -174,7 +174,8 @@ def observe_expert_parallel(run, cfg, iter_num):
 def observe_fsdp(run, cfg, iter_num):
     """train_fsdp.py: the bytes in each rank's shards beside ZeRO-3's formula, and the most gradient bytes it
     held: sampled before each micro-step's forward (what the backward before it left: FSDP2 keeps unsharded
-    gradients while it accumulates without syncing) and as AdamW is handed the reduce-scattered shards."""
+    gradients while it accumulates without syncing) and as AdamW is handed the reduce-scattered shards; the
+    bytes one layer keeps for backward; the bytes sent."""
     seen = {'peak_grad_bytes': 0, 'grad_bytes': 0}
 
     def sample(*_):
@@ -186,12 +187,13 @@ def observe_fsdp(run, cfg, iter_num):
         seen['grad_bytes'] = nbytes(p.grad for p in run.model.parameters())
     hooks = [run.model.register_forward_pre_hook(sample), run.optimizer.register_step_pre_hook(before_step)]
     try:
-        with counting([run.dp]) as wire:  # (torch's FSDP2 makes its own calls: only its sockets see them)
+        # (torch's FSDP2 makes its own calls: only the rank's sockets see them)
+        with first_block_saved_bytes(run.model) as saved, counting([run.dp]) as wire:
             loss = run.step(iter_num)
     finally:
         for hook in hooks:
             hook.remove()
-    reports.report_fsdp(cfg, iter_num, run.model, run.optimizer, seen,
+    reports.report_fsdp(cfg, iter_num, run.model, run.optimizer, dict(seen, activation_bytes=saved.bytes),
                         cfg.gradient_accumulation_steps // run.n_devices, wire)
     return loss
 

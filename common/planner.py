@@ -215,8 +215,9 @@ def activations_of(gptconf, k, s, b, m, mixed_precision):
     act_bytes = 2 if mixed_precision else 4
     tokens, h = s // c, gptconf.n_embd  # context parallelism: each rank holds 1/cp of the sequence
     # zero.py and FSDP2 compute with bf16 weights, so a bf16 stream; the others autocast fp32 weights (a bf16
-    # copy per layer), and their stream stays fp32
-    layer = formulas.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0)
+    # copy per layer), and their stream stays fp32. FSDP2 runs without autocast: its LayerNorms stay bf16
+    layer = formulas.saved_bytes_formula(gptconf, tokens, b, t, k['sp'], act_bytes, fp32_weights=stage == 0,
+                                         autocast=not k['fsdp'])
     block_input = tokens * b * h * stream_bytes(mixed_precision, stage) // (t if k['sp'] else 1)
     first, last = ((1, 1) if p == 1 else
                    (formulas.peak_microbatches_formula(k['schedule'], p, m, stage=i) for i in (0, p - 1)))

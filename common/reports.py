@@ -317,10 +317,12 @@ def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why
 
 def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
     """Each rank's bytes (its shards after the step) and what its sockets sent, measured, and the formulas: a
-    log row each, one table. grads: {'peak_grad_bytes', 'grad_bytes'}, measured by the observer; wire: its
-    WireMeter (torch's FSDP2 makes the calls: none is counted at ours)."""
+    log row each, one table. grads: {'peak_grad_bytes', 'grad_bytes', 'activation_bytes' (the first block's)},
+    measured by the observer; wire: its WireMeter (torch's FSDP2 makes the calls: none is counted at ours)."""
     numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full parameter's
     moments = [s[k] for s in optimizer.state.values() for k in ('exp_avg', 'exp_avg_sq') if k in s]
+    grads = dict(grads)
+    activations = grads.pop('activation_bytes')
     measured = dict(grads, param_bytes=nbytes(model.parameters()), optim_bytes=nbytes(moments))
     formula = fsdp_held_bytes_formula(numel, dist.get_world_size(), micro_steps)
     row = {'iter': iter_num, 'rank': dist.get_rank(), 'numel': numel, 'micro_steps': micro_steps}
@@ -329,6 +331,12 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
     gathered = 2 if cfg.dtype == 'bfloat16' else 4  # (the MixedPrecisionPolicy's param_dtype)
     row.update(wire_bytes=wire.sent, wire_bytes_note=wire.why_not, wire_bytes_formula=fsdp_comm_bytes_formula(
         numel, dist.get_world_size(), micro_steps, gathered))
+    # one block's activations: the MixedPrecisionPolicy computes in bf16 without autocast (a block kept whole:
+    # with checkpointing it keeps its input; a mixture of experts follows its router: no formula)
+    priced = not cfg.activation_checkpointing and not model.config.is_moe(0)
+    row.update(activation_bytes=activations, activation_bytes_formula=saved_bytes_formula(
+        model.config, cfg.block_size, cfg.batch_size, bytes_per_elem=gathered, fp32_weights=False,
+        autocast=False) if priced else None)
     rows = log_rank_rows(cfg.out_dir, row)
     if dist.get_rank() == 0:
         peak = ("4Ψ: unsharded, accumulated without a sync" if micro_steps > 1 else
@@ -340,8 +348,11 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
                          f"all-reduce underneath, 2(N-1)/N of the gradients, not (N-1)/N: {extra:,.0f} more")
         print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of "
                        f"the gradients over {micro_steps} micro-step(s): {peak}) and sent in the step (its "
-                       f"own sockets; the ring formula: both gathers every micro-step, one reduce-scatter)",
+                       f"own sockets; the ring formula: both gathers every micro-step, one reduce-scatter); "
+                       f"activations: what one block saves for backward",
                        [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
                         for r in rows for k in measured] +
                        [(f"rank {r['rank']} bytes sent", r['wire_bytes'], None, r['wire_bytes_formula'])
-                        for r in rows], notes)
+                        for r in rows] +
+                       [("rank 0 activations", activations, None, row['activation_bytes_formula'])
+                        ] * (not cfg.activation_checkpointing), notes)  # (checkpointed: a block keeps none)

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from common import formulas
 from consolidate import consolidate
 from helpers import (REPO, TINY, assert_same_checkpoint, assert_same_losses, check, eval_losses,
                      measuring_calls_per_step, read_log, run_script, run_train_py_here, spawn, train_losses,
@@ -85,6 +86,10 @@ def test_held_bytes_are_the_shards_and_match_psi_over_n(runs, run, world_size):
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     padded_share = sum(-(-p.shape[0] // world_size) * p[0].numel() for p in params)
+    for r in rows:  # one layer's activations (fp32; run h checkpoints: the block keeps nothing inside itself)
+        assert r['activation_bytes'] == (r['activation_bytes_formula'] if run == 'f' else 0), r
+        assert r['activation_bytes_formula'] == (formulas.saved_bytes_formula(model.config, 16, 4)
+                                                 if run == 'f' else None)
     for r in rows:  # accumulating 3 (2 ranks) or 2 (3 ranks) micro-steps without sync holds full-size gradients
         assert r['micro_steps'] > 1 and r['peak_grad_bytes'] == r['peak_grad_bytes_formula'] == 4 * numel
     for key, per_param in (('param_bytes', 4), ('grad_bytes', 4), ('optim_bytes', 8)):
@@ -120,6 +125,40 @@ def test_bytes_sent_are_the_ring_formula_plus_gloos_all_reduce(runs, run, world_
     for r in rows:
         gloo = r['wire_bytes_formula'] * padded / r['numel'] + (n - 1) / n * 4 * padded
         assert 0.95 * gloo <= r['wire_bytes'] <= gloo + 4096, (r['wire_bytes'], gloo, r)
+
+
+def _layer_activations_worker(rank, world_size):
+    """FSDP2 in bf16 (its MixedPrecisionPolicy, no autocast) on GPT-2's and LLaMA's block: the bytes the first
+    block keeps for backward, measured (measure.first_block_saved_bytes, the gathered bf16 weights left out);
+    saved_bytes_formula without autocast and with it; the planner's FSDP2 row's bytes a layer."""
+    from common import formulas, planner
+    from common.measure import first_block_saved_bytes
+    from model import GPT, GPTConfig
+    from train_fsdp import shard_model
+    out = {}
+    for name, layout in (('gpt2', {}), ('llama', dict(norm='rmsnorm', mlp='swiglu', pos='rope', n_kv_head=2,
+                                                      tie_embeddings=False))):
+        torch.manual_seed(0)
+        config = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=16, vocab_size=64, bias=False, **layout)
+        model = shard_model(GPT(config), 'cpu', world_size, 'bfloat16')
+        x = torch.randint(0, 64, (4, 16))
+        with first_block_saved_bytes(model) as saved:
+            model(x, x)[1].backward()
+        kwargs = dict(bytes_per_elem=2, fp32_weights=False)
+        row = [r for r in planner.estimate(config, world_size, 80, 4, 16, 1, 1, 1, 1, True)
+               if r['strategy'].startswith('FSDP2')][0]
+        out[name] = (saved.bytes, formulas.saved_bytes_formula(config, 16, 4, autocast=False, **kwargs),
+                     formulas.saved_bytes_formula(config, 16, 4, **kwargs), row['activation_bytes_per_layer'])
+    return out
+
+
+def test_a_layers_activations_in_bf16_are_the_formula_without_autocast():
+    """FSDP2 casts with its MixedPrecisionPolicy, not autocast, so a LayerNorm keeps its bf16 input and bf16
+    statistics (autocast would keep an fp32 input: 13% more on this block); RMSNorm computes in fp32 itself
+    either way. The planner prices FSDP2's rows so."""
+    for name, (measured, no_autocast, autocast, planned) in spawn(_layer_activations_worker, 1)[0].items():
+        assert measured == no_autocast == planned, (name, measured, no_autocast, planned)
+        assert (autocast > 1.1 * measured) if name == 'gpt2' else autocast == measured, (name, autocast)
 
 
 def _mixed_precision_worker(rank, world_size):
