@@ -342,7 +342,7 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
         peak = ("4Ψ: unsharded, accumulated without a sync" if micro_steps > 1 else
                 "4Ψ/N: one micro-step, each gradient reduce-scattered as it is made")
         notes = [f"wire bytes {wire.why_not}"] if wire.sent is None else []
-        if wire.sent is not None:  # (gloo: a process's own sockets carry its bytes)
+        if wire.sent is not None and len(rows) > 1:  # (gloo: a process's own sockets carry its bytes)
             extra = (len(rows) - 1) / len(rows) * 4 * numel
             notes.append(f"more on the wire than the ring formula: on gloo FSDP2's reduce-scatter is an "
                          f"all-reduce underneath, 2(N-1)/N of the gradients, not (N-1)/N: {extra:,.0f} more")
