@@ -105,7 +105,8 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     weights are read one tensor at a time by init_values. Returns (model, the checkpoint or None, iter_num,
     best_val_loss); on resume the log is trimmed to iter_num."""
     checkpoint, iter_num, best_val_loss = None, 0, 1e9
-    # the GPTConfig fields that do not change the weights come from this run's flags (as nanoGPT's dropout)
+    # dropout and activation checkpointing, which no weight depends on, come from this run's flags (as
+    # nanoGPT's dropout); everything else from the checkpoint
     overrides = dict(dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
 
     def on_meta():  # (torch's meta kernels loaded first, just before the build: torch's code, not the run's)

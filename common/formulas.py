@@ -95,7 +95,7 @@ def activation_bytes_formula(s, b, h, a, t, sequence_parallel, recompute=False, 
 
 
 def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_elem=4, fp32_weights=True,
-                        autocast=True):
+                        autocast=True, device_type='cuda'):
     """Bytes one of this repo's blocks keeps for backward on one tp rank, read off model.py's code (dropout 0;
     scaled_dot_product_attention's flash/efficient kernels keep no s x s matrix, only q, k, v, out and the
     log-sum-exp). What saves what: each norm its input (the residual stream, fp32 under autocast) and fp32
@@ -108,14 +108,14 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     34/t, activation_bytes_formula). bytes_per_elem=2 means bf16 autocast: the norms stay fp32, and over fp32
     weights (train.py, DDP, tensor and pipeline parallelism) the bf16 copy of each weight that autocast makes
     is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
-    no copy. Their stream is bf16, and each norm still saves an fp32 input: RMSNorm its own x.float() on any
-    device (its normalised x is then bf16), LayerNorm the fp32 copy a GPU's autocast makes (a CPU's autocast
-    leaves it bf16: zero.py measures less than this there). FSDP2 casts with its MixedPrecisionPolicy, not
-    autocast (autocast=False): a LayerNorm then saves its bf16 input and bf16 statistics (measured on a CPU;
-    a GPU's kernel may keep the statistics in fp32, 4 bytes a token more)."""
+    no copy. Their stream is bf16: RMSNorm saves its own x.float() on any device (its normalised x is then
+    bf16); a LayerNorm the fp32 copy a GPU's autocast makes, but the bf16 stream itself under a CPU's autocast
+    (device_type='cpu') or without autocast (FSDP2's MixedPrecisionPolicy: autocast=False), with its
+    statistics in fp32 on a GPU (CUDA's accumulate type) and in bf16 on a CPU (its input's dtype)."""
     e, fp32 = bytes_per_elem, 4
-    in_fp32 = autocast or config.norm == 'rmsnorm'  # a norm computes in fp32 (RMSNorm: its own x.float())
-    residual, stats = (4 if e == 2 else e, fp32) if in_fp32 else (e, e)  # its saved input, statistics
+    stream = fp32 if fp32_weights else e  # (over fp32 weights autocast adds the residual stream in fp32)
+    residual = fp32 if config.norm == 'rmsnorm' or (autocast and device_type == 'cuda') else stream
+    stats = fp32 if residual == fp32 or device_type == 'cuda' else e  # a norm's saved input, statistics
     hd = config.n_embd // config.n_head
     heads, kv, hidden = config.n_head // t, config.n_kv_head // t, config.n_hidden // t
     tokens, norm_tokens = s * b, s * b // (t if sequence_parallel else 1)

@@ -331,28 +331,44 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
     gathered = 2 if cfg.dtype == 'bfloat16' else 4  # (the MixedPrecisionPolicy's param_dtype)
     row.update(wire_bytes=wire.sent, wire_bytes_note=wire.why_not, wire_bytes_formula=fsdp_comm_bytes_formula(
         numel, dist.get_world_size(), micro_steps, gathered))
-    # one block's activations: the MixedPrecisionPolicy computes in bf16 without autocast (a block kept whole:
-    # with checkpointing it keeps its input; a mixture of experts follows its router: no formula)
-    priced = not cfg.activation_checkpointing and not model.config.is_moe(0)
+    # one block's activations: the MixedPrecisionPolicy computes in bf16 without autocast (dropout 0, a block
+    # kept whole; a mixture of experts follows its router: no formula)
+    priced = cfg.dropout == 0 and not cfg.activation_checkpointing and not model.config.is_moe(0)
     row.update(activation_bytes=activations, activation_bytes_formula=saved_bytes_formula(
         model.config, cfg.block_size, cfg.batch_size, bytes_per_elem=gathered, fp32_weights=False,
-        autocast=False) if priced else None)
+        autocast=False, device_type=cfg.device.split(':')[0]) if priced else None)
     rows = log_rank_rows(cfg.out_dir, row)
     if dist.get_rank() == 0:
-        peak = ("4Ψ: unsharded, accumulated without a sync" if micro_steps > 1 else
-                "4Ψ/N: one micro-step, each gradient reduce-scattered as it is made")
-        notes = [f"wire bytes {wire.why_not}"] if wire.sent is None else []
-        if wire.sent is not None and len(rows) > 1:  # (gloo: a process's own sockets carry its bytes)
-            extra = (len(rows) - 1) / len(rows) * 4 * numel
-            notes.append(f"more on the wire than the ring formula: on gloo FSDP2's reduce-scatter is an "
-                         f"all-reduce underneath, 2(N-1)/N of the gradients, not (N-1)/N: {extra:,.0f} more")
-        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: bytes in each rank's shards (the peak of "
-                       f"the gradients over {micro_steps} micro-step(s): {peak}) and sent in the step (its "
-                       f"own sockets; the ring formula: both gathers every micro-step, one reduce-scatter); "
-                       f"activations: what one block saves for backward",
+        print_measured(f"FSDP2, N = {len(rows)}, Ψ = {numel:,}: what each rank holds in its shards, sends in "
+                       f"the step and keeps for backward",
                        [(f"rank {r['rank']} {k[:-6]}", r[k], None, r[k + '_formula'])
                         for r in rows for k in measured] +
                        [(f"rank {r['rank']} bytes sent", r['wire_bytes'], None, r['wire_bytes_formula'])
                         for r in rows] +
                        [("rank 0 activations", activations, None, row['activation_bytes_formula'])
-                        ] * (not cfg.activation_checkpointing), notes)  # (checkpointed: a block keeps none)
+                        ] * (not cfg.activation_checkpointing),  # (checkpointed: a block keeps none inside)
+                       fsdp_notes(cfg, model, micro_steps, len(rows), wire))
+
+
+def fsdp_notes(cfg, model, micro_steps, n, wire):
+    """What report_fsdp's table needs said: the gradients' peak, how bytes sent are measured and modelled and
+    why gloo's differ, what the activations are."""
+    numel = sum(p.numel() for p in model.parameters())
+    notes = [f"the gradients at their peak over {micro_steps} micro-step(s): " +
+             ("4Ψ, unsharded, accumulated without a sync" if micro_steps > 1 else
+              "4Ψ/N, one micro-step: each gradient reduce-scattered as it is made"),
+             "bytes sent: the rank's own sockets, beside the ring formula (both gathers every micro-step, "
+             "one reduce-scatter a step); none counted: torch makes FSDP2's calls"]
+    if wire.sent is None:
+        notes.append(f"wire bytes {wire.why_not}")
+    elif n > 1:  # (gloo: a process's own sockets carry its bytes)
+        extra = (n - 1) / n * 4 * numel
+        notes.append(f"more on the wire than the ring formula: on gloo FSDP2's reduce-scatter is an "
+                     f"all-reduce underneath, 2(N-1)/N of the gradients, not (N-1)/N: {extra:,.0f} "
+                     f"more; a little less, as FSDP2 keeps the root's parameters (the embeddings) gathered "
+                     f"from forward to backward, and more where it pads a dim 0 that N does not divide")
+    if not cfg.activation_checkpointing:
+        why = ('' if cfg.dropout == 0 and not model.config.is_moe(0) else
+               ': no formula with dropout (its masks) or a mixture of experts (its router decides)')
+        notes.append(f"activations: what block 0 saves for backward in the first micro-batch{why}")
+    return notes

@@ -130,7 +130,8 @@ def test_bytes_sent_are_the_ring_formula_plus_gloos_all_reduce(runs, run, world_
 def _layer_activations_worker(rank, world_size):
     """FSDP2 in bf16 (its MixedPrecisionPolicy, no autocast) on GPT-2's and LLaMA's block: the bytes the first
     block keeps for backward, measured (measure.first_block_saved_bytes, the gathered bf16 weights left out);
-    saved_bytes_formula without autocast and with it; the planner's FSDP2 row's bytes a layer."""
+    saved_bytes_formula without autocast on a CPU and on a GPU, and with a GPU's autocast; the planner's
+    (GPU) FSDP2 and ZeRO-3 rows' bytes a layer."""
     from common import formulas, planner
     from common.measure import first_block_saved_bytes
     from model import GPT, GPTConfig
@@ -144,21 +145,43 @@ def _layer_activations_worker(rank, world_size):
         x = torch.randint(0, 64, (4, 16))
         with first_block_saved_bytes(model) as saved:
             model(x, x)[1].backward()
-        kwargs = dict(bytes_per_elem=2, fp32_weights=False)
-        row = [r for r in planner.estimate(config, world_size, 80, 4, 16, 1, 1, 1, 1, True)
-               if r['strategy'].startswith('FSDP2')][0]
-        out[name] = (saved.bytes, formulas.saved_bytes_formula(config, 16, 4, autocast=False, **kwargs),
-                     formulas.saved_bytes_formula(config, 16, 4, **kwargs), row['activation_bytes_per_layer'])
+        formula = lambda **k: formulas.saved_bytes_formula(config, 16, 4, bytes_per_elem=2, fp32_weights=False,
+                                                           **k)
+        rows = {r['strategy'].split()[0]: r['activation_bytes_per_layer']
+                for r in planner.estimate(config, world_size, 80, 4, 16, 1, 1, 1, 1, True)}
+        out[name] = dict(measured=saved.bytes, cpu=formula(autocast=False, device_type='cpu'),
+                         gpu=formula(autocast=False), gpu_autocast=formula(), planned=rows['FSDP2'],
+                         planned_zero3=rows['ZeRO-3'])
     return out
 
 
 def test_a_layers_activations_in_bf16_are_the_formula_without_autocast():
-    """FSDP2 casts with its MixedPrecisionPolicy, not autocast, so a LayerNorm keeps its bf16 input and bf16
-    statistics (autocast would keep an fp32 input: 13% more on this block); RMSNorm computes in fp32 itself
-    either way. The planner prices FSDP2's rows so."""
-    for name, (measured, no_autocast, autocast, planned) in spawn(_layer_activations_worker, 1)[0].items():
-        assert measured == no_autocast == planned, (name, measured, no_autocast, planned)
-        assert (autocast > 1.1 * measured) if name == 'gpt2' else autocast == measured, (name, autocast)
+    """FSDP2 casts with its MixedPrecisionPolicy, not autocast, so a LayerNorm keeps its bf16 input, and its
+    statistics in bf16 on a CPU (in fp32 on a GPU: CUDA's accumulate type); a GPU's autocast (zero.py's) would
+    keep an fp32 copy of the input: 11% more on this block. RMSNorm computes in fp32 itself either way. The
+    planner prices a GPU's FSDP2 and ZeRO-3 rows so."""
+    for name, n in spawn(_layer_activations_worker, 1)[0].items():
+        assert n['measured'] == n['cpu'] and n['planned'] == n['gpu'] and n['planned_zero3'] == n['gpu_autocast']
+        if name == 'gpt2':
+            assert n['cpu'] < n['gpu'] < n['gpu_autocast'] and n['gpu_autocast'] > 1.1 * n['cpu'], n
+        else:
+            assert n['cpu'] == n['gpu'] == n['gpu_autocast'], n
+
+
+def test_bf16_run_reports_its_activations_and_bf16_gathers(tmp_path):
+    """train_fsdp.py in bfloat16 on 2 ranks: the first block's activations are the formula of its report (no
+    autocast, this CPU), and its sockets sent the ring formula with bf16 gathers (2 bytes, not 4) and one fp32
+    reduce-scatter, plus gloo's all-reduce in its place."""
+    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={tmp_path}', '--max_iters=1', '--dtype=bfloat16'],
+                     nproc=2))
+    rows = [r for r in read_log(tmp_path) if 'rank' in r]
+    assert len(rows) == 2
+    for r in rows:
+        psi, m = r['numel'], r['micro_steps']
+        assert r['activation_bytes'] == r['activation_bytes_formula'] > 0, r
+        assert r['wire_bytes_formula'] == pytest.approx(0.5 * psi * (2 * m * 2 + 4))
+        gloo = r['wire_bytes_formula'] + 0.5 * 4 * psi
+        assert 0.95 * gloo <= r['wire_bytes'] <= gloo + 4096, (r['wire_bytes'], gloo)
 
 
 def _mixed_precision_worker(rank, world_size):
