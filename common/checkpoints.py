@@ -127,6 +127,9 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
         if is_master():
             trim_log(cfg.out_dir, iter_num)
+            note = resume_note(cfg, checkpoint['model_args'])
+            if note:
+                print(note)
     elif gpt2 and is_gpt2(cfg.init_from):
         from common import hf  # (Hugging Face's files, and transformers, only here)
         if meta:  # the shapes from its config; its weights come later, one tensor at a time (init_values)
@@ -141,6 +144,22 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's "
                          f"{model.config.block_size}")
     return model, checkpoint, iter_num, best_val_loss
+
+
+def resume_note(cfg, model_args):
+    """One line where this command describes another model than the checkpoint's (a resume without the run's
+    config file, say): the model's shape is the checkpoint's, its dropout and activation checkpointing are
+    this command's (init_model). None where they agree."""
+    mine = vars(model_config(cfg, model_args['vocab_size']))  # (as the command would build it)
+    taken = ('dropout', 'activation_checkpointing')
+    differ = [k for k, v in model_args.items() if k != 'block_size' and k in mine and mine[k] != v]
+    if not differ:
+        return None
+    said = [f"{k}={v!r} (this command's; the checkpoint's run had {model_args[k]!r})"
+            for k, v in mine.items() if k in differ and k in taken]
+    said += [f"{k}={model_args[k]!r} (the checkpoint's; this command says {mine[k]!r})"
+             for k in differ if k not in taken]
+    return "note: resuming with " + ', '.join(said)
 
 
 def check_resume_files(checkpoint, ckpt_path):
