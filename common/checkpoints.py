@@ -151,15 +151,11 @@ def resume_note(cfg, model_args):
     config file, say): the model's shape is the checkpoint's, its dropout and activation checkpointing are
     this command's (init_model). None where they agree."""
     mine = vars(model_config(cfg, model_args['vocab_size']))  # (as the command would build it)
-    taken = ('dropout', 'activation_checkpointing')
-    differ = [k for k, v in model_args.items() if k != 'block_size' and k in mine and mine[k] != v]
-    if not differ:
-        return None
-    said = [f"{k}={v!r} (this command's; the checkpoint's run had {model_args[k]!r})"
-            for k, v in mine.items() if k in differ and k in taken]
-    said += [f"{k}={model_args[k]!r} (the checkpoint's; this command says {mine[k]!r})"
-             for k in differ if k not in taken]
-    return "note: resuming with " + ', '.join(said)
+    said = [f"{k}={mine[k]!r} (this command's; the checkpoint's run had {v!r})"
+            if k in ('dropout', 'activation_checkpointing') else
+            f"{k}={v!r} (the checkpoint's; this command says {mine[k]!r})"
+            for k, v in model_args.items() if k != 'block_size' and k in mine and mine[k] != v]
+    return "note: resuming with " + ', '.join(said) if said else None
 
 
 def check_resume_files(checkpoint, ckpt_path):

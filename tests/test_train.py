@@ -339,6 +339,24 @@ def test_a_resume_takes_dropout_and_checkpointing_from_its_flags(tmp_path):
     assert model.transformer.drop.p == 0.1 and model.config.n_embd == 16
 
 
+def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsys):
+    """Resumed with the run's own flags: no note. Without them (the n_embd and dropout defaults here): one line
+    that the model's shape is the checkpoint's and its dropout this command's, each beside the other's."""
+    import train
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--sample_at_end=False']
+    train.main(flags + ['--dropout=0.1'])
+    resume = lambda argv: checkpoints.init_model(training.configure(train.config, argv + ['--init_from=resume']),
+                                                 None, os.path.join(tmp_path, 'ckpt.pt'))[0]
+    capsys.readouterr()
+    assert resume(flags + ['--dropout=0.1']).config.n_embd == 16 and 'note' not in capsys.readouterr().out
+    model = resume([f'--out_dir={tmp_path}', '--n_layer=2', '--n_head=4', '--block_size=16'])  # (n_embd: 128)
+    out = capsys.readouterr().out
+    assert model.config.n_embd == 16 and model.config.dropout == 0.0, model.config
+    assert out.count('\n') == 1 and out.startswith('note: resuming with '), out
+    assert "n_embd=16 (the checkpoint's; this command says 128)" in out, out
+    assert "dropout=0.0 (this command's; the checkpoint's run had 0.1)" in out, out
+
+
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
     says so before the run; an idle CPU, one thread, or a GPU gets none."""
