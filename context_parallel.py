@@ -61,7 +61,8 @@ def zigzag_positions(seq_len, cp_size, cp_rank, device='cpu'):
     2·cp-1-i. Under the causal mask an early chunk sees few keys and a late one many: each rank gets both."""
     c = seq_len // (2 * cp_size)
     first, second = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
-    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)]).to(device)
+    chunk = lambda start: torch.arange(start, start + c, device=device)  # (made there: no host-to-GPU copy)
+    return torch.cat([chunk(first), chunk(second)])
 
 
 # Ring attention, forward and backward written out (every send visible)
@@ -219,7 +220,7 @@ def ulysses_attention(q, k, v, cp):
     q, k, v = (seq_to_heads(t, cp) for t in (q, k, v))
     n = cp.group.size
     seq_len = 2 * n * (cp.positions.numel() // 2)
-    gathered = torch.cat([zigzag_positions(seq_len, n, r) for r in range(n)]).to(q.device)
+    gathered = torch.cat([zigzag_positions(seq_len, n, r, q.device) for r in range(n)])
     order = torch.argsort(gathered)
     q, k, v = (t[..., order, :] for t in (q, k, v))
     k, v = expand_kv(k, q.size(1)), expand_kv(v, q.size(1))
