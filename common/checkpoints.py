@@ -125,9 +125,9 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         if not meta:
             model.load_state_dict(checkpoint['model'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        note = resume_note(cfg, checkpoint['model_args'])
         if is_master():
             trim_log(cfg.out_dir, iter_num)
-            note = resume_note(cfg, checkpoint['model_args'])
             if note:
                 print(note)
     elif gpt2 and is_gpt2(cfg.init_from):
@@ -150,7 +150,10 @@ def resume_note(cfg, model_args):
     """One line where this command describes another model than the checkpoint's (a resume without the run's
     config file, say): the model's shape is the checkpoint's, its dropout and activation checkpointing are
     this command's (init_model). None where they agree."""
-    mine = vars(model_config(cfg, model_args['vocab_size']))  # (as the command would build it)
+    try:
+        mine = vars(model_config(cfg, model_args['vocab_size']))  # (as the command would build it)
+    except SystemExit:  # (a model the command alone could not build: the flags it set, as they are)
+        mine = {k: v for k, v in vars(cfg).items() if v is not None}
     said = [f"{k}={mine[k]!r} (this command's; the checkpoint's run had {v!r})"
             if k in ('dropout', 'activation_checkpointing') else
             f"{k}={v!r} (the checkpoint's; this command says {mine[k]!r})"
