@@ -355,6 +355,9 @@ def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsy
     assert out.count('\n') == 1 and out.startswith('note: resuming with '), out
     assert "n_embd=16 (the checkpoint's; this command says 128)" in out, out
     assert "dropout=0.0 (this command's; the checkpoint's run had 0.1)" in out, out
+    # flags that alone describe no model (3 heads in the default 128 wide): compared as they are, not refused
+    assert resume([f'--out_dir={tmp_path}', '--n_head=3', '--block_size=16']).config.n_head == 4
+    assert "n_head=4 (the checkpoint's; this command says 3)" in capsys.readouterr().out
 
 
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
