@@ -174,18 +174,18 @@ def grid_loss(stage, cp, m, x, y):
     return loss / cp.group.size
 
 
-def weight_groups(grid, rank, cfg):
+def weight_groups(grid, rank, ep_size, tied):
     """The groups parallel_4d.py adds to the grid's: the ranks holding the same weights (every dp and cp rank
     of a pp and tp coordinate: their gradients are averaged together, and ZeRO-1 shards the optimizer state
     over them), cut into ep groups and their edp groups (expert_groups: ep > 1, a mixture of experts); and the
     tied embedding's two stages (embed_comm)."""
     same_weights = along(grid, 'dp', 'cp')
-    ep_groups, edp_groups = expert_groups(same_weights, cfg.ep)
+    ep_groups, edp_groups = expert_groups(same_weights, ep_size)
     ep, edp = None, None  # (no experts to share out)
-    if cfg.ep > 1:
+    if ep_size > 1:
         ep, edp = group_comm('ep', ep_groups, rank), group_comm('edp', edp_groups, rank)
     return dict(dp_cp=group_comm('dp_cp', same_weights, rank), ep=ep, edp=edp,
-                embed=embed_comm(grid, rank, cfg.tie_embeddings))
+                embed=embed_comm(grid, rank, tied))
 
 
 def main(argv):
@@ -193,11 +193,11 @@ def main(argv):
     dp_size = check_config(cfg, world_size_from_env())
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    comms.update(weight_groups(grid, rank, cfg))
     data, vocab_size = load_dataset(cfg.dataset)
     # train.py's GPT on the meta device: build_stage cuts it along the grid and materializes this rank's part
     ckpt_path = rank_path(cfg.out_dir, RANK_FILE, rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
+    comms.update(weight_groups(grid, rank, cfg.ep, model.config.tie_embeddings))  # (resumed: checkpoint's)
     flops = model.flops_per_token(cfg.block_size)  # of the whole model, before it is cut
     print_grid(grid, coords, comms, rank, out_dir=cfg.out_dir)
     if rank == 0:

@@ -462,9 +462,10 @@ def build(cfg, rank, world_size, vocab_size):
     """The dp x pp grid; train.py's GPT on the meta device cut to this stage, which alone gets storage and
     values (train.py's, or its checkpoint's); its dropout stream (per replica and stage) and AdamW."""
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.pp, pp=cfg.pp)
-    dp, pp_comm, embed = comms['dp'], comms['pp'], embed_comm(grid, rank, cfg.tie_embeddings)
+    dp, pp_comm = comms['dp'], comms['pp']
     ckpt_path = rank_path(cfg.out_dir, STAGE_FILE, pp_comm.rank)
     model, checkpoint, iter_num, best_val_loss = init_model(cfg, vocab_size, ckpt_path, gpt2=False, meta=True)
+    embed = embed_comm(grid, rank, model.config.tie_embeddings)  # (on a resume, the checkpoint's)
     n_params, flops_per_token = model.get_num_params(), model.flops_per_token(cfg.block_size)  # (whole model)
     chunks = keep_stage(model, pp_comm.rank, cfg.pp, cfg.virtual_stages)  # on the meta device: shapes only
     materialize(model, cfg.device)  # storage for this stage's part alone

@@ -391,12 +391,16 @@ def baseline(tmp_path_factory):
 def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, tmp_path):
     """pp=2 1F1B on 2 processes for 3 iterations, consolidated at its checkpoint into train.py's format; then the
     pipeline resumes from its stage checkpoints as dp=2 x pp=2 on 4 processes, and train.py from the consolidated
-    checkpoint, both to 6: every loss equals one train.py process's."""
+    checkpoint, both to 6: every loss equals one train.py process's. The resume says --tie_embeddings=False: the
+    checkpoint's model is tied, and its two stages must keep summing the tied embedding's gradients (they took
+    the flag and drifted apart)."""
     pipe, full = str(tmp_path / 'pipe'), str(tmp_path / 'full')
     pargs = ARGS + ['--pp=2', '--schedule=1f1b', '--n_microbatches=2', f'--out_dir={pipe}']
     check(run_script('pipeline.py', pargs + ['--max_iters=3'], nproc=2))
     consolidate(str(pipe), str(full))
-    check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume'], nproc=4))
+    resumed = check(run_script('pipeline.py', pargs + ['--max_iters=6', '--init_from=resume',
+                                                       '--tie_embeddings=False'], nproc=4))
+    assert "tie_embeddings=True (the checkpoint's; this command says False)" in resumed.stdout
     run_train_py_here(ARGS + [f'--out_dir={full}', '--max_iters=6', '--init_from=resume'])
     want = train_losses(baseline)
     assert_same_losses(train_losses(pipe), want, range(6))
