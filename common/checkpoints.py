@@ -125,7 +125,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         if not meta:
             model.load_state_dict(checkpoint['model'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        note = resume_note(cfg, checkpoint['model_args'])
+        note = resume_note(cfg, checkpoint)
         if is_master():
             trim_log(cfg.out_dir, iter_num)
             if note:
@@ -146,18 +146,15 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     return model, checkpoint, iter_num, best_val_loss
 
 
-def resume_note(cfg, model_args):
-    """One line where this command describes another model than the checkpoint's (a resume without the run's
-    config file, say): the model's shape is the checkpoint's, its dropout and activation checkpointing are
-    this command's (init_model). None where they agree."""
-    try:
-        mine = vars(model_config(cfg, model_args['vocab_size']))  # (as the command would build it)
-    except SystemExit:  # (a model the command alone could not build: the flags it set, as they are)
-        mine = {k: v for k, v in vars(cfg).items() if v is not None}
-    said = [f"{k}={mine[k]!r} (this command's; the checkpoint's run had {v!r})"
+def resume_note(cfg, checkpoint):
+    """One line where this command's model flags differ from those of the run that wrote the checkpoint (a
+    resume without the run's config file, say): the model's shape is the checkpoint's, its dropout and
+    activation checkpointing this command's (init_model). None where they agree (block_size may be smaller)."""
+    run, shape = checkpoint.get('config') or {}, checkpoint['model_args']
+    said = [f"{k}={getattr(cfg, k)!r} (this command's; the run had {run[k]!r})"
             if k in ('dropout', 'activation_checkpointing') else
-            f"{k}={v!r} (the checkpoint's; this command says {mine[k]!r})"
-            for k, v in model_args.items() if k != 'block_size' and k in mine and mine[k] != v]
+            f"{k}={shape[k]!r} (the checkpoint's; this command says {getattr(cfg, k)!r})"
+            for k in shape if k in run and k != 'block_size' and getattr(cfg, k, run[k]) != run[k]]
     return "note: resuming with " + ', '.join(said) if said else None
 
 

@@ -349,15 +349,19 @@ def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsy
                                                  None, os.path.join(tmp_path, 'ckpt.pt'))[0]
     capsys.readouterr()
     assert resume(flags + ['--dropout=0.1']).config.n_embd == 16 and 'note' not in capsys.readouterr().out
+    assert resume(flags + ['--dropout=0.1', '--block_size=8']) and 'note' not in capsys.readouterr().out
     model = resume([f'--out_dir={tmp_path}', '--n_layer=2', '--n_head=4', '--block_size=16'])  # (n_embd: 128)
     out = capsys.readouterr().out
     assert model.config.n_embd == 16 and model.config.dropout == 0.0, model.config
     assert out.count('\n') == 1 and out.startswith('note: resuming with '), out
     assert "n_embd=16 (the checkpoint's; this command says 128)" in out, out
-    assert "dropout=0.0 (this command's; the checkpoint's run had 0.1)" in out, out
+    assert "dropout=0.0 (this command's; the run had 0.1)" in out, out
     # flags that alone describe no model (3 heads in the default 128 wide): compared as they are, not refused
     assert resume([f'--out_dir={tmp_path}', '--n_head=3', '--block_size=16']).config.n_head == 4
-    assert "n_head=4 (the checkpoint's; this command says 3)" in capsys.readouterr().out
+    assert capsys.readouterr().out == (
+        "note: resuming with n_layer=2 (the checkpoint's; this command says 4), n_head=4 (the checkpoint's; "
+        "this command says 3), n_embd=16 (the checkpoint's; this command says 128), dropout=0.0 (this "
+        "command's; the run had 0.1)\n")
 
 
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
