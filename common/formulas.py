@@ -98,8 +98,8 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
                         autocast=True, device_type='cuda'):
     """Bytes one of this repo's blocks keeps for backward on one tp rank, read off model.py's code (dropout 0;
     scaled_dot_product_attention's flash/efficient kernels keep no s x s matrix, only q, k, v, out and the
-    log-sum-exp). What saves what: each norm its input (the residual stream, fp32 under autocast) and fp32
-    statistics (RMSNorm also its fp32 normalised x); each Linear its input; SDPA q, k, v (views of c_attn's
+    log-sum-exp). What saves what: each norm its input and statistics (dtypes below; RMSNorm also its
+    normalised x); each Linear its input; SDPA q, k, v (views of c_attn's
     output keep that whole output alive; RoPE and GQA's repeat make new tensors) and its output, which c_proj
     then saves with no copy; GELU its input; SwiGLU its gate output, the SiLU and c_fc outputs and their
     product. Under tensor parallelism the heads and the MLP's hidden width are 1/t per rank; sequence
@@ -109,9 +109,10 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     weights (train.py, DDP, tensor and pipeline parallelism) the bf16 copy of each weight that autocast makes
     is saved for backward too; zero.py and FSDP2 compute with bf16 weights (fp32_weights=False), so there is
     no copy. Their stream is bf16: RMSNorm saves its own x.float() on any device (its normalised x is then
-    bf16); a LayerNorm the fp32 copy a GPU's autocast makes, but the bf16 stream itself under a CPU's autocast
-    (device_type='cpu') or without autocast (FSDP2's MixedPrecisionPolicy: autocast=False), with its
-    statistics in fp32 on a GPU (CUDA's accumulate type) and in bf16 on a CPU (its input's dtype)."""
+    bf16); a LayerNorm the fp32 copies a GPU's autocast makes (of its input, weight and bias), but the bf16
+    stream itself under a CPU's autocast (device_type='cpu') or without autocast (FSDP2's
+    MixedPrecisionPolicy: autocast=False), with its statistics in fp32 on a GPU (CUDA's accumulate type) and
+    in bf16 on a CPU (its input's dtype)."""
     e, fp32 = bytes_per_elem, 4
     stream = fp32 if fp32_weights else e  # (over fp32 weights autocast adds the residual stream in fp32)
     residual = fp32 if config.norm == 'rmsnorm' or (autocast and device_type == 'cuda') else stream
@@ -136,9 +137,13 @@ def saved_bytes_formula(config, s, b, t=1, sequence_parallel=False, bytes_per_el
     n_mlp_in = 2 if config.mlp == 'swiglu' else 1
     weights = h * (heads + 2 * kv) * hd + heads * hd * h + (n_mlp_in + 1) * h * hidden
     autocast_copies = weights * e if e == 2 and fp32_weights else 0  # autocast's bf16 weights, kept too
-    if e == 2 and config.mlp == 'swiglu' and (fp32_weights or config.norm == 'layernorm'):
+    # over bf16 weights a LayerNorm runs in fp32 only in a GPU's autocast
+    fp32_layernorm = config.norm == 'layernorm' and residual == fp32 and not fp32_weights
+    if e == 2 and config.mlp == 'swiglu' and (fp32_weights or fp32_layernorm):
         autocast_copies += tokens * h * e  # c_gate and c_fc each cast their fp32 input: two bf16 copies
-        # (over bf16 weights an RMSNorm's output is bf16 already; a LayerNorm's is fp32 in a GPU's autocast)
+        # (over bf16 weights an RMSNorm's output is bf16 already; a LayerNorm's fp32 only in a GPU's autocast)
+    if e == 2 and fp32_layernorm:  # and keeps the fp32 copies autocast makes of its weight and bias
+        per_norm += h * fp32 * (2 if config.bias else 1)
     return 2 * per_norm + linear_inputs + attention + mlp + autocast_copies
 
 
