@@ -149,7 +149,8 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
 def resume_note(cfg, checkpoint):
     """One line where this command's model flags differ from those of the run that wrote the checkpoint (a
     resume without the run's config file, say): the model's shape is the checkpoint's, its dropout and
-    activation checkpointing this command's (init_model). None where they agree (block_size may be smaller)."""
+    activation checkpointing this command's (init_model). None where they agree (a smaller block_size
+    is no difference)."""
     run, shape = checkpoint.get('config') or {}, checkpoint['model_args']
     said = [f"{k}={getattr(cfg, k)!r} (this command's; the run had {run[k]!r})"
             if k in ('dropout', 'activation_checkpointing') else

@@ -365,8 +365,8 @@ def fsdp_notes(cfg, model, micro_steps, n, wire):
         extra = (n - 1) / n * 4 * numel
         notes.append(f"more on the wire than the ring formula: on gloo FSDP2's reduce-scatter is an "
                      f"all-reduce underneath, 2(N-1)/N of the gradients, not (N-1)/N: {extra:,.0f} "
-                     f"more (measured a little less: in part, FSDP2 keeps the root's parameters gathered from "
-                     f"forward to backward; and more where it pads a dim 0 that N does not divide)")
+                     f"more (measured a little less: in part, FSDP2 keeps the root's parameters gathered "
+                     f"from forward to backward; and more where it pads a dim 0 that N does not divide)")
     if not cfg.activation_checkpointing:
         why = ('' if cfg.dropout == 0 and not model.config.is_moe(0) else
                ': no formula with dropout (its masks) or a mixture of experts (its router decides)')
