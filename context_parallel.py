@@ -60,9 +60,8 @@ def zigzag_positions(seq_len, cp_size, cp_rank, device='cpu'):
     """The global positions this rank holds: the sequence cut into 2·cp chunks, rank i taking chunks i and
     2·cp-1-i. Under the causal mask an early chunk sees few keys and a late one many: each rank gets both."""
     c = seq_len // (2 * cp_size)
-    first, second = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
-    chunk = lambda start: torch.arange(start, start + c, device=device)  # (made there: no host-to-GPU copy)
-    return torch.cat([chunk(first), chunk(second)])
+    starts = (cp_rank * c, (2 * cp_size - 1 - cp_rank) * c)  # (made on the device: no host-to-GPU copy)
+    return torch.cat([torch.arange(start, start + c, device=device) for start in starts])
 
 
 # Ring attention, forward and backward written out (every send visible)
