@@ -184,6 +184,18 @@ def test_bf16_run_reports_its_activations_and_bf16_gathers(tmp_path):
         assert 0.95 * gloo <= r['wire_bytes'] <= gloo + 4096, (r['wire_bytes'], gloo)
 
 
+def test_with_dropout_the_activations_are_measured_not_priced(tmp_path):
+    """Dropout's masks are saved for backward too, which saved_bytes_formula (dropout 0) does not count: the
+    report leaves the formula out, and what it measures is more than the dropout-0 count."""
+    from model import GPTConfig
+    check(run_script('train_fsdp.py', ARGS + [f'--out_dir={tmp_path}', '--max_iters=1', '--dropout=0.1'],
+                     nproc=2))
+    rows = [r for r in read_log(tmp_path) if 'rank' in r]
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=16, bias=False)
+    assert len(rows) == 2 and all(r['activation_bytes_formula'] is None for r in rows), rows
+    assert all(r['activation_bytes'] > formulas.saved_bytes_formula(config, 16, 4) for r in rows), rows
+
+
 def _mixed_precision_worker(rank, world_size):
     """bf16 MixedPrecisionPolicy: blocks compute with bf16 weights while the stored shards, their gradients and
     the reduction stay fp32; and with gradient sync off the sharded gradients are not produced (no
