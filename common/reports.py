@@ -17,8 +17,8 @@ from common.formulas import (activation_bytes_formula, bubble_fraction_formula, 
                              peak_microbatches_formula, saved_bytes_formula, tp_comm_bytes_formula,
                              tp_edge_comm_bytes_formula, zb1_output_grad_bytes_formula)
 from common.formulas import fsdp_comm_bytes_formula, fsdp_held_bytes_formula
-from common.measure import (comm_report, nbytes, print_measured, print_schedule_report, schedule_measurements,
-                            storage_bytes)
+from common.measure import comm_report, nbytes, print_measured, storage_bytes
+from common.timelines import print_schedule_report, schedule_measurements
 from model import GPT, MoE
 from common.training import log_rank_rows
 from common.model_parallel import GRID_DIMS

@@ -225,10 +225,10 @@ def _zb_h1_order(p, m, r):
 @pytest.mark.parametrize('p', [2, 4])
 def test_zb1_executed_order_has_a_smaller_bubble_than_1f1b(spawned, p):
     """The bubble, deterministically: each stage's executed order of one pipeline replayed with unit costs (F = B
-    = W = 1; 1F1B's whole backward B + W = 2; measure.unit_time_bubbles, which the report prints). 1F1B's step is
+    = W = 1; 1F1B's whole backward B + W = 2; timelines.unit_time_bubbles, which the report prints). 1F1B's step is
     the ideal 3m plus 3(p-1) idle units; zb1's is 3m plus (p-1), the paper's (p-1)(F+B-W): a third of the bubble.
     (bench.py's pp rows compare the measured time.)"""
-    from common.measure import unit_time_bubbles
+    from common.timelines import unit_time_bubbles
     for layout in LAYOUTS:
         for pipeline in range(4 // p):
             stages = range(pipeline * p, (pipeline + 1) * p)
@@ -527,20 +527,20 @@ def test_timeline_shows_every_op_once_in_the_order_executed():
     """A stage's row from a known executed order, its ops from 1/1000 of a slot to many slots long (on the bench's
     shape a short B0 used to vanish and a long F2 show three times): every F and B appears exactly once, in the
     order executed; a long op continues with '-'; the waits (W) are not ops."""
-    from common import measure
+    from common import timelines
     ops = [('F', 0, 0.0, 0.001), ('send/recv', 0, 0.001, 0.2), ('F', 1, 0.2, 0.2001), ('B', 0, 0.2001, 0.2002),
            ('F', 2, 0.2002, 0.9), ('B', 1, 0.9, 0.9001), ('F', 3, 0.9001, 0.91), ('B', 2, 0.95, 0.9501),
            ('B', 3, 0.9501, 1.0)]
     for n_slots in (4, 10, 40):
-        row = measure.timeline(ops, 1.0, n_slots, 2).split()
+        row = timelines.timeline(ops, 1.0, n_slots, 2).split()
         assert [c for c in row if c[0] in 'FB'] == ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3'], (n_slots, row)
         assert set(row) <= {'F0', 'F1', 'F2', 'F3', 'B0', 'B1', 'B2', 'B3', '-', '.'}, row
         assert len(row) >= n_slots
-    row = measure.timeline(ops, 1.0, 10, 2).split()
+    row = timelines.timeline(ops, 1.0, 10, 2).split()
     # slots of 0.1: F1 and B0 take slots 2 and 3, F2 the next free one, 4, and runs on to 0.9 through slots 5-8
     assert row[:row.index('B1')] == ['F0', '.', 'F1', 'B0', 'F2', '-', '-', '-', '-'], row
     chunks = [('F', (0, 1), 0.0, 0.5), ('B', (0, 1), 0.5, 0.5001)]  # interleaved labels: F<microbatch>.<chunk>
-    assert measure.timeline(chunks, 1.0, 4, 4).split() == ['F0.1', '-', 'B0.1', '.']
+    assert timelines.timeline(chunks, 1.0, 4, 4).split() == ['F0.1', '-', 'B0.1', '.']
 
 
 def test_traces_open_in_perfetto(tmp_path):
