@@ -85,10 +85,10 @@ def build_stage(model, cfg, grid, coords, comms, checkpoint):
         shard_sequence(model, cp)
         cp.positions = zigzag_positions(cfg.block_size, cp.group.size, cp.group.rank, cfg.device)
     tokens = cfg.block_size // cp.group.size // (tp.group.size if cfg.sequence_parallel else 1)
-    stream = torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32  # build_zeros' parameters' dtype
     stage = Stage(model, chunks, coords['pp'], cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, tokens, model.config.n_embd), cfg.device,
-                  autocast_context(cfg.device.split(':')[0], cfg.dtype), comms['pp'], act_dtype=stream)
+                  autocast_context(cfg.device.split(':')[0], cfg.dtype), comms['pp'],
+                  act_dtype=weights_dtype(cfg))  # (the stream between stages: the parameters' dtype)
     mine = (lambda t: t) if cp.positions is None else (lambda t: t[:, cp.positions])  # this rank's tokens
     stage.embed = lambda idx: tp_embed(model, mine(idx), tp, cp.positions)
     stage.head = lambda h, targets: tp_head(model, h, mine(targets), tp)
@@ -112,7 +112,7 @@ def build_zeros(model, cfg, comms, coords, checkpoint):
     experts = [p for n, p in model.named_parameters() if '.mlp.experts.' in n] if comms['ep'] else []
     dense = [p for p in model.parameters() if all(p is not q for q in experts)]
     zeros = [Zero(model, 1, comm.rank, comm.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                  cfg.bucket_size, torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32, comm,
+                  cfg.bucket_size, weights_dtype(cfg), comm,
                   params=params, divisor=comms['dp_cp'].size)
              for params, comm in ((dense, comms['dp_cp']), (experts, comms['edp'])) if params]
     if checkpoint is not None:
@@ -172,6 +172,12 @@ def grid_loss(stage, cp, m, x, y):
     loss = forward_loss(stage, x, y, m)
     cp.group.all_reduce(loss, kind='scalars')
     return loss / cp.group.size
+
+
+def weights_dtype(cfg):
+    """The parameters' dtype under the grid's ZeRO-1 (build_zeros): bf16 under bf16, and so the stream the
+    pipeline's stages send each other (build_stage)."""
+    return torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32
 
 
 def weight_groups(grid, rank, ep_size, tied):
