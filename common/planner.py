@@ -179,7 +179,10 @@ def estimate(gptconf, gpus, gpu_mem_gb, micro_batch, seq_len, tp, pp, cp, n_micr
         row['model_state_bytes'] = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         if stage == 3 and ep == 1:  # ZeRO-3, FSDP2 at their peak (zero.py's Zero.held measures it): whole
             whole = param_counts(gptconf)  # the root (gathered all step), two blocks and their gradients
-            row['gathered_bytes'] = (whole['root'] + 4 * whole['block_max']) * (2 if mixed_precision else 4)
+            # (FSDP2 accumulating over micro-steps: the blocks' gradients are its whole ones, in grad_bytes)
+            blocks = 2 if k['fsdp'] and m > 1 else 4
+            row['gathered_bytes'] = ((whole['root'] + blocks * whole['block_max'])
+                                     * stream_bytes(mixed_precision, stage))
             row['notes'].append("ZeRO-3 and FSDP2 rows count, at their peak, the embeddings and head, the "
                                 "block computing and the one prefetched, and their gradients, whole")
         row.update(activations_of(gptconf, k, s, micro_batch, m, mixed_precision))
@@ -246,7 +249,7 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
     dp, t, p, c, stage = k['dp'], k['tp'], k['pp'], k['cp'], k['stage']
     h, a, L = gptconf.n_embd, gptconf.n_head, gptconf.n_layer
     act_bytes = 2 if mixed_precision else 4
-    grad_bytes = act_bytes if stage > 0 else 4
+    grad_bytes = stream_bytes(mixed_precision, stage)  # (the gradients are in the weights' dtype too)
     comm = formulas.comm_bytes_formula(numel, dp * c, stage, grad_bytes, m) if dp * c > 1 else 0
     if k['fsdp'] and dp > 1:  # FSDP2: both gathers at every micro-batch, one fp32 reduce-scatter a step
         comm = formulas.fsdp_comm_bytes_formula(numel, dp, m, act_bytes)
