@@ -144,7 +144,7 @@ def clip_grad_norm(grads, max_norm, comms=(), counted=None, device=None):
     norm = local_sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device if grads else norm.device)
     for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))  # (no copy: coef is on the gradients' device already)
+        g.mul_(coef.to(g.device, g.dtype))  # (on the gradients' device already: a cast at most, no transfer)
     return norm
 
 

@@ -347,13 +347,12 @@ def report_fsdp(cfg, iter_num, model, optimizer, grads, micro_steps, wire):
                         for r in rows] +
                        [("rank 0 activations", activations, None, row['activation_bytes_formula'])
                         ] * (not cfg.activation_checkpointing),  # (checkpointed: a block keeps none inside)
-                       fsdp_notes(cfg, model, micro_steps, len(rows), wire))
+                       fsdp_notes(cfg, model, numel, micro_steps, len(rows), wire))
 
 
-def fsdp_notes(cfg, model, micro_steps, n, wire):
+def fsdp_notes(cfg, model, numel, micro_steps, n, wire):
     """What report_fsdp's table needs said: the gradients' peak, how bytes sent are measured and modelled and
     why gloo's differ, what the activations are."""
-    numel = sum(p.numel() for p in model.parameters())
     notes = [f"the gradients at their peak over {micro_steps} micro-step(s): " +
              ("4Ψ, unsharded, accumulated without a sync" if micro_steps > 1 else
               "4Ψ/N, one micro-step: each gradient reduce-scattered as it is made"),
