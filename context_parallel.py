@@ -31,7 +31,8 @@ from model import GPT, apply_rope, balance_routers, moe_loss, rope_cos_sin
 from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
                              outputs_line, print_sample, profiled, refuse, run_main, run_shape,
                              shared_refusals, start_run, training_loop)
-from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
+from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, resumed_config,
+                                train_checkpoint)
 from common.distributed import Comm, finish_distributed, world_size_from_env
 from common.model_parallel import (AllToAll, along, average_gradients, configure_adamw, data_parallel_size,
                                    group_comm, process_grid)
@@ -371,8 +372,10 @@ def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
 
 
 def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank."""
+    """Every bad combination, before any work: one line, the same on every rank (a resume's model: the
+    checkpoint's)."""
     dp = data_parallel_size(world_size, cp=cfg.cp)  # (names the flag to change)
+    cfg, resumed = resumed_config(cfg, os.path.join(cfg.out_dir, 'ckpt.pt'))
     n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
     refuse(*shared_refusals(cfg, 'context_parallel.py', dp, world_size),
            (cfg.cp_attention not in ('ring', 'ulysses'),
@@ -383,7 +386,7 @@ def check_config(cfg, world_size):
             f"ulysses needs n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) divisible by cp={cfg.cp}: its "
             f"all-to-all gives each rank whole heads"),
            (cfg.dropout != 0.0, f"context_parallel.py needs dropout=0.0, got {cfg.dropout}: attention's "
-            f"dropout would have to be replayed block by block in the ring's backward"))
+            f"dropout would have to be replayed block by block in the ring's backward"), resumed=resumed)
 
 
 def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_path):

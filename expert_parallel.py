@@ -27,7 +27,7 @@ from common.training import (autocast_context, config_defaults, configure, load_
                              make_out_dir, micro_batches, model_config, outputs_line, print_sample, profiled,
                              refuse, run_main, run_shape, shared_refusals, training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
-                                materialize, rank_path, seed_dropout, set_rng_state)
+                                materialize, rank_path, resumed_config, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, init_distributed, world_size_from_env
 from common.model_parallel import (AllToAll, along, average_gradients, data_parallel_size, expert_groups,
                                    group_comm, held_pieces, keep_own, process_grid)
@@ -202,19 +202,21 @@ def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_
 
 
 def check_config(cfg, world_size):
-    """Every bad input, before any work: one line naming the key, the same on every rank."""
+    """Every bad input, before any work: one line naming the key, the same on every rank (a resume's model:
+    the checkpoint's)."""
+    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, RANK_FILE, 0))
     moe_layers = [i for i in range(cfg.n_layer) if model_config(cfg, 256).is_moe(i)]  # (the model's checks)
     refuse((cfg.n_expert == 0, "n_expert=0: a dense model has no experts to split over ep ranks; pass "
             "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model with "
             "train_ddp.py"),
            (not moe_layers, f"moe_every ({cfg.moe_every}) > n_layer ({cfg.n_layer}): no MoE layer, nothing "
-            "to split"))
+            "to split"), resumed=resumed)
     data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world (the next checks divide by it)
     refuse((cfg.n_expert % cfg.ep, f"n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep "
             "rank holds n_expert/ep whole experts of every layer"),
            *shared_refusals(cfg, 'expert_parallel.py', world_size, world_size),  # (every rank is a dp rank)
            (cfg.init_from not in ('scratch', 'resume'), f"init_from must be 'scratch' or 'resume', got "
-            f"{cfg.init_from!r} (GPT-2 is dense: nothing to split)"))
+            f"{cfg.init_from!r} (GPT-2 is dense: nothing to split)"), resumed=resumed)
     check_resume_grid(cfg, {'ep': cfg.ep, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0))
 
 

@@ -31,7 +31,8 @@ import torch
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
 from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_grid, checkpoint_of, init_model,
-                                init_params, materialize, rank_path, seed_dropout, set_rng_state)
+                                init_params, materialize, rank_path, resumed_config, seed_dropout,
+                                set_rng_state)
 from common.distributed import finish_distributed, world_size_from_env
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, shard_gpt, sync_tp_grads, tp_embed,
@@ -233,10 +234,13 @@ def main(argv):
 
 
 def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank. Returns dp."""
-    check_schedule(cfg)  # first: the checks below divide by n_microbatches and virtual_stages
+    """Every bad combination, before any work: one line, the same on every rank (a resume's model: the
+    checkpoint's). Returns dp."""
+    path = rank_path(cfg.out_dir, RANK_FILE, 0)
+    cfg, resumed = resumed_config(cfg, path)
+    check_schedule(cfg, resumed)  # first: the checks below divide by n_microbatches and virtual_stages
     dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    m, n_kv_head, path = cfg.n_microbatches, cfg.n_kv_head or cfg.n_head, rank_path(cfg.out_dir, RANK_FILE, 0)
+    m, n_kv_head = cfg.n_microbatches, cfg.n_kv_head or cfg.n_head
     heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
     refuse((cfg.cp_attention not in ('ring', 'ulysses'),
             f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
@@ -262,7 +266,8 @@ def check_config(cfg, world_size):
             "and sequence_parallel False (the ring cannot replay dropout; sequence parallelism inside a cp "
             "chunk is not composed here)"),
            (cfg.init_from == 'resume' and not os.path.exists(path),
-            f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"))
+            f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"),
+           resumed=resumed)
     check_resume_grid(cfg, run_grid(cfg, world_size), path)
     return dp
 

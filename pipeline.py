@@ -19,8 +19,8 @@ from common.training import (autocast_context, config_defaults, configure, load_
                              outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
                              training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
-                                init_params, materialize, rank_path, restore_rng, seed_dropout,
-                                train_checkpoint)
+                                init_params, materialize, rank_path, restore_rng, resumed_config,
+                                seed_dropout, train_checkpoint)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
 from common.model_parallel import (along, average_gradients, configure_adamw, data_parallel_size, group_comm,
                                    held_pieces, keep_own, print_grid, process_grid)
@@ -42,8 +42,9 @@ config = config_defaults(globals())
 
 
 def validate(cfg, world_size):
-    """Every bad combination, before any work (the same on every rank)."""
-    check_schedule(cfg)  # first: the checks below divide by its keys
+    """Every bad combination, before any work (the same on every rank; a resume's model: the checkpoint's)."""
+    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, STAGE_FILE, 0))
+    check_schedule(cfg, resumed)  # first: the checks below divide by its keys
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
     refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),
            (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
@@ -52,13 +53,14 @@ def validate(cfg, world_size):
            (cfg.schedule in ('1f1b', 'zb1') and m < p,
             f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
            (cfg.schedule == 'interleaved' and m % p,
-            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"))
+            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
+           resumed=resumed)
     check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, rank_path(cfg.out_dir, STAGE_FILE, 0))
 
 
-def check_schedule(cfg):
+def check_schedule(cfg, resumed=None):
     """The schedule's keys, checked first (the others divide by them), and what no pipeline can run;
-    parallel_4d.py checks them too."""
+    parallel_4d.py checks them too. resumed: as refuse takes it."""
     s, v, m = cfg.schedule, cfg.virtual_stages, cfg.n_microbatches
     refuse((cfg.n_expert and cfg.aux_loss_style == 'hf' and cfg.pp > 1, "aux_loss_style='hf' (a converted "
             "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "
@@ -72,7 +74,7 @@ def check_schedule(cfg):
            (m < 1, f"--n_microbatches={m} must be at least 1"),
            (s == 'zb1' and cfg.activation_checkpointing, "zb1 with --activation_checkpointing=True "
             "would re-run each block's forward once per weight module (W is one short backward per module, "
-            "and each recomputes the checkpointed block): drop one of them"))
+            "and each recomputes the checkpointed block): drop one of them"), resumed=resumed)
 
 
 def embed_comm(grid, rank, tied):

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
-                                materialize, rank_path, seed_dropout, set_rng_state)
+                                materialize, rank_path, resumed_config, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
 from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
                              outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
@@ -478,9 +478,12 @@ def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter
 
 
 def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank."""
+    """Every bad combination, before any work: one line, the same on every rank (a resume's model: the
+    checkpoint's)."""
     dp = data_parallel_size(world_size, tp=cfg.tp)  # (names the flag to change)
-    n_kv_head, path = cfg.n_kv_head or cfg.n_head, rank_path(cfg.out_dir, RANK_FILE, 0)
+    path = rank_path(cfg.out_dir, RANK_FILE, 0)
+    cfg, resumed = resumed_config(cfg, path)
+    n_kv_head = cfg.n_kv_head or cfg.n_head
     refuse(*shared_refusals(cfg, 'tensor_parallel.py', dp, world_size),
            (cfg.n_expert % cfg.tp, f"n_expert ({cfg.n_expert}) must be divisible by tp={cfg.tp}: each tp "
             "rank holds n_expert/tp whole experts of every MoE layer"),
@@ -489,7 +492,7 @@ def check_config(cfg, world_size):
            (cfg.sequence_parallel and cfg.block_size % cfg.tp,
             f"sequence_parallel needs block_size ({cfg.block_size}) divisible by tp={cfg.tp}"),
            (cfg.init_from == 'resume' and not os.path.exists(path),  # (every rank's file: init_model checks)
-            f"init_from=resume but there is no checkpoint at {path}"))
+            f"init_from=resume but there is no checkpoint at {path}"), resumed=resumed)
     check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py
 
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import threading
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -157,6 +158,23 @@ def resume_note(cfg, checkpoint):
             f"{k}={shape[k]!r} (the checkpoint's; this command says {getattr(cfg, k)!r})"
             for k in shape if k in run and k != 'block_size' and getattr(cfg, k, run[k]) != run[k]]
     return "note: resuming with " + ', '.join(said) if said else None
+
+
+def resumed_config(cfg, ckpt_path):
+    """What a script's check_config judges on a resume: this command's config with the model's shape the
+    checkpoint's (init_model builds it so, whatever the command's flags say, and a resume without the run's
+    config file leaves them at their defaults), so that a refusal is about the model that would run, and
+    none refuses a model that would. Returns (that config, resume_note's words for a refusal to add: 'resuming
+    with ...', or None); (cfg, None) where nothing is resumed."""
+    if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
+        return cfg, None  # (a missing file is check_config's or init_model's to report)
+    checkpoint = load_mmap(ckpt_path)
+    if 'model_args' not in checkpoint:
+        return cfg, None  # (not a checkpoint of ours: init_model's to report)
+    note = resume_note(cfg, checkpoint)
+    shape = {k: v for k, v in checkpoint['model_args'].items()
+             if hasattr(cfg, k) and k not in ('dropout', 'activation_checkpointing', 'block_size')}
+    return SimpleNamespace(**dict(vars(cfg), **shape)), note and note.removeprefix('note: ')
 
 
 def check_resume_files(checkpoint, ckpt_path):

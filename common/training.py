@@ -679,13 +679,14 @@ def exit_run(code, main):
     os._exit(code)
 
 
-def refuse(*checks):
+def refuse(*checks, resumed=None):
     """A config's checks, in order: each (bad, message); the first bad one stops the run with 'error:
     message' (run_main prints it as one line on every rank). Each condition is evaluated before any is
-    tested: one that would divide by a key goes after the check of that key."""
+    tested: one that would divide by a key goes after the check of that key. resumed: where a resume's
+    model differs from this command's flags, which values are the checkpoint's (resumed_config's words)."""
     for bad, message in checks:
         if bad:
-            raise SystemExit(f"error: {message}")
+            raise SystemExit(f"error: {message}" + (f" ({resumed})" if resumed else ''))
 
 
 def make_out_dir(cfg):

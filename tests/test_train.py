@@ -364,6 +364,38 @@ def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsy
         "command's; the run had 0.1)\n")
 
 
+# A resume's model is the checkpoint's whatever the command's flags say: each script's check_config judges that
+# model. (script, the grid its rank 0's file says it was cut on, flags, the model key, a value the flags' model
+# cannot run, one it can)
+RESUMES = [('tensor_parallel', {'tp': 2, 'ranks': 2}, ['--tp=2'], 'n_head', 3, 4),
+           ('context_parallel', None, ['--cp=2', '--cp_attention=ulysses'], 'n_head', 3, 4),
+           ('pipeline', {'pp': 2, 'virtual_stages': 1}, ['--pp=2', '--n_microbatches=2'], 'n_layer', 3, 4),
+           ('expert_parallel', {'ep': 2, 'ranks': 2}, ['--ep=2', '--n_expert_active=1'], 'n_expert', 3, 4),
+           ('parallel_4d', dict(pp=1, cp=1, tp=2, ep=1, virtual_stages=1, ranks=2), ['--tp=2'], 'n_head', 3, 4)]
+
+
+@pytest.mark.parametrize('script, grid, flags, key, bad, good', RESUMES, ids=[r[0] for r in RESUMES])
+def test_a_resume_is_checked_against_the_model_it_resumes(tmp_path, script, grid, flags, key, bad, good):
+    """A checkpoint of a model the script can run, resumed with flags that describe one it cannot: no refusal
+    (the flags' model is not the one that runs). The other way round: refused, naming the checkpoint's value
+    and where it comes from, before any work (context_parallel.py's ulysses had run into a reshape traceback)."""
+    import importlib
+    module = importlib.import_module(script)
+    check = getattr(module, 'validate', None) or module.check_config
+    file = getattr(module, 'STAGE_FILE', getattr(module, 'RANK_FILE', 'ckpt.pt')).format(0)  # rank 0's
+
+    def resume(saved, says):
+        torch.save({'model_args': {key: saved}, 'config': {key: saved}, 'grid': grid},
+                   os.path.join(tmp_path, file))
+        argv = TINY + flags + [f'--{key}={says}', '--init_from=resume', f'--out_dir={tmp_path}']
+        return check(training.configure(module.config, argv), 2)
+    resume(good, bad)  # passes
+    with pytest.raises(SystemExit) as e:
+        resume(bad, good)
+    assert e.value.code.startswith('error: ') and f"{key} ({bad})" in e.value.code, e.value.code
+    assert e.value.code.endswith(f"(resuming with {key}={bad} (the checkpoint's; this command says {good}))")
+
+
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
     says so before the run; an idle CPU, one thread, or a GPU gets none."""
