@@ -196,6 +196,33 @@ def test_with_dropout_the_activations_are_measured_not_priced(tmp_path):
     assert all(r['activation_bytes'] > formulas.saved_bytes_formula(config, 16, 4) for r in rows), rows
 
 
+
+def test_the_reports_notes_follow_the_run():
+    """train_fsdp.py's report notes, which the rows alone do not say: the gradients' peak as accumulated or
+    not, gloo's all-reduce only where there is a wire (N > 1; one process said '0 more' once), the activations'
+    row only without activation checkpointing, and why there is no formula with dropout or experts."""
+    from types import SimpleNamespace
+    from common.reports import fsdp_notes
+    from model import GPT, GPTConfig
+    dense, moe = (GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, **kw))
+                  for kw in ({}, dict(n_expert=4, n_expert_active=2)))
+    run = lambda **kw: SimpleNamespace(**dict(dict(activation_checkpointing=False, dropout=0.0), **kw))
+    wire = SimpleNamespace(sent=123, why_not=None)
+    notes = fsdp_notes(run(), dense, 1000, 2, 4, wire)
+    assert notes[0].endswith('over 2 micro-step(s): 4Ψ, unsharded, accumulated without a sync'), notes
+    assert 'all-reduce underneath' in notes[2] and ': 3,000 more (measured a little less' in notes[2], notes
+    assert notes[3] == 'activations: what block 0 saves for backward in the first micro-batch', notes
+    assert fsdp_notes(run(), dense, 1000, 1, 4, wire)[0].endswith('4Ψ/N, one micro-step: each gradient '
+                                                                 'reduce-scattered as it is made')
+    assert not any('gloo' in note for note in fsdp_notes(run(), dense, 1000, 2, 1, wire))  # one process
+    unmeasured = fsdp_notes(run(), dense, 1000, 2, 4, SimpleNamespace(sent=None, why_not='not read: why'))
+    assert 'wire bytes not read: why' in unmeasured and not any('gloo' in note for note in unmeasured)
+    for notes in (fsdp_notes(run(dropout=0.1), dense, 1000, 2, 4, wire), fsdp_notes(run(), moe, 1000, 2, 4, wire)):
+        assert notes[-1].endswith(': no formula with dropout (its masks) or a mixture of experts (its router '
+                                  'decides)'), notes
+    assert not any('activations' in note for note in fsdp_notes(run(activation_checkpointing=True), dense, 1000, 2,
+                                                                 4, wire))
+
 def _mixed_precision_worker(rank, world_size):
     """bf16 MixedPrecisionPolicy: blocks compute with bf16 weights while the stored shards, their gradients and
     the reduction stay fp32; and with gradient sync off the sharded gradients are not produced (no
