@@ -205,12 +205,10 @@ def check_config(cfg, world_size):
     """Every bad input, before any work: one line naming the key, the same on every rank (a resume's model:
     the checkpoint's)."""
     cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, RANK_FILE, 0))
-    moe_layers = [i for i in range(cfg.n_layer) if model_config(cfg, 256).is_moe(i)]  # (the model's checks)
+    model_config(cfg, 256)  # (the model's own checks; configure's: at least one MoE layer)
     refuse((cfg.n_expert == 0, "n_expert=0: a dense model has no experts to split over ep ranks; pass "
             "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model with "
-            "train_ddp.py"),
-           (not moe_layers, f"moe_every ({cfg.moe_every}) > n_layer ({cfg.n_layer}): no MoE layer, nothing "
-            "to split"), resumed=resumed)
+            "train_ddp.py"), resumed=resumed)
     data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world (the next checks divide by it)
     refuse((cfg.n_expert % cfg.ep, f"n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep "
             "rank holds n_expert/ep whole experts of every layer"),

@@ -110,7 +110,8 @@ def build(cfg, vocab_size, device_type):
                                            device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
+        if checkpoint.get('scaler'):  # (empty where saved without float16's scaler: a fresh one)
+            scaler.load_state_dict(checkpoint['scaler'])
         restore_rng(checkpoint, 0, 1, cfg.seed, 0)
     return model, optimizer, scaler, iter_num, best_val_loss
 

@@ -81,7 +81,8 @@ def build_ddp(cfg, vocab_size, dp_rank, dp_size):
                                            device_type)
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
+        if checkpoint.get('scaler'):  # (empty where saved without float16's scaler: a fresh one)
+            scaler.load_state_dict(checkpoint['scaler'])
         # every rank its own saved dropout stream
         restore_rng(checkpoint, dp_rank, dp_size, cfg.seed, dp_rank)
     else:

@@ -126,6 +126,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         if not meta:
             model.load_state_dict(checkpoint['model'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        check_resume_run(cfg, vocab_size, checkpoint, ckpt_path)
         note = resume_note(cfg, checkpoint)
         if is_master():
             trim_log(cfg.out_dir, iter_num)
@@ -148,16 +149,33 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
 
 
 def resume_note(cfg, checkpoint):
-    """One line where this command's model flags differ from those of the run that wrote the checkpoint (a
-    resume without the run's config file, say): the model's shape is the checkpoint's, its dropout and
-    activation checkpointing this command's (init_model). None where they agree (a smaller block_size
-    is no difference)."""
+    """One line where this command's model flags or data set differ from those of the run that wrote the
+    checkpoint (a resume without the run's config file, say): the model's shape is the checkpoint's, its
+    dropout and activation checkpointing this command's (init_model), and the data this command's. None where
+    they agree (a smaller block_size is no difference)."""
     run, shape = checkpoint.get('config') or {}, checkpoint['model_args']
     said = [f"{k}={getattr(cfg, k)!r} (this command's; the run had {run[k]!r})"
-            if k in ('dropout', 'activation_checkpointing') else
+            if k in ('dropout', 'activation_checkpointing', 'dataset') else
             f"{k}={shape[k]!r} (the checkpoint's; this command says {getattr(cfg, k)!r})"
-            for k in shape if k in run and k != 'block_size' and getattr(cfg, k, run[k]) != run[k]]
+            for k in [*shape, 'dataset']
+            if k in run and k != 'block_size' and getattr(cfg, k, run[k]) != run[k]]
     return "note: resuming with " + ', '.join(said) if said else None
+
+
+def check_resume_run(cfg, vocab_size, checkpoint, ckpt_path):
+    """A resume that cannot continue the run, refused in one line: a checkpoint already past --max_iters (the
+    loop would never reach it, and overwrite the checkpoint at every evaluation), a data set with tokens the
+    model has no embedding for (a resume without the run's config file falls back to the default data set;
+    tensor parallelism's vocabulary slices would train on without a word)."""
+    it, n_vocab = checkpoint['iter_num'], checkpoint['model_args']['vocab_size']
+    if cfg.max_iters < it and not cfg.eval_only:
+        raise SystemExit(f"error: init_from=resume: {ckpt_path} is at iteration {it}, past --max_iters="
+                         f"{cfg.max_iters}: pass a --max_iters of {it} or more (or --eval_only=True)")
+    if vocab_size is not None and vocab_size > n_vocab:
+        ran_on = (checkpoint.get('config') or {}).get('dataset')
+        trained_on = f" (the run trained on --dataset={ran_on})" if ran_on else ''
+        raise SystemExit(f"error: init_from=resume: --dataset={cfg.dataset} has {vocab_size} tokens, the "
+                         f"checkpoint's model {n_vocab}{trained_on}")
 
 
 def resumed_config(cfg, ckpt_path):

@@ -114,6 +114,34 @@ def _checked(key, value, default):
     return value
 
 
+# Keys that mean something only at 1 or more, or at 0 or more: anything else would divide by zero, reshape
+# to nothing, or (a negative clip, learning rate) climb the loss without a word. configure refuses it in one
+# line.
+AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'block_size', 'n_layer', 'n_head', 'n_embd',
+                'moe_every', 'eval_iters', 'eval_interval', 'log_interval', 'dist_timeout',
+                'tp', 'pp', 'cp', 'ep')
+NOT_NEGATIVE = ('max_iters', 'learning_rate', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'weight_decay',
+                'grad_clip', 'seed', 'n_expert', 'profile', 'measure_every')
+
+
+def value_refusals(cfg):
+    """configure's rows of refusals (as refuse takes them) for the values no script can run: the keys above
+    (those the script has), dropout outside [0, 1), experts with no MoE layer, an unknown dtype."""
+    has = lambda key: cfg.get(key) is not None
+    return ([(has(k) and cfg[k] < 1, f"--{k} must be at least 1, got {cfg.get(k)}")
+             for k in AT_LEAST_ONE] +
+            [(has(k) and cfg[k] < 0, f"--{k} must be 0 or more, got {cfg.get(k)}") for k in NOT_NEGATIVE] +
+            [(has('dropout') and not 0 <= cfg['dropout'] < 1, f"--dropout must be in [0, 1), got "
+              f"{cfg.get('dropout')}"),
+             (cfg.get('n_expert') and cfg.get('moe_every', 1) > cfg.get('n_layer', 1),
+              f"moe_every ({cfg.get('moe_every')}) > n_layer ({cfg.get('n_layer')}): no MoE layer; pass "
+              "--moe_every of at most n_layer, or --n_expert=0 for a dense model"),
+             (cfg.get('memory_limit_mib', 0) < 0, f"--memory_limit_mib must be a size in MiB, or 0 for none, "
+              f"got {cfg.get('memory_limit_mib')}"),
+             (cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'),
+              f"--dtype must be float32, bfloat16 or float16, got {cfg.get('dtype')!r}")])
+
+
 def configure(defaults, argv):
     """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order. A config
     file is Python that assigns keys; values on the command line are Python literals (or plain strings). An
@@ -152,11 +180,7 @@ def configure(defaults, argv):
             except (SyntaxError, ValueError):
                 value = text  # a bare word is a string
             set_key(key, value, arg)
-    if cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'):
-        raise SystemExit(f"error: --dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
-    if cfg.get('memory_limit_mib', 0) < 0:
-        raise SystemExit(f"error: --memory_limit_mib must be a size in MiB, or 0 for none, got "
-                         f"{cfg['memory_limit_mib']}")
+    refuse(*value_refusals(cfg))
     if cfg.get('memory_limit_mib'):
         from common.memory_limit import limit_this_rank
         limit_this_rank(cfg['memory_limit_mib'], os.environ.get('RANK', '0'))
@@ -489,7 +513,7 @@ def set_lr(optimizer, lr):
 
 
 def should_evaluate(iter_num, cfg):
-    return iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+    return iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only
 
 
 def evaluate(loss_of, model, data, cfg, iter_num, lr, dp=None):

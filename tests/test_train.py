@@ -396,6 +396,55 @@ def test_a_resume_is_checked_against_the_model_it_resumes(tmp_path, script, grid
     assert e.value.code.endswith(f"(resuming with {key}={bad} (the checkpoint's; this command says {good}))")
 
 
+@pytest.mark.parametrize('flag, message', [
+    ('--batch_size=0', '--batch_size must be at least 1, got 0'),
+    ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps must be at least 1, got 0'),
+    ('--log_interval=0', '--log_interval must be at least 1'), ('--eval_iters=0', '--eval_iters must be at least 1'),
+    ('--n_head=0', '--n_head must be at least 1'), ('--grad_clip=-1.0', '--grad_clip must be 0 or more, got -1.0'),
+    ('--learning_rate=-0.002', '--learning_rate must be 0 or more'), ('--min_lr=-1e-4', '--min_lr must be 0 or more'),
+    ('--max_iters=-1', '--max_iters must be 0 or more'), ('--seed=-1', '--seed must be 0 or more'),
+    ('--dropout=1.5', '--dropout must be in [0, 1), got 1.5'),
+    ('--n_expert=4', 'moe_every (3) > n_layer (2): no MoE layer')])
+def test_a_value_no_script_can_run_is_one_line(flag, message):
+    """Values that would divide by zero, reshape to nothing, or (a negative clip or learning rate) make the
+    loss climb without a word (seen: val loss 4.53 -> 7.09 with --grad_clip=-1): refused by configure, which
+    every script calls first."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        training.configure(train.config, TINY + ['--moe_every=3', flag])
+    assert e.value.code == f"error: {message}" or e.value.code.startswith(f"error: {message}"), e.value.code
+    training.configure(train.config, TINY + ['--moe_every=3'])  # (the flags without it pass)
+
+
+def test_a_resume_that_cannot_continue_the_run_is_refused(tmp_path, capsys):
+    """A checkpoint past --max_iters (the loop never stopped, overwriting the checkpoint at every evaluation),
+    or a data set with more tokens than the model (a resume without the run's config file takes the default
+    data set): one line. --eval_only evaluates once wherever the checkpoint is; a float16 resume of a float32
+    checkpoint starts a fresh loss scaler (it raised); another data set with no more tokens is said in the
+    note."""
+    import train
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=3', '--eval_interval=3', '--sample_at_end=False']
+    train.main(flags)
+    ckpt = os.path.join(tmp_path, 'ckpt.pt')
+    with pytest.raises(SystemExit) as e:
+        train.main(flags + ['--init_from=resume', '--max_iters=2'])
+    assert e.value.code == (f"error: init_from=resume: {ckpt} is at iteration 3, past --max_iters=2: pass a "
+                            "--max_iters of 3 or more (or --eval_only=True)")
+    cfg = training.configure(train.config, flags + ['--init_from=resume'])
+    with pytest.raises(SystemExit) as e:
+        checkpoints.init_model(cfg, 97, ckpt)
+    assert e.value.code == ("error: init_from=resume: --dataset=stdlib_char has 97 tokens, the checkpoint's "
+                            "model 96 (the run trained on --dataset=stdlib_char)"), e.value.code
+    capsys.readouterr()
+    cfg.dataset = 'shakespeare_char'
+    checkpoints.init_model(cfg, 65, ckpt)
+    assert "dataset='shakespeare_char' (this command's; the run had 'stdlib_char')" in capsys.readouterr().out
+    train.main(flags + ['--init_from=resume', '--eval_only=True', '--max_iters=10', '--eval_interval=4'])
+    assert [r['iter'] for r in read_log(tmp_path) if 'val_loss' in r] == [0, 3]  # (3: evaluated once again)
+    train.main(flags + ['--init_from=resume', '--max_iters=4', '--dtype=float16'])
+    assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1, 2, 3]
+
+
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
     says so before the run; an idle CPU, one thread, or a GPU gets none."""
