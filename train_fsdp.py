@@ -11,7 +11,8 @@ weights and fp32 gradient reduction), not autocast.
     python consolidate.py out-fsdp # out-fsdp/ckpt_dcp/ -> out-fsdp/ckpt.pt, train.py's format, offline
 
 Checkpoints are sharded (torch.distributed.checkpoint: every rank writes its own shards to out_dir/ckpt_dcp/);
-consolidate.py joins them into train.py's ckpt.pt, from which train.py, sample.py and every script continue.
+consolidate.py joins them into train.py's ckpt.pt, from which train.py, sample.py and the data-parallel
+scripts continue.
 """
 
 import os
