@@ -4,8 +4,9 @@ each rank holds (nothing is gathered onto a rank to save), and beside it where e
 whole model (checkpoints.pieces_of: a box of the whole tensor, maybe a run of its flat elements). This file
 reads those declarations, whichever script wrote them, lays every piece in place and writes out_dir/ckpt.pt:
 the whole model and torch AdamW's state in configure_optimizers' order, which train.py, sample.py and the
-data-parallel scripts (train_ddp, zero, train_fsdp, context_parallel) resume from, at any world size. The rank files are memory-mapped and read a tensor at a time, so the
-process holds about one consolidated checkpoint (what it writes), not every shard besides.
+data-parallel scripts (train_ddp, zero, train_fsdp, context_parallel) resume from, at any world size. The
+rank files are memory-mapped and read a tensor at a time, so the process holds about one consolidated
+checkpoint (what it writes), not every shard besides.
 
     python consolidate.py out-zero              # the sharded checkpoint in out-zero/ -> out-zero/ckpt.pt
     python consolidate.py out-tp out_full       # -> out_full/ckpt.pt
