@@ -130,8 +130,9 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         note = resume_note(cfg, checkpoint)
         if is_master():
             trim_log(cfg.out_dir, iter_num)
-            if note:
-                print(note)
+            for line in (note, later_checkpoints_note(ckpt_path, iter_num)):
+                if line:
+                    print(line)
     elif gpt2 and is_gpt2(cfg.init_from):
         from common import hf  # (Hugging Face's files, and transformers, only here)
         if meta:  # the shapes from its config; its weights come later, one tensor at a time (init_values)
@@ -146,6 +147,27 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's "
                          f"{model.config.block_size}")
     return model, checkpoint, iter_num, best_val_loss
+
+
+def later_checkpoints_note(ckpt_path, iter_num):
+    """One line where out_dir holds checkpoint files of a later iteration than the one resumed, in another
+    layout (a ckpt.pt joined by consolidate.py and trained on by train.py, say, beside a sharded run's rank
+    files, which the sharded script resumes first): this resume goes back to the older state. None if not."""
+    out_dir = os.path.dirname(os.path.abspath(ckpt_path))
+    later = []
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        if name.endswith('.pt') and path != os.path.abspath(ckpt_path):
+            try:  # (memory-mapped: the pickle is read, no tensor)
+                it = load_mmap(path).get('iter_num', -1)
+            except Exception:  # (not a checkpoint of ours: no word on it)
+                it = -1
+            later += [f"{name} (iteration {it})"] if it > iter_num else []
+    if later:
+        return (f"note: resuming {ckpt_path} at iteration {iter_num}; later checkpoints beside it: "
+                f"{', '.join(later[:3])}{', ...' if len(later) > 3 else ''}, another layout's run (its own "
+                f"script resumes it; python consolidate.py {out_dir} joins rank files into ckpt.pt)")
+    return None
 
 
 def resume_note(cfg, checkpoint):

@@ -445,6 +445,28 @@ def test_a_resume_that_cannot_continue_the_run_is_refused(tmp_path, capsys):
     assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1, 2, 3]
 
 
+def test_a_resume_says_where_a_later_checkpoint_sits_beside_it(tmp_path, capsys):
+    """A ckpt.pt joined by consolidate.py and trained on, beside the sharded run's rank files (which zero.py
+    resumes first), or the other way round: the resume goes back to the older state, and says so in one line
+    naming the later files. Files of the same iteration (the run's own rank files) and not ours say nothing."""
+    import train
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', '--sample_at_end=False']
+    train.main(flags)
+    for name, it in (('zero_rank0.pt', 2), ('zero_rank1.pt', 2), ('notes.pt', None)):
+        torch.save({'iter_num': it} if it else [1, 2], os.path.join(tmp_path, name))
+    resume = lambda: checkpoints.init_model(training.configure(train.config, flags + ['--init_from=resume']),
+                                            None, os.path.join(tmp_path, 'ckpt.pt'))
+    capsys.readouterr()
+    resume()
+    assert capsys.readouterr().out == ''
+    torch.save({'iter_num': 4}, os.path.join(tmp_path, 'zero_rank1.pt'))
+    resume()
+    assert capsys.readouterr().out == (
+        f"note: resuming {tmp_path}/ckpt.pt at iteration 2; later checkpoints beside it: zero_rank1.pt "
+        f"(iteration 4), another layout's run (its own script resumes it; python consolidate.py {tmp_path} joins "
+        "rank files into ckpt.pt)\n")
+
+
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     """On 2 busy cores torch's 2 threads made train.py 20x slower than idle (OMP_NUM_THREADS=1: 2x): one line
     says so before the run; an idle CPU, one thread, or a GPU gets none."""
