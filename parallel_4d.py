@@ -11,8 +11,7 @@ is new: it imports each piece from its file and composes them.
 
 tp  tensor_parallel.py: every block's layers split over the tp ranks (Megatron's f and g; --sequence_parallel)
 cp  context_parallel.py: every sequence split over the cp ranks; attention across them (ring or Ulysses)
-pp  pipeline.py: the blocks split into stages, microbatches scheduled through them (GPipe, 1F1B, interleaved,
-    ZB-H1)
+pp  pipeline.py: the blocks in stages, microbatches scheduled through them (GPipe, 1F1B, interleaved, ZB-H1)
 dp  zero.py stage 1 over the dp x cp ranks that hold the same weights: each keeps 1/(dp·cp) of the AdamW
     state (Megatron's distributed optimizer shards over the same group)
 ep  expert_parallel.py, folded into dp x cp (Megatron-Core's MoE parallel folding, torchtitan's): runs of ep
@@ -113,8 +112,7 @@ def build_zeros(model, cfg, comms, coords, checkpoint):
     experts = [p for n, p in model.named_parameters() if '.mlp.experts.' in n] if comms['ep'] else []
     dense = [p for p in model.parameters() if all(p is not q for q in experts)]
     zeros = [Zero(model, 1, comm.rank, comm.size, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
-                  cfg.bucket_size, weights_dtype(cfg), comm,
-                  params=params, divisor=comms['dp_cp'].size)
+                  cfg.bucket_size, weights_dtype(cfg), comm, params=params, divisor=comms['dp_cp'].size)
              for params, comm in ((dense, comms['dp_cp']), (experts, comms['edp'])) if params]
     if checkpoint is not None:
         for key, zero in zip(ENGINES, zeros):
@@ -168,16 +166,14 @@ def train_step(stage, zeros, batches, cfg, tp, layout, embed, weights, lr):
 
 
 def grid_loss(stage, cp, m, x, y):
-    """The mean loss over the whole batch: through the stages (m microbatches), then the mean of the cp
-    ranks'."""
+    """The mean loss over the whole batch: through the stages (m microbatches), then over the cp ranks."""
     loss = forward_loss(stage, x, y, m)
     cp.group.all_reduce(loss, kind='scalars')
     return loss / cp.group.size
 
 
 def weights_dtype(cfg):
-    """The parameters' dtype under the grid's ZeRO-1 (build_zeros): bf16 under bf16, and so the stream the
-    pipeline's stages send each other (build_stage)."""
+    """The parameters' dtype under ZeRO-1 (build_zeros), and so the stream between stages (build_stage)."""
     return torch.bfloat16 if cfg.dtype == 'bfloat16' else torch.float32
 
 
@@ -188,9 +184,8 @@ def weight_groups(grid, rank, ep_size, tied):
     tied embedding's two stages (embed_comm)."""
     same_weights = along(grid, 'dp', 'cp')
     ep_groups, edp_groups = expert_groups(same_weights, ep_size)
-    ep, edp = None, None  # (no experts to share out)
-    if ep_size > 1:
-        ep, edp = group_comm('ep', ep_groups, rank), group_comm('edp', edp_groups, rank)
+    ep, edp = ((group_comm('ep', ep_groups, rank), group_comm('edp', edp_groups, rank)) if ep_size > 1
+               else (None, None))  # (None: no experts to share out)
     return dict(dp_cp=group_comm('dp_cp', same_weights, rank), ep=ep, edp=edp,
                 embed=embed_comm(grid, rank, tied))
 
@@ -234,8 +229,7 @@ def main(argv):
 
 
 def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank (a resume's model: the
-    checkpoint's). Returns dp."""
+    """Every bad combination, before any work (a resume's model: the checkpoint's): one line. Returns dp."""
     path = rank_path(cfg.out_dir, RANK_FILE, 0)
     cfg, resumed = resumed_config(cfg, path)
     check_schedule(cfg, resumed)  # first: the checks below divide by n_microbatches and virtual_stages
