@@ -44,7 +44,7 @@ offload_optimizer = False       # ZeRO-Offload: the fp32 master chunk and AdamW'
 prefetch_blocks = 1             # stage 3: gather this many blocks ahead while one computes (0: just in time)
 overlap_comm = True             # reduce while backward goes on (False: wait for each; one full bucket fewer)
 adam_eps = 1e-8
-deepspeed_config = ''           # a DeepSpeed JSON file; its common subset overrides the keys above
+deepspeed_config = ''           # a DeepSpeed JSON file: its common subset overrides the flags before it
 print_ds_config = False         # print this run's DeepSpeed JSON config (to take it to DeepSpeed), then exit
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
@@ -444,11 +444,11 @@ def build_zero(cfg, vocab_size, rank, world_size, dp):
     return model, zero, iter_num, best_val_loss
 
 
-def check_config(cfg, world_size):
+def check_config(cfg, world_size, argv=()):
     """Every bad combination, before any work: one line, the same on every rank (the DeepSpeed JSON on)."""
     if cfg.deepspeed_config:  # (a DeepSpeed JSON's common subset: common/deepspeed_config.py)
         from common.deepspeed_config import apply_deepspeed_config
-        apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size)
+        apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size, argv)  # (flags after it override it)
     refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"),
            *shared_refusals(cfg, 'zero.py', world_size, world_size, compiles=cfg.stage < 3),  # (3: hooks)
            (cfg.bucket_size < 0 or cfg.prefetch_blocks < 0,
@@ -460,7 +460,7 @@ def check_config(cfg, world_size):
 
 def main(argv):
     world = world_size_from_env()
-    cfg = check_config(configure(config, argv), world)
+    cfg = check_config(configure(config, argv), world, argv)
     if cfg.print_ds_config:  # the run's DeepSpeed JSON (common/deepspeed_config.py), and nothing run
         from common.deepspeed_config import print_deepspeed_config
         return print_deepspeed_config(cfg, world)

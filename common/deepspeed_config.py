@@ -7,6 +7,9 @@ script.
 
 import json
 import os
+import sys
+
+from common.training import keys_set_after, refuse, value_refusals
 
 DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer', 'overlap_comm'},
            'train_micro_batch_size_per_gpu': None,
@@ -43,64 +46,118 @@ def deepspeed_config_of(cfg, world_size):
             **({'scheduler': scheduler_of(cfg)} if cfg.decay_lr else {})}
 
 
-def apply_deepspeed_config(cfg, path, world_size):
-    """The common subset of a DeepSpeed JSON config, onto cfg. DeepSpeed's gradient_accumulation_steps is per
-    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. Anything else is an error. An
-    empty path (no --deepspeed_config) leaves cfg as it is."""
-    if not path:
-        return cfg
+def checked_section(name, value, allowed):
+    """A section of the JSON (name: its path in it): an object whose keys zero.py runs, else one line."""
+    if not isinstance(value, dict):
+        raise SystemExit(f"error: deepspeed_config {name or 'file'} must be a JSON object, got {value!r}")
+    for key in value:
+        if key not in allowed:
+            path = f"{name}.{key}" if name else key
+            raise SystemExit(f"error: deepspeed_config key '{path}' is not supported by zero.py; supported: "
+                             f"{', '.join(sorted(allowed))}")
+    return value
+
+
+def read_deepspeed_json(path):
+    """The JSON at path, every section checked: only the keys zero.py runs (DS_KEYS, optimizer.params and
+    offload_optimizer's), an object wherever DeepSpeed has one, AdamW the optimizer, the CPU the only offload
+    device."""
     if not os.path.isfile(path):
         raise SystemExit(f"error: deepspeed_config {path} not found")
     try:
         ds = json.load(open(path))
     except json.JSONDecodeError as e:
         raise SystemExit(f"error: deepspeed_config {path} is not valid JSON: {e}")
-    for key, value in ds.items():
-        if key not in DS_KEYS:
-            raise SystemExit(f"error: deepspeed_config key '{key}' is not supported by zero.py; "
-                             f"supported: {', '.join(sorted(DS_KEYS))}")
-        allowed = DS_KEYS[key]
-        for sub in (value if allowed is not None else {}):
-            if sub not in allowed:
-                raise SystemExit(f"error: deepspeed_config key '{key}.{sub}' is not supported by zero.py; "
-                                 f"supported: {', '.join(sorted(allowed))}")
+    for key, value in checked_section('', ds, DS_KEYS).items():
+        if DS_KEYS[key] is not None:
+            checked_section(key, value, DS_KEYS[key])
     opt = ds.get('optimizer', {})
-    if opt.get('type', 'AdamW').lower() != 'adamw':
+    checked_section('optimizer.params', opt.get('params', {}), DS_OPTIMIZER_PARAMS)
+    if str(opt.get('type', 'AdamW')).lower() != 'adamw':
         raise SystemExit(f"error: deepspeed_config optimizer.type '{opt['type']}' is not supported: zero.py "
                          "is AdamW")
-    for sub in opt.get('params', {}):
-        if sub not in DS_OPTIMIZER_PARAMS:
-            raise SystemExit(f"error: deepspeed_config key 'optimizer.params.{sub}' is not supported by "
-                             "zero.py; "
-                             f"supported: {', '.join(sorted(DS_OPTIMIZER_PARAMS))}")
-    params = opt.get('params', {})
-    apply_scheduler(cfg, ds.get('scheduler'), params.get('lr', cfg.learning_rate))
-    zero_opt = ds.get('zero_optimization', {})
-    offload = zero_opt.get('offload_optimizer', {}).get('device', 'none')
+    offload = checked_section('zero_optimization.offload_optimizer',
+                              ds.get('zero_optimization', {}).get('offload_optimizer', {}),
+                              {'device', 'pin_memory'}).get('device', 'none')
     if offload not in ('cpu', 'none'):
         raise SystemExit(f"error: deepspeed_config zero_optimization.offload_optimizer.device '{offload}' is "
-                         "not "
-                         f"supported by zero.py: 'cpu' or 'none'")
-    updates = {'stage': zero_opt.get('stage'), 'overlap_comm': zero_opt.get('overlap_comm'),
-               'offload_optimizer': offload == 'cpu' if 'offload_optimizer' in zero_opt else None,
-               'batch_size': ds.get('train_micro_batch_size_per_gpu'),
-               'gradient_accumulation_steps': (ds['gradient_accumulation_steps'] * world_size
-                                               if 'gradient_accumulation_steps' in ds else None),
-               'grad_clip': ds.get('gradient_clipping'),
-               'dtype': {True: 'bfloat16', False: 'float32'}.get(ds.get('bf16', {}).get('enabled')),
-               'learning_rate': params.get('lr'), 'beta1': params.get('betas', [None, None])[0],
-               'beta2': params.get('betas', [None, None])[1], 'adam_eps': params.get('eps'),
-               'weight_decay': params.get('weight_decay')}
-    for key, value in updates.items():
-        if value is not None:
-            setattr(cfg, key, float(value) if isinstance(getattr(cfg, key), float) else value)
-    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
-    if 'train_batch_size' in ds and ds['train_batch_size'] != global_batch:
-        raise SystemExit(f"error: deepspeed_config train_batch_size {ds['train_batch_size']} is not "
-                         "micro batch × accumulation × world = "
-                         f"{cfg.batch_size * cfg.gradient_accumulation_steps}")
-    return cfg
+                         "not supported by zero.py: 'cpu' or 'none'")
+    return ds
 
+
+def deepspeed_value(name, value, like):
+    """A JSON value for one of zero.py's keys, of the type of that key's present value (like), else one line
+    naming the JSON key. DeepSpeed's "auto" is filled in by Hugging Face's Trainer: no value to run here."""
+    if value == 'auto':
+        raise SystemExit(f'error: deepspeed_config {name} is "auto", which Hugging Face\'s Trainer fills in: '
+                         'give zero.py a value, or leave the key out')
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(like, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(like, float):
+        ok, value = number, float(value) if number else value
+    else:
+        ok = isinstance(value, type(like)) and not isinstance(value, bool)
+    if not ok:
+        raise SystemExit(f"error: deepspeed_config {name} must be {type(like).__name__}, got {value!r}")
+    return value
+
+
+def apply_deepspeed_config(cfg, path, world_size, argv=()):
+    """The common subset of a DeepSpeed JSON config, onto cfg. DeepSpeed's gradient_accumulation_steps is per
+    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. Anything else is an error. An
+    empty path (no --deepspeed_config) leaves cfg as it is. The keys that argv (the command line) sets after
+    --deepspeed_config keep their values (nanoGPT's rule: a later setting overrides), said in a note."""
+    if not path:
+        return cfg
+    ds, given = read_deepspeed_json(path), dict(vars(cfg))
+    zero_opt, params = ds.get('zero_optimization', {}), ds.get('optimizer', {}).get('params', {})
+    betas = params.get('betas', [None, None])
+    if not (isinstance(betas, list) and len(betas) == 2):
+        raise SystemExit(f"error: deepspeed_config optimizer.params.betas must be a list of two numbers, got "
+                         f"{betas!r}")
+    offload = zero_opt.get('offload_optimizer', {}).get('device', 'none')
+    bf16 = ds.get('bf16', {}).get('enabled')
+    dtype = None if bf16 is None else 'bfloat16' if deepspeed_value('bf16.enabled', bf16, True) else 'float32'
+    accumulation = ds.get('gradient_accumulation_steps')
+    updates = [('stage', 'zero_optimization.stage', zero_opt.get('stage')),
+               ('overlap_comm', 'zero_optimization.overlap_comm', zero_opt.get('overlap_comm')),
+               ('offload_optimizer', 'zero_optimization.offload_optimizer',
+                offload == 'cpu' if 'offload_optimizer' in zero_opt else None),
+               ('batch_size', 'train_micro_batch_size_per_gpu', ds.get('train_micro_batch_size_per_gpu')),
+               ('gradient_accumulation_steps', 'gradient_accumulation_steps', accumulation),
+               ('grad_clip', 'gradient_clipping', ds.get('gradient_clipping')),
+               ('dtype', 'bf16.enabled', dtype),
+               ('learning_rate', 'optimizer.params.lr', params.get('lr')),
+               ('beta1', 'optimizer.params.betas', betas[0]), ('beta2', 'optimizer.params.betas', betas[1]),
+               ('adam_eps', 'optimizer.params.eps', params.get('eps')),
+               ('weight_decay', 'optimizer.params.weight_decay', params.get('weight_decay'))]
+    for key, name, value in updates:
+        if value is not None:
+            setattr(cfg, key, deepspeed_value(name, value, getattr(cfg, key)))
+    if accumulation is not None:
+        cfg.gradient_accumulation_steps *= world_size  # DeepSpeed counts a rank's micro-steps, we all ranks'
+    apply_scheduler(cfg, ds.get('scheduler'), cfg.learning_rate)
+    global_batch, batch = cfg.batch_size * cfg.gradient_accumulation_steps, ds.get('train_batch_size')
+    if batch is not None and deepspeed_value('train_batch_size', batch, 1) != global_batch:
+        raise SystemExit(f"error: deepspeed_config train_batch_size {batch} is not micro batch × accumulation "
+                         f"× world = {global_batch}")
+    # the JSON's values that no script runs (a 0 or a negative), as configure refuses a flag's
+    refuse(*[(bad, f"{message} (from deepspeed_config {path})") for bad, message in value_refusals(vars(cfg))])
+    return keep_later(cfg, given, keys_set_after(argv, 'deepspeed_config'))
+
+
+def keep_later(cfg, given, later):
+    """The keys the command line sets after --deepspeed_config take back their values (given), with a note
+    on rank 0 where the JSON said otherwise."""
+    overridden = [key for key in sorted(later) if getattr(cfg, key) != given[key]]
+    for key in later:
+        setattr(cfg, key, given[key])
+    if overridden and os.environ.get('RANK', '0') == '0':
+        flags = ', '.join(f'--{key}={given[key]!r}' for key in overridden)
+        print(f"note: {flags} (after --deepspeed_config) override the JSON's", file=sys.stderr)  # (stdout:
+        # --print_ds_config's JSON)
+    return cfg
 
 
 def apply_scheduler(cfg, scheduler, lr):
@@ -115,10 +172,11 @@ def apply_scheduler(cfg, scheduler, lr):
         raise SystemExit("error: deepspeed_config scheduler: zero.py runs a WarmupCosineLR with a linear "
                          f"warm-up from 0 ({', '.join(sorted(DS_SCHEDULER_PARAMS))}); got "
                          f"{json.dumps(scheduler)}")
+    value = lambda name, like: deepspeed_value(f'scheduler.params.{name}', params.get(name, like), like)
     cfg.decay_lr = True
-    cfg.lr_decay_iters = params.get('total_num_steps', cfg.lr_decay_iters)
-    cfg.warmup_iters = params.get('warmup_num_steps', cfg.warmup_iters)
-    cfg.min_lr = float(params.get('cos_min_ratio', cfg.min_lr / cfg.learning_rate) * lr)
+    cfg.lr_decay_iters = value('total_num_steps', cfg.lr_decay_iters)
+    cfg.warmup_iters = value('warmup_num_steps', cfg.warmup_iters)
+    cfg.min_lr = value('cos_min_ratio', cfg.min_lr / cfg.learning_rate) * lr
 
 
 def print_deepspeed_config(cfg, world_size):

@@ -142,6 +142,37 @@ def value_refusals(cfg):
               f"--dtype must be float32, bfloat16 or float16, got {cfg.get('dtype')!r}")])
 
 
+def read_overrides(argv):
+    """The (key, value, source) settings of `[config/file.py ...] [--key=value ...]`, in their order."""
+    settings = []
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not os.path.isfile(arg):
+                raise SystemExit(f"error: config file {arg} not found")
+            namespace = {}
+            exec(open(arg).read(), {}, namespace)
+            settings += [(key, value, arg) for key, value in namespace.items()
+                         if not key.startswith('_') and not inspect.ismodule(value)]
+        else:
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise SystemExit(f"error: expected --key=value, got {arg}")
+            try:
+                value = ast.literal_eval(text)
+            except (SyntaxError, ValueError):
+                value = text  # a bare word is a string
+            settings.append((key, value, arg))
+    return settings
+
+
+def keys_set_after(argv, key):
+    """The keys that argv sets after its last setting of key: under nanoGPT's rule, they override what key
+    brings (zero.py: the keys a --deepspeed_config JSON sets)."""
+    settings = read_overrides(argv)
+    last = max((i for i, (k, _, _) in enumerate(settings) if k == key), default=len(settings))
+    return {k for k, _, _ in settings[last + 1:]}
+
+
 def configure(defaults, argv):
     """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order. A config
     file is Python that assigns keys; values on the command line are Python literals (or plain strings). An
@@ -153,7 +184,7 @@ def configure(defaults, argv):
         print(config_help(defaults, os.path.abspath(sys.argv[0])))
         raise SystemExit(0)
 
-    def set_key(key, value, source):
+    for key, value, source in read_overrides(argv):
         if key not in defaults:
             import difflib
             near = difflib.get_close_matches(key, defaults, n=1)
@@ -161,25 +192,6 @@ def configure(defaults, argv):
                              (f"did you mean {near[0]}? " if near else '') +
                              f"valid keys: {', '.join(sorted(defaults))}")
         cfg[key] = _checked(key, value, defaults[key])
-
-    for arg in argv:
-        if not arg.startswith('--'):
-            if not os.path.isfile(arg):
-                raise SystemExit(f"error: config file {arg} not found")
-            namespace = {}
-            exec(open(arg).read(), {}, namespace)
-            for key, value in namespace.items():
-                if not key.startswith('_') and not inspect.ismodule(value):
-                    set_key(key, value, arg)
-        else:
-            key, eq, text = arg[2:].partition('=')
-            if not eq:
-                raise SystemExit(f"error: expected --key=value, got {arg}")
-            try:
-                value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
-                value = text  # a bare word is a string
-            set_key(key, value, arg)
     refuse(*value_refusals(cfg))
     if cfg.get('memory_limit_mib'):
         from common.memory_limit import limit_this_rank

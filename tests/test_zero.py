@@ -3,6 +3,7 @@ accumulation, clipped (2 ranks) and not (3 ranks); stage 0/1/3 match DDP / ZeroR
 bytes it reports equal the ZeRO formulas; shard checkpoints resume exactly and consolidate into a train.py
 checkpoint; bad input fails on every rank with one line."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -409,6 +410,37 @@ def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
     bad.write_text('{"fp16": {"enabled": true}}')
     with pytest.raises(SystemExit, match="'fp16'"):
         deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 1)
+
+
+def test_deepspeed_config_in_order_and_bad_values_in_one_line(tmp_path, capsys):
+    """nanoGPT's rule holds for the JSON too: it overrides the flags before it, the flags after it override it
+    (with a note); a value zero.py cannot run (DeepSpeed's "auto", a wrong type, a string where an object
+    goes, a 0 batch) is one line naming the JSON key, never a traceback or a silent default."""
+    from common.training import configure
+    ds3 = os.path.join(REPO, 'config/ds_zero3.json')  # stage 3, micro batch 16, lr 2e-3
+    argv = ['--stage=1', '--learning_rate=1e-3', f'--deepspeed_config={ds3}', '--batch_size=8']
+    cfg = zero.check_config(configure(zero.config, argv), 1, argv)
+    assert (cfg.stage, cfg.learning_rate, cfg.batch_size) == (3, 2e-3, 8)
+    assert "--batch_size=8 (after --deepspeed_config) override" in capsys.readouterr().err
+    argv = [f'--deepspeed_config={ds3}', '--stage=1']
+    assert zero.check_config(configure(zero.config, argv), 1, argv).stage == 1
+    bad = tmp_path / 'ds.json'
+    for text, says in [('{"train_micro_batch_size_per_gpu": "auto"}', 'train_micro_batch_size_per_gpu is "auto"'),
+                       ('{"bf16": {"enabled": "auto"}}', 'bf16.enabled is "auto"'),
+                       ('{"train_batch_size": "auto"}', 'train_batch_size is "auto"'),
+                       ('{"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}}',
+                        'scheduler.params.total_num_steps is "auto"'),
+                       ('{"zero_optimization": 3}', 'zero_optimization must be a JSON object'),
+                       ('{"zero_optimization": {"offload_optimizer": "cpu"}}', 'offload_optimizer must be a JSON'),
+                       ('{"zero_optimization": {"stage": "3"}}', "zero_optimization.stage must be int, got '3'"),
+                       ('{"optimizer": {"params": {"betas": 0.9}}}', 'betas must be a list of two numbers'),
+                       ('{"optimizer": {"params": {"lr": "3e-4"}}}', 'optimizer.params.lr must be float'),
+                       ('{"train_micro_batch_size_per_gpu": 0}', 'batch_size must be at least 1, got 0 (from'),
+                       ('[1]', 'deepspeed_config file must be a JSON object')]:
+        bad.write_text(text)
+        argv = [f'--deepspeed_config={bad}']
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            zero.check_config(configure(zero.config, argv), 1, argv)
 
 
 def launch_ranks(args, world_size=2, timeout=90):
