@@ -204,17 +204,30 @@ def resumed_config(cfg, ckpt_path):
     """What a script's check_config judges on a resume: this command's config with the model's shape the
     checkpoint's (init_model builds it so, whatever the command's flags say, and a resume without the run's
     config file leaves them at their defaults), so that a refusal is about the model that would run, and
-    none refuses a model that would. Returns (that config, resume_note's words for a refusal to add: 'resuming
-    with ...', or None); (cfg, None) where nothing is resumed."""
+    none refuses a model that would; likewise a GPT-2's shape where init_from names one. Returns (that config,
+    words for a refusal to add: 'resuming with ...' (resume_note's), or None); (cfg, None) where the model is
+    the command's."""
+    if cfg.init_from not in ('scratch', 'resume') and is_gpt2(cfg.init_from):
+        from common.hf import gpt2_shape  # (its config.json, or the hub's four sizes: no weights read)
+        config = gpt2_shape(cfg.init_from)
+        shape = model_shape(cfg, vars(config) if config else {})
+        said = ', '.join(f"{k}={v!r}" for k, v in shape.items() if getattr(cfg, k) != v)
+        return SimpleNamespace(**dict(vars(cfg), **shape)), said and f"init_from={cfg.init_from} has {said}"
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
         return cfg, None  # (a missing file is check_config's or init_model's to report)
     checkpoint = load_mmap(ckpt_path)
     if 'model_args' not in checkpoint:
         return cfg, None  # (not a checkpoint of ours: init_model's to report)
     note = resume_note(cfg, checkpoint)
-    shape = {k: v for k, v in checkpoint['model_args'].items()
-             if hasattr(cfg, k) and k not in ('dropout', 'activation_checkpointing', 'block_size')}
+    shape = model_shape(cfg, checkpoint['model_args'])
     return SimpleNamespace(**dict(vars(cfg), **shape)), note and note.removeprefix('note: ')
+
+
+def model_shape(cfg, model_args):
+    """The model's keys that init_model takes from where the model comes from (not the command's flags):
+    all but dropout, activation checkpointing and the run's block size."""
+    return {k: v for k, v in model_args.items()
+            if hasattr(cfg, k) and k not in ('dropout', 'activation_checkpointing', 'block_size')}
 
 
 def check_resume_files(checkpoint, ckpt_path):

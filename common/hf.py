@@ -36,13 +36,18 @@ def from_hf(hf_model, **overrides):
 
 
 def from_pretrained(name, **overrides):
-    """GPT-2's weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'), through transformers."""
+    """GPT-2's weights by name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'), through transformers. A
+    directory without weights, or a name offline and not in the cache: one line (transformers' first)."""
     try:
         from transformers import GPT2LMHeadModel
     except ImportError:
         raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install "
                          f"transformers")
-    return from_hf(GPT2LMHeadModel.from_pretrained(name), **overrides)
+    try:
+        hf_model = GPT2LMHeadModel.from_pretrained(name)
+    except OSError as e:  # (no weights in the directory; no network and no cached copy)
+        raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+    return from_hf(hf_model, **overrides)
 
 
 GPT2_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
@@ -56,6 +61,28 @@ def gpt2_config(hf_cfg, **overrides):
                      gelu='exact' if hf_cfg.activation_function == 'gelu' else 'tanh',
                      tie_embeddings=bool(getattr(hf_cfg, 'tie_word_embeddings', True)),
                      **{'dropout': 0.0, 'bias': True, **overrides})
+
+
+# The hub's four GPT-2 sizes (their config.json's shape, as nanoGPT's from_pretrained writes them): a check
+# knows the model a name starts before anything is downloaded
+GPT2_SIZES = {'gpt2': dict(n_layer=12, n_head=12, n_embd=768),
+              'gpt2-medium': dict(n_layer=24, n_head=16, n_embd=1024),
+              'gpt2-large': dict(n_layer=36, n_head=20, n_embd=1280),
+              'gpt2-xl': dict(n_layer=48, n_head=25, n_embd=1600)}
+
+
+def gpt2_shape(name):
+    """A GPT-2's GPTConfig without its weights: a directory's config.json, or one of the hub's four sizes;
+    None for another name (its config is on the hub) or another kind of model (open_gpt2 refuses it)."""
+    path = os.path.join(name, 'config.json')
+    if os.path.isfile(path):
+        with open(path) as f:
+            hf_cfg = SimpleNamespace(**json.load(f))
+        return gpt2_config(hf_cfg) if getattr(hf_cfg, 'model_type', None) == 'gpt2' else None
+    if name in GPT2_SIZES:
+        return gpt2_config(SimpleNamespace(n_positions=1024, vocab_size=50257, layer_norm_epsilon=1e-5,
+                                           activation_function='gelu_new', **GPT2_SIZES[name]))
+    return None
 
 
 def gpt2_tensors(hf_named, config):
@@ -83,7 +110,10 @@ def open_gpt2(name, **overrides):
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install "
                              f"transformers")
-        config_path, weights_path = (hf_hub_download(name, f) for f in ('config.json', 'model.safetensors'))
+        try:
+            config_path, weights_path = (hf_hub_download(name, f) for f in ('config.json', 'model.safetensors'))
+        except OSError as e:  # (no network and no cached copy; a name the hub does not have)
+            raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
     if not os.path.isfile(weights_path):
         raise SystemExit(f"error: init_from={name}: no model.safetensors in it (save_pretrained writes one)")
     with open(config_path) as f:

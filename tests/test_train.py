@@ -396,6 +396,47 @@ def test_a_resume_is_checked_against_the_model_it_resumes(tmp_path, script, grid
     assert e.value.code.endswith(f"(resuming with {key}={bad} (the checkpoint's; this command says {good}))")
 
 
+@pytest.mark.parametrize('script, flags', [('tensor_parallel', ['--tp=2']), ('parallel_4d', ['--tp=2']),
+                                           ('context_parallel', ['--cp=2', '--cp_attention=ulysses'])])
+def test_a_gpt2_start_is_checked_against_the_gpt2(tmp_path, script, flags):
+    """init_from=<a GPT-2> builds the GPT-2's shape whatever the command's flags say: the checks judge that
+    shape, from its config.json (no weights read) or, for the hub's names, the four known sizes (offline).
+    tp=2 and ulysses over 2 ranks had met a 3-head GPT-2 in a split or reshape traceback."""
+    import importlib
+    import json
+    module = importlib.import_module(script)
+    gpt2 = tmp_path / 'gpt2_tiny'
+    gpt2.mkdir()
+
+    def start(init_from, n_head_saved, n_head_flag):
+        (gpt2 / 'config.json').write_text(json.dumps(dict(
+            model_type='gpt2', n_positions=32, vocab_size=96, n_layer=2, n_head=n_head_saved, n_embd=12,
+            layer_norm_epsilon=1e-5, activation_function='gelu_new')))
+        argv = TINY + flags + [f'--n_head={n_head_flag}', f'--init_from={init_from}', f'--out_dir={tmp_path}']
+        return module.check_config(training.configure(module.config, argv), 2)
+    start(gpt2, 4, 3)  # the command's 3 heads are not what runs: passes
+    for init_from, says in ((gpt2, 'n_head=3'), ('gpt2-xl', 'n_head=25')):
+        with pytest.raises(SystemExit) as e:
+            start(init_from, 3, 4)
+        assert e.value.code.startswith('error: ') and f"(init_from={init_from} has " in e.value.code, e.value.code
+        assert says in e.value.code.split('(init_from=')[1], e.value.code
+
+
+def test_a_gpt2_directory_without_weights_is_one_line(tmp_path):
+    """train.py reads a GPT-2 through transformers, the sharded scripts from its safetensors file: a directory
+    with a config.json and no weights is one line either way (train.py's was transformers' traceback)."""
+    pytest.importorskip('transformers', reason='train.py reads a GPT-2 through Hugging Face transformers')
+    import json
+    from common import hf
+    (tmp_path / 'config.json').write_text(json.dumps(dict(
+        model_type='gpt2', n_positions=32, vocab_size=96, n_layer=2, n_head=4, n_embd=16)))
+    for read in (hf.from_pretrained, hf.open_gpt2):
+        with pytest.raises(SystemExit) as e:
+            read(str(tmp_path))
+        assert e.value.code.startswith(f"error: init_from={tmp_path}: ") and 'model.safetensors' in e.value.code
+        assert '\n' not in e.value.code, e.value.code
+
+
 @pytest.mark.parametrize('flag, message', [
     ('--batch_size=0', '--batch_size must be at least 1, got 0'),
     ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps must be at least 1, got 0'),
