@@ -140,10 +140,11 @@ def apply_deepspeed_config(cfg, path, world_size, argv=()):
     apply_scheduler(cfg, ds.get('scheduler'), cfg.learning_rate)
     global_batch, batch = cfg.batch_size * cfg.gradient_accumulation_steps, ds.get('train_batch_size')
     if batch is not None and deepspeed_value('train_batch_size', batch, 1) != global_batch:
-        raise SystemExit(f"error: deepspeed_config train_batch_size {batch} is not micro batch × accumulation "
-                         f"× world = {global_batch}")
+        raise SystemExit(f"error: deepspeed_config train_batch_size {batch} is not micro batch × "
+                         f"accumulation × world = {global_batch}")
     # the JSON's values that no script runs (a 0 or a negative), as configure refuses a flag's
-    refuse(*[(bad, f"{message} (from deepspeed_config {path})") for bad, message in value_refusals(vars(cfg))])
+    refuse(*[(bad, f"{message} (from deepspeed_config {path})")
+             for bad, message in value_refusals(vars(cfg))])
     return keep_later(cfg, given, keys_set_after(argv, 'deepspeed_config'))
 
 

@@ -111,7 +111,8 @@ def open_gpt2(name, **overrides):
             raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install "
                              f"transformers")
         try:
-            config_path, weights_path = (hf_hub_download(name, f) for f in ('config.json', 'model.safetensors'))
+            config_path, weights_path = [hf_hub_download(name, f)
+                                         for f in ('config.json', 'model.safetensors')]
         except OSError as e:  # (no network and no cached copy; a name the hub does not have)
             raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
     if not os.path.isfile(weights_path):
