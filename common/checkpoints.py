@@ -130,7 +130,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         note = resume_note(cfg, checkpoint)
         if is_master():
             trim_log(cfg.out_dir, iter_num)
-            for line in (note, later_checkpoints_note(ckpt_path, iter_num)):
+            for line in (note, later_checkpoints_note(cfg.out_dir, ckpt_path, iter_num)):
                 if line:
                     print(line)
     elif gpt2 and is_gpt2(cfg.init_from):
@@ -149,15 +149,18 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
     return model, checkpoint, iter_num, best_val_loss
 
 
-def later_checkpoints_note(ckpt_path, iter_num):
+def later_checkpoints_note(out_dir, ckpt_path, iter_num):
     """One line where out_dir holds checkpoint files of a later iteration than the one resumed, in another
     layout (a ckpt.pt joined by consolidate.py and trained on by train.py, say, beside a sharded run's rank
-    files, which the sharded script resumes first): this resume goes back to the older state. None if not."""
-    out_dir = os.path.dirname(os.path.abspath(ckpt_path))
+    files, which the sharded script resumes first): this resume goes back to the older state. None if not.
+    A folder's extras.pt counts too: train_fsdp.py's ckpt_dcp/ keeps the iteration there."""
     later = []
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
-        if name.endswith('.pt') and path != os.path.abspath(ckpt_path):
+        if os.path.isdir(path) and not name.endswith(('.tmp', '.old')):  # (not a save cut short)
+            name, path = name + '/', os.path.join(path, 'extras.pt')
+        if name.endswith(('.pt', '/')) and os.path.isfile(path) and \
+                os.path.abspath(path) != os.path.abspath(ckpt_path):
             try:  # (memory-mapped: the pickle is read, no tensor)
                 it = load_mmap(path).get('iter_num', -1)
             except Exception:  # (not a checkpoint of ours: no word on it)

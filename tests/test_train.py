@@ -506,6 +506,13 @@ def test_a_resume_says_where_a_later_checkpoint_sits_beside_it(tmp_path, capsys)
         f"note: resuming {tmp_path}/ckpt.pt at iteration 2; later checkpoints beside it: zero_rank1.pt "
         f"(iteration 4), another layout's run (its own script resumes it; python consolidate.py {tmp_path} joins "
         "rank files into ckpt.pt)\n")
+    os.makedirs(os.path.join(tmp_path, 'ckpt_dcp'))  # train_fsdp.py's sharded checkpoint: its iteration in extras.pt
+    torch.save({'iter_num': 6}, os.path.join(tmp_path, 'ckpt_dcp', 'extras.pt'))
+    resume()
+    assert "later checkpoints beside it: ckpt_dcp/ (iteration 6), zero_rank1.pt (iteration 4)," in capsys.readouterr().out
+    extras = os.path.join(tmp_path, 'ckpt_dcp', 'extras.pt')  # train_fsdp.py resuming its folder: not itself
+    assert checkpoints.later_checkpoints_note(str(tmp_path), extras, 6) is None
+    assert 'beside it: ckpt.pt (iteration 2), zero_rank1.pt' in checkpoints.later_checkpoints_note(str(tmp_path), extras, 1)
 
 
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
