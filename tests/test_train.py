@@ -512,7 +512,7 @@ def test_a_resume_says_where_a_later_checkpoint_sits_beside_it(tmp_path, capsys)
     assert "later checkpoints beside it: ckpt_dcp/ (iteration 6), zero_rank1.pt (iteration 4)," in capsys.readouterr().out
     extras = os.path.join(tmp_path, 'ckpt_dcp', 'extras.pt')  # train_fsdp.py resuming its folder: not itself
     assert checkpoints.later_checkpoints_note(str(tmp_path), extras, 6) is None
-    assert 'beside it: ckpt.pt (iteration 2), zero_rank1.pt' in checkpoints.later_checkpoints_note(str(tmp_path), extras, 1)
+    assert 'beside it: ckpt.pt (iteration 2), zero_rank0.pt (iteration 2)' in checkpoints.later_checkpoints_note(str(tmp_path), extras, 1)
 
 
 def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
