@@ -7,6 +7,7 @@ run_main (a bad input is one line on every rank).
 
 import ast
 import contextlib
+import glob
 import inspect
 import json
 import math
@@ -465,8 +466,11 @@ def busy_cpu_note(device):
 
 
 def outputs_line(out_dir, *files):
-    """The line every training script prints when it ends: where its outputs are."""
-    return f"done; outputs in {out_dir}/: log.jsonl (every logged row as JSON), " + ', '.join(files)
+    """The line every training script prints when it ends: where its outputs are. Each of files is a name (a
+    pattern) and its words, 'ckpt.pt (the checkpoint)', named only where out_dir holds it: a run that saved
+    nothing (--max_iters=0, --eval_only) names no checkpoint."""
+    there = [f for f in files if glob.glob(os.path.join(out_dir, f.split(' ')[0]))]
+    return f"done; outputs in {out_dir}/: " + ', '.join(['log.jsonl (every logged row as JSON)', *there])
 
 
 def log_row(out_dir, row):

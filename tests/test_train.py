@@ -422,6 +422,16 @@ def test_a_gpt2_start_is_checked_against_the_gpt2(tmp_path, script, flags):
         assert says in e.value.code.split('(init_from=')[1], e.value.code
 
 
+def test_the_done_line_names_only_what_the_run_left(tmp_path, capsys):
+    """--max_iters=0 saves no checkpoint (iteration 0 is never saved): the closing line had named a ckpt.pt
+    that was not there. A run that saved one names it."""
+    import train
+    for max_iters, named in ((0, False), (2, True)):
+        train.main(TINY + [f'--out_dir={tmp_path}', f'--max_iters={max_iters}', '--eval_interval=2'])
+        done = capsys.readouterr().out.splitlines()[-1]
+        assert done.startswith(f"done; outputs in {tmp_path}/: log.jsonl") and ('ckpt.pt' in done) == named, done
+
+
 def test_a_gpt2_directory_without_weights_is_one_line(tmp_path):
     """train.py reads a GPT-2 through transformers, the sharded scripts from its safetensors file: a directory
     with a config.json and no weights is one line either way (train.py's was transformers' traceback)."""
