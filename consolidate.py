@@ -45,12 +45,17 @@ def rank_files(out_dir):
     """The rank files in out_dir, memory-mapped: every file of the one world they declare ('files': their
     pattern and count), all there and from one iteration (each file is written atomically, but a run stopped
     while saving can leave some ranks' files a save behind). None for train_fsdp.py's folder."""
-    declared = [load_mmap(p).get('files') for p in glob.glob(os.path.join(out_dir, '*.pt'))
-                if os.path.basename(p) != 'ckpt.pt']
-    worlds = {tuple(files) for files in declared if files is not None}
-    worlds |= {(DCP + '/', 1)} if os.path.isdir(os.path.join(out_dir, DCP)) else set()
-    if len(worlds) != 1:
-        what = 'none' if not worlds else 'several: ' + ', '.join(p.format('*') for p, _ in sorted(worlds))
+    worlds = defaultdict(list)  # (pattern, count) -> the files that declare it
+    for path in sorted(glob.glob(os.path.join(out_dir, '*.pt'))):
+        files = load_mmap(path).get('files') if os.path.basename(path) != 'ckpt.pt' else None
+        if files is not None:
+            worlds[tuple(files)].append(os.path.basename(path))
+    if os.path.isdir(os.path.join(out_dir, DCP)):
+        worlds[(DCP + '/', 1)].append(DCP + '/')
+    if len(worlds) != 1:  # (two runs of one script on different world sizes: the same pattern, twice)
+        what = 'none' if not worlds else 'several: ' + ', '.join(
+            names[0] if p == DCP + '/' else f"{p.format('*')} of {n} ranks ({', '.join(names)})"
+            for (p, n), names in sorted(worlds.items()))
         raise SystemExit(f"error: consolidate: {out_dir} must hold one sharded checkpoint, holds {what}"
                          + ('; train it with a sharded script first' if not worlds else
                             '; move all but one to a folder of their own'))

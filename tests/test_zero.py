@@ -623,15 +623,20 @@ def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
 
 
 def test_consolidate_bad_input_is_one_line(tmp_path):
-    """consolidate.py on a directory with no sharded checkpoint, with a world's shards but not all of them, or with
-    shards of different iterations (a run stopped while saving): one 'error:' line, a non-zero exit, no traceback."""
-    stale = tmp_path / 'stale'
-    for directory, iters in ((tmp_path, [4]), (stale, [4, 2])):  # tmp_path: rank 1's shard missing
+    """consolidate.py on a directory with no sharded checkpoint, with a world's shards but not all of them, with
+    shards of different iterations (a run stopped while saving), or with two runs' files on different world sizes
+    (which file is whose said): one 'error:' line, a non-zero exit, no traceback."""
+    stale, worlds = tmp_path / 'stale', tmp_path / 'worlds'
+    # each rank's file: (its iteration, its world size); tmp_path: rank 1's missing; worlds: a run of 2 over one of 4
+    for directory, ranks in ((tmp_path, [(4, 2)]), (stale, [(4, 2), (2, 2)]),
+                             (worlds, [(4, 2), (4, 2), (3, 4), (3, 4)])):
         directory.mkdir(exist_ok=True)
-        for rank, iter_num in enumerate(iters):
-            torch.save({'files': ('zero_rank{}.pt', 2), 'iter_num': iter_num}, directory / f'zero_rank{rank}.pt')
+        for rank, (iter_num, world) in enumerate(ranks):
+            torch.save({'files': ('zero_rank{}.pt', world), 'iter_num': iter_num}, directory / f'zero_rank{rank}.pt')
     for directory, message in ((tmp_path / 'empty', 'holds none'), (tmp_path, 'zero_rank1.pt'),
-                               (stale, 'different iterations (2, 4)')):
+                               (stale, 'different iterations (2, 4)'),
+                               (worlds, 'several: zero_rank*.pt of 2 ranks (zero_rank0.pt, zero_rank1.pt), '
+                                        'zero_rank*.pt of 4 ranks (zero_rank2.pt, zero_rank3.pt)')):
         directory.mkdir(exist_ok=True)
         proc = subprocess.run([sys.executable, 'consolidate.py', str(directory)], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
