@@ -450,9 +450,7 @@ def check_config(cfg, world_size, argv=()):
         from common.deepspeed_config import apply_deepspeed_config
         apply_deepspeed_config(cfg, cfg.deepspeed_config, world_size, argv)  # (flags after it override it)
     refuse((cfg.stage not in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {cfg.stage!r}"),
-           *shared_refusals(cfg, 'zero.py', world_size, world_size, compiles=cfg.stage < 3),  # (3: hooks)
-           (cfg.bucket_size < 0 or cfg.prefetch_blocks < 0,
-            f"bucket_size and prefetch_blocks must be >= 0: {cfg.bucket_size}, {cfg.prefetch_blocks}"))
+           *shared_refusals(cfg, 'zero.py', world_size, world_size, compiles=cfg.stage < 3))  # (3: hooks)
     check_resume_grid(cfg, {'stage': cfg.stage, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0),
                       then=" (and delete the zero_rank*.pt files)")  # (the same grid as save() writes)
     return cfg

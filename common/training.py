@@ -122,7 +122,7 @@ AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'block_size', 'n_la
                 'moe_every', 'eval_iters', 'eval_interval', 'log_interval', 'dist_timeout',
                 'tp', 'pp', 'cp', 'ep')
 NOT_NEGATIVE = ('max_iters', 'learning_rate', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'weight_decay',
-                'grad_clip', 'seed', 'n_expert', 'profile', 'measure_every')
+                'grad_clip', 'seed', 'n_expert', 'profile', 'measure_every', 'bucket_size', 'prefetch_blocks')
 
 
 def value_refusals(cfg):

@@ -457,6 +457,7 @@ def launch_ranks(args, world_size=2, timeout=90):
 
 @pytest.mark.parametrize('bad, message', [
     (['--stage=4'], 'stage must be 0, 1, 2 or 3'),
+    (['--prefetch_blocks=-1'], '--prefetch_blocks must be 0 or more, got -1'),
     (['--gradient_accumulation_steps=1'], 'must be divisible by the data-parallel size dp=2'),
 ])
 def test_bad_config_one_line_nonzero_on_every_rank(monkeypatch, capsys, bad, message):
