@@ -204,7 +204,7 @@ def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_
 def check_config(cfg, world_size):
     """Every bad input, before any work: one line naming the key, the same on every rank (a resume's model:
     the checkpoint's)."""
-    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, RANK_FILE, 0))
+    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, RANK_FILE, 0), gpt2=False)  # (GPT-2: dense)
     model_config(cfg, 256)  # (the model's own checks; configure's: at least one MoE layer)
     refuse((cfg.n_expert == 0, "n_expert=0: a dense model has no experts to split over ep ranks; pass "
             "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model with "
@@ -213,8 +213,7 @@ def check_config(cfg, world_size):
     refuse((cfg.n_expert % cfg.ep, f"n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep "
             "rank holds n_expert/ep whole experts of every layer"),
            *shared_refusals(cfg, 'expert_parallel.py', world_size, world_size),  # (every rank is a dp rank)
-           (cfg.init_from not in ('scratch', 'resume'), f"init_from must be 'scratch' or 'resume', got "
-            f"{cfg.init_from!r} (GPT-2 is dense: nothing to split)"), resumed=resumed)
+           resumed=resumed)
     check_resume_grid(cfg, {'ep': cfg.ep, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0))
 
 

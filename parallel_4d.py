@@ -231,7 +231,7 @@ def main(argv):
 def check_config(cfg, world_size):
     """Every bad combination, before any work (a resume's model: the checkpoint's): one line. Returns dp."""
     path = rank_path(cfg.out_dir, RANK_FILE, 0)
-    cfg, resumed = resumed_config(cfg, path)
+    cfg, resumed = resumed_config(cfg, path, gpt2=False)
     check_schedule(cfg, resumed)  # first: the checks below divide by n_microbatches and virtual_stages
     dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     m, n_kv_head = cfg.n_microbatches, cfg.n_kv_head or cfg.n_head

@@ -43,7 +43,7 @@ config = config_defaults(globals())
 
 def validate(cfg, world_size):
     """Every bad combination, before any work (the same on every rank; a resume's model: the checkpoint's)."""
-    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, STAGE_FILE, 0))
+    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, STAGE_FILE, 0), gpt2=False)
     check_schedule(cfg, resumed)  # first: the checks below divide by its keys
     m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
     refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),

@@ -203,13 +203,18 @@ def check_resume_run(cfg, vocab_size, checkpoint, ckpt_path):
                          f"checkpoint's model {n_vocab}{trained_on}")
 
 
-def resumed_config(cfg, ckpt_path):
+def resumed_config(cfg, ckpt_path, gpt2=True):
     """What a script's check_config judges on a resume: this command's config with the model's shape the
     checkpoint's (init_model builds it so, whatever the command's flags say, and a resume without the run's
     config file leaves them at their defaults), so that a refusal is about the model that would run, and
     none refuses a model that would; likewise a GPT-2's shape where init_from names one. Returns (that config,
     words for a refusal to add: 'resuming with ...' (resume_note's), or None); (cfg, None) where the model is
-    the command's."""
+    the command's. A script that starts no GPT-2 (gpt2=False, as init_model's) refuses any other init_from
+    here, before its checks judge a model it would not build."""
+    if not gpt2 and cfg.init_from not in ('scratch', 'resume'):
+        raise SystemExit(f"error: init_from must be 'scratch' or 'resume' here, got {cfg.init_from!r} "
+                         "(GPT-2's weights load in train.py, train_ddp.py, train_fsdp.py, zero.py, "
+                         "tensor_parallel.py and context_parallel.py)")
     if cfg.init_from not in ('scratch', 'resume') and is_gpt2(cfg.init_from):
         from common.hf import gpt2_shape  # (its config.json, or the hub's four sizes: no weights read)
         config = gpt2_shape(cfg.init_from)

@@ -396,12 +396,13 @@ def test_a_resume_is_checked_against_the_model_it_resumes(tmp_path, script, grid
     assert e.value.code.endswith(f"(resuming with {key}={bad} (the checkpoint's; this command says {good}))")
 
 
-@pytest.mark.parametrize('script, flags', [('tensor_parallel', ['--tp=2']), ('parallel_4d', ['--tp=2']),
+@pytest.mark.parametrize('script, flags', [('tensor_parallel', ['--tp=2']),
                                            ('context_parallel', ['--cp=2', '--cp_attention=ulysses'])])
 def test_a_gpt2_start_is_checked_against_the_gpt2(tmp_path, script, flags):
     """init_from=<a GPT-2> builds the GPT-2's shape whatever the command's flags say: the checks judge that
     shape, from its config.json (no weights read) or, for the hub's names, the four known sizes (offline).
-    tp=2 and ulysses over 2 ranks had met a 3-head GPT-2 in a split or reshape traceback."""
+    tp=2 and ulysses over 2 ranks had met a 3-head GPT-2 in a split or reshape traceback (the scripts that
+    start no GPT-2: the next test)."""
     import importlib
     import json
     module = importlib.import_module(script)
@@ -430,6 +431,19 @@ def test_the_done_line_names_only_what_the_run_left(tmp_path, capsys):
         train.main(TINY + [f'--out_dir={tmp_path}', f'--max_iters={max_iters}', '--eval_interval=2'])
         done = capsys.readouterr().out.splitlines()[-1]
         assert done.startswith(f"done; outputs in {tmp_path}/: log.jsonl") and ('ckpt.pt' in done) == named, done
+
+
+@pytest.mark.parametrize('script, flags', [('pipeline', ['--pp=5']), ('parallel_4d', ['--tp=8']),
+                                           ('expert_parallel', ['--ep=2'])])
+def test_a_script_that_starts_no_gpt2_says_so_first(script, flags):
+    """pipeline.py, parallel_4d.py and expert_parallel.py start no GPT-2: init_from=gpt2 is refused as that,
+    before a check judges the GPT-2's shape (pp=5 or tp=8 would not divide its 12 layers or heads)."""
+    import importlib
+    module = importlib.import_module(script)
+    check = getattr(module, 'validate', None) or module.check_config
+    with pytest.raises(SystemExit) as e:
+        check(training.configure(module.config, TINY + flags + ['--init_from=gpt2']), 8)
+    assert e.value.code.startswith("error: init_from must be 'scratch' or 'resume' here, got 'gpt2'"), e.value.code
 
 
 def test_a_gpt2_directory_without_weights_is_one_line(tmp_path):
