@@ -423,12 +423,20 @@ def autocast_context(device_type, dtype):
 
 
 def run_shape(shape, cfg, n_params):
-    """The line every training script prints when it starts: the run's shape, in one place."""
-    rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    """The line every training script prints when it starts: the run's shape, in one place. A mixture of
+    experts cut into microbatches (pipeline.py, parallel_4d.py) gets a second line: a router sees one
+    forward's tokens, so its auxiliary loss and capacity are those of a microbatch's rows (as in any
+    pipeline), and the curve is train.py's with that many rows a micro-step."""
+    rows, m = cfg.batch_size * cfg.gradient_accumulation_steps, getattr(cfg, 'n_microbatches', 1)
+    routed = f"{cfg.batch_size // m} row{'s' * (cfg.batch_size // m != 1)}"
+    moe = (f"\nnote: a mixture of experts routes each microbatch ({routed}) on its own, its "
+           f"auxiliary loss and capacity too: train.py's curve with --batch_size={cfg.batch_size // m} "
+           f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * m}"
+           if getattr(cfg, 'n_expert', 0) and m > 1 else '')
     return (f"run: {shape}; global batch {rows} sequences x {cfg.block_size} tokens = "
             f"{rows * cfg.block_size:,} "
             f"tokens per step; {n_params / 1e6:.2f}M parameters; {cfg.dtype} on {cfg.device}; outputs in "
-            f"{cfg.out_dir}/")
+            f"{cfg.out_dir}/{moe}")
 
 
 def profiled(cfg):

@@ -209,3 +209,20 @@ def test_the_grid_logs_its_groups_and_holds_zero_1s_slices(matrix, cell):
     for r in rows:
         assert (r['param_bytes'], r['grad_bytes']) == (r['param_bytes_formula'], r['grad_bytes_formula']), r
         assert r['optim_bytes_formula'] <= r['optim_bytes'] <= r['optim_bytes_formula'] + 2 * 16 * 2 * 8, r
+
+
+@pytest.mark.parametrize('script', ['pipeline', 'parallel_4d'])
+def test_a_pipelined_mixture_of_experts_names_the_curve_it_trains(script):
+    """A router sees one forward's tokens: a pipeline's MoE routes (and balances, and caps) each microbatch on
+    its own, so it trains train.py's curve at a microbatch's rows a micro-step (the matrix compares PIPELINED with
+    ROWS_2: found by a helper's audit, 3e-3 apart at the same batch flags). The run's first lines say which
+    flags that is; a dense model, whose loss does not depend on the split, gets no note."""
+    from common.training import configure, run_shape
+    module = importlib.import_module(script)
+    for kind, flags in (('moe', MODELS[('gpt2', 'moe')]), ('dense', [])):
+        cfg = configure(module.config, COMMON + PIPELINED + flags)
+        lines = run_shape('the grid', cfg, 1e6).splitlines()
+        if kind == 'dense':
+            assert len(lines) == 1, lines
+        else:
+            assert len(lines) == 2 and lines[1].endswith('train.py\'s curve with ' + ' '.join(ROWS_2)), lines
