@@ -354,7 +354,7 @@ def select_rows(args):
         else args.rows.split(',')
     unknown = [n for n in selected if n not in rows]
     if unknown:
-        raise SystemExit(f"error: unknown row(s) {', '.join(unknown)}; valid: {', '.join(rows)}")
+        raise SystemExit(f"error: unknown row(s) {', '.join(map(repr, unknown))}; valid: {', '.join(rows)}")
     if args.world_size < 2 and any(rows[n][2] > 1 for n in selected):
         raise SystemExit("error: distributed rows need --world_size >= 2")
     split = any(n.startswith(('tp', 'pp', 'cp', 'grid')) for n in selected)
@@ -461,7 +461,7 @@ def parse_args(argv):
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')
     args, rest = p.parse_known_args(argv)
-    args.rows = args.rows or ('all' if args.full else ','.join(QUICK_ROWS))
+    args.rows = ('all' if args.full else ','.join(QUICK_ROWS)) if args.rows is None else args.rows
     args.max_iters = args.max_iters or (12 if args.full else 8)
     args.n_embd = args.n_embd or (512 if args.full else 128)
     bad = [a for a in rest if not a.startswith('--') or args.estimate is None]

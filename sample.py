@@ -87,9 +87,7 @@ def read_prompt(start):
 
 
 def main(argv):
-    cfg = configure(config, argv)
-    if cfg.top_k < 0:
-        raise SystemExit(f"error: top_k must be >= 0 (0 keeps all tokens), got {cfg.top_k}")
+    cfg = configure(config, argv)  # (with its refusals: top_k, temperature below 0, no samples or tokens)
     prompt = read_prompt(cfg.start)
 
     torch.manual_seed(cfg.seed)

@@ -120,9 +120,10 @@ def _checked(key, value, default):
 # line.
 AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'block_size', 'n_layer', 'n_head', 'n_embd',
                 'moe_every', 'eval_iters', 'eval_interval', 'log_interval', 'dist_timeout',
-                'tp', 'pp', 'cp', 'ep')
+                'tp', 'pp', 'cp', 'ep', 'num_samples', 'max_new_tokens')
 NOT_NEGATIVE = ('max_iters', 'learning_rate', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'weight_decay',
-                'grad_clip', 'seed', 'n_expert', 'profile', 'measure_every', 'bucket_size', 'prefetch_blocks')
+                'grad_clip', 'seed', 'n_expert', 'profile', 'measure_every', 'bucket_size', 'prefetch_blocks',
+                'temperature', 'top_k')
 
 
 def value_refusals(cfg):

@@ -571,6 +571,13 @@ def test_a_flag_the_estimate_cannot_use_is_one_line(flag, message):
     assert proc.returncode != 0 and lines == [f'error: {message}'], proc.stderr
 
 
+def test_an_empty_row_list_is_one_line():
+    """--rows= named no row and ran the default eight (a minute of work, out_bench/ overwritten): one line now."""
+    proc = run_script('bench.py', ['--rows='])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: unknown row(s) ''"), proc.stderr
+
+
 def test_summarize_keeps_the_routing_of_the_timed_iterations():
     """A MoE run's counted routing (train.py logs it every log step) is kept for the iterations after the
     warm-up, the ones whose ms the row reports; a rank's report rows are not the run's."""

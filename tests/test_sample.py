@@ -55,7 +55,12 @@ def test_sample_errors(tmp_path):
     (tmp_path / 'zero_rank0.pt').write_bytes(b'')  # a sharded checkpoint's file, and no ckpt.pt
     for args, words in [([f'--out_dir={tmp_path}'], f'join it first: python consolidate.py {tmp_path}'),
                         ([f'--out_dir={tmp_path}/none'], 'no checkpoint'), (['--num_sample=2'], "'num_sample'"),
-                        (['--start=FILE:/no/such/file'], 'not found'), (['--init_from=bert'], 'init_from')]:
+                        (['--start=FILE:/no/such/file'], 'not found'), (['--init_from=bert'], 'init_from'),
+                        # (a negative temperature had sampled greedily, 0 samples or tokens printed nothing)
+                        (['--temperature=-1'], '--temperature must be 0 or more'),
+                        (['--top_k=-1'], '--top_k must be 0 or more'),
+                        (['--num_samples=0'], '--num_samples must be at least 1'),
+                        (['--max_new_tokens=0'], '--max_new_tokens must be at least 1')]:
         with pytest.raises(SystemExit) as e:
             sample.main(args)
         assert words in e.value.code, e.value.code
