@@ -145,7 +145,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
                          f"got {cfg.init_from!r}")
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's "
-                         f"{model.config.block_size}")
+                         f"{model.config.block_size}: pass --block_size={model.config.block_size} (or less)")
     return model, checkpoint, iter_num, best_val_loss
 
 
@@ -311,6 +311,10 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
     if states is not None and len(states) == world_size:
         set_rng_state(states[rank])
         return
+    if rank == 0 and pp_rank == 0:
+        print(f"note: the checkpoint holds the random streams of {len(states or [1])} rank(s), this run has "
+              f"{world_size}: rank 0 continues train.py's, the others start afresh (with dropout on, the run "
+              "does not continue exactly)")
     set_rng_state({'cpu': checkpoint['rng_state'], 'cuda': checkpoint.get('cuda_rng_state')})
     seed_dropout(seed, dp_rank, pp_rank)
 

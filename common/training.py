@@ -557,7 +557,10 @@ def evaluate(loss_of, model, data, cfg, iter_num, lr, dp=None):
 
 
 def should_save(iter_num, val_loss, best_val_loss, cfg):
-    return iter_num > 0 and (val_loss < best_val_loss or cfg.always_save_checkpoint)
+    """nanoGPT's rule (after iteration 0: a better val loss, or always_save_checkpoint), but an
+    evaluation-only run writes nothing: the checkpoint it evaluated stays as it was (on another world size,
+    rewritten, it would keep only this run's random streams, and a resume would not continue the run)."""
+    return iter_num > 0 and not cfg.eval_only and (val_loss < best_val_loss or cfg.always_save_checkpoint)
 
 
 class StepLogger:

@@ -510,6 +510,29 @@ def test_a_resume_that_cannot_continue_the_run_is_refused(tmp_path, capsys):
     assert [r['iter'] for r in read_log(tmp_path) if 'loss' in r] == [0, 1, 2, 3]
 
 
+def test_an_evaluation_leaves_the_checkpoint_and_a_lost_stream_is_said(tmp_path, capsys):
+    """--eval_only on a resume writes nothing (a helper's audit: train.py evaluating a 2-rank DDP checkpoint
+    rewrote it with one random stream, and the run's resume on 2 ranks no longer continued it, without a
+    word). And a resume whose checkpoint holds another number of streams than the run has ranks says that
+    dropout cannot continue exactly."""
+    import train
+    flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', '--dropout=0.1']
+    train.main(flags)
+    ckpt = os.path.join(tmp_path, 'ckpt.pt')
+    before = os.stat(ckpt)
+    train.main(flags + ['--init_from=resume', '--eval_only=True', '--always_save_checkpoint=True'])
+    after = os.stat(ckpt)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # (a save renames anew)
+    state = checkpoints.rng_state()
+    saved = {'rng_states': [state, state], 'rng_state': state['cpu'], 'cuda_rng_state': None}
+    capsys.readouterr()
+    checkpoints.restore_rng(saved, 0, 2, 1337, 0)  # the same world: silent
+    assert capsys.readouterr().out == ''
+    checkpoints.restore_rng(saved, 0, 1, 1337, 0)
+    assert capsys.readouterr().out.startswith("note: the checkpoint holds the random streams of 2 rank(s), this "
+                                              "run has 1: rank 0 continues train.py's, the others start afresh")
+
+
 def test_a_resume_says_where_a_later_checkpoint_sits_beside_it(tmp_path, capsys):
     """A ckpt.pt joined by consolidate.py and trained on, beside the sharded run's rank files (which zero.py
     resumes first), or the other way round: the resume goes back to the older state, and says so in one line
