@@ -105,9 +105,10 @@ def deepspeed_value(name, value, like):
 
 def apply_deepspeed_config(cfg, path, world_size, argv=()):
     """The common subset of a DeepSpeed JSON config, onto cfg. DeepSpeed's gradient_accumulation_steps is per
-    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. Anything else is an error. An
-    empty path (no --deepspeed_config) leaves cfg as it is. The keys that argv (the command line) sets after
-    --deepspeed_config keep their values (nanoGPT's rule: a later setting overrides), said in a note."""
+    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N; where the JSON gives
+    train_batch_size and one of the other two, the third follows, as in DeepSpeed. Anything else is an error.
+    An empty path (no --deepspeed_config) leaves cfg as it is. The keys that argv (the command line) sets
+    after --deepspeed_config keep their values (nanoGPT's rule: a later setting overrides), said in a note."""
     if not path:
         return cfg
     ds, given = read_deepspeed_json(path), dict(vars(cfg))
@@ -137,8 +138,14 @@ def apply_deepspeed_config(cfg, path, world_size, argv=()):
             setattr(cfg, key, deepspeed_value(name, value, getattr(cfg, key)))
     if accumulation is not None:
         cfg.gradient_accumulation_steps *= world_size  # DeepSpeed counts a rank's micro-steps, we all ranks'
+    batch, has_micro = ds.get('train_batch_size'), 'train_micro_batch_size_per_gpu' in ds
+    # DeepSpeed derives the batch key left out of three (train_batch = micro x accumulation x N)
+    if batch is not None and has_micro and accumulation is None:
+        cfg.gradient_accumulation_steps = deepspeed_value('train_batch_size', batch, 1) // cfg.batch_size
+    elif batch is not None and not has_micro and accumulation is not None:
+        cfg.batch_size = deepspeed_value('train_batch_size', batch, 1) // cfg.gradient_accumulation_steps
     apply_scheduler(cfg, ds.get('scheduler'), cfg.learning_rate)
-    global_batch, batch = cfg.batch_size * cfg.gradient_accumulation_steps, ds.get('train_batch_size')
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
     if batch is not None and deepspeed_value('train_batch_size', batch, 1) != global_batch:
         raise SystemExit(f"error: deepspeed_config train_batch_size {batch} is not micro batch × "
                          f"accumulation × world = {global_batch}")

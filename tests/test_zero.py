@@ -386,8 +386,9 @@ def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
     from common.training import configure
     cfg = deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
                                                   os.path.join(REPO, 'config/ds_zero2.json'), 4)
+    # train.py's batch: 16 sequences of micro-batches of 8 (DeepSpeed derives 16 / (8 x 4 ranks); ours sums ranks)
     assert (cfg.stage, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.grad_clip, cfg.dtype) == \
-        (2, 16, 4, 1.0, 'float32')
+        (2, 8, 2, 1.0, 'float32')
     assert (cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay) == (2e-3, 0.9, 0.99, 1e-8, 0.1)
     for s in (1, 3):
         assert deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
@@ -417,14 +418,17 @@ def test_deepspeed_config_in_order_and_bad_values_in_one_line(tmp_path, capsys):
     (with a note); a value zero.py cannot run (DeepSpeed's "auto", a wrong type, a string where an object
     goes, a 0 batch) is one line naming the JSON key, never a traceback or a silent default."""
     from common.training import configure
-    ds3 = os.path.join(REPO, 'config/ds_zero3.json')  # stage 3, micro batch 16, lr 2e-3
-    argv = ['--stage=1', '--learning_rate=1e-3', f'--deepspeed_config={ds3}', '--batch_size=8']
+    ds3 = os.path.join(REPO, 'config/ds_zero3.json')  # stage 3, micro batch 8, lr 2e-3
+    argv = ['--stage=1', '--learning_rate=1e-3', f'--deepspeed_config={ds3}', '--batch_size=4']
     cfg = zero.check_config(configure(zero.config, argv), 1, argv)
-    assert (cfg.stage, cfg.learning_rate, cfg.batch_size) == (3, 2e-3, 8)
-    assert "--batch_size=8 (after --deepspeed_config) override" in capsys.readouterr().err
+    assert (cfg.stage, cfg.learning_rate, cfg.batch_size) == (3, 2e-3, 4)
+    assert "--batch_size=4 (after --deepspeed_config) override" in capsys.readouterr().err
     argv = [f'--deepspeed_config={ds3}', '--stage=1']
     assert zero.check_config(configure(zero.config, argv), 1, argv).stage == 1
     bad = tmp_path / 'ds.json'
+    bad.write_text('{"train_batch_size": 32, "gradient_accumulation_steps": 2}')  # the micro batch follows: 8
+    cfg = deepspeed_config.apply_deepspeed_config(configure(zero.config, []), str(bad), 2)
+    assert (cfg.batch_size, cfg.gradient_accumulation_steps) == (8, 4)
     for text, says in [('{"train_micro_batch_size_per_gpu": "auto"}', 'train_micro_batch_size_per_gpu is "auto"'),
                        ('{"bf16": {"enabled": "auto"}}', 'bf16.enabled is "auto"'),
                        ('{"train_batch_size": "auto"}', 'train_batch_size is "auto"'),
