@@ -710,9 +710,26 @@ def run_main(main):
         exit_run(1, main)
     except Exception as e:
         import traceback
-        record_for_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
-        raise
+        lost = lost_rank_line(e)
+        record_for_torchrun(lost or f"{type(e).__name__}: {e}", lost or traceback.format_exc())
+        if lost is None:
+            raise
+        sys.stderr.write((f"[rank {os.environ['RANK']}] " if 'RANK' in os.environ else '') + lost + '\n')
+        exit_run(1, main)  # (no teardown of the group: its other end is gone)
     exit_run(0, main)
+
+
+def lost_rank_line(error):
+    """One line for a rank whose peer died (killed, out of memory) or never joined, where the collective's
+    traceback would bury the first rank's own message (torchrun's summary names that rank); None for any
+    other error, whose traceback is the message."""
+    text = str(error)
+    if 'Connection reset by peer' in text or 'Connection closed by peer' in text:
+        return ("error: another rank of this run stopped (gloo: the connection to it was closed), so this "
+                "one stops too: that rank's own message, or torchrun's summary, says why")
+    if type(error).__name__ == 'DistStoreError' and 'Timed out' in text:
+        return f"error: not every rank joined within --dist_timeout ({text.splitlines()[0]})"
+    return None
 
 
 def exit_run(code, main):

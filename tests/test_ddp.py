@@ -151,12 +151,27 @@ def assert_survivors_fail_when_a_rank_dies(script, args, out_dir, timeout_s=10):
         code = procs[0].wait(timeout=timeout_s + 60)
         assert code != 0
         assert time.time() - killed_at < timeout_s + 60
+        # one line, not the collective's traceback (which had buried the dead rank's cause under torchrun)
+        lines = [line for line in procs[0].stderr.read().splitlines() if line.strip()]
+        assert lines[-1].startswith('[rank 0] error: another rank of this run stopped') and \
+            not any('Traceback' in line for line in lines), lines[-12:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
             p.stderr.close()
+
+
+def test_a_rank_that_never_joins_is_one_line_and_other_errors_keep_their_traceback():
+    """The rendezvous' timeout (a rank that died before joining) is one line naming --dist_timeout; any other
+    error is left to its traceback (lost_rank_line gives None)."""
+    import torch.distributed as dist
+    from common.training import lost_rank_line
+    line = lost_rank_line(dist.DistStoreError('Timed out after 16 seconds waiting for clients. 1/2 clients joined.'))
+    assert line == 'error: not every rank joined within --dist_timeout (Timed out after 16 seconds waiting for ' \
+                   'clients. 1/2 clients joined.)', line
+    assert lost_rank_line(RuntimeError('shape mismatch')) is None and lost_rank_line(ValueError('x')) is None
 
 
 def test_a_rank_that_dies_makes_the_others_exit_non_zero(tmp_path):
