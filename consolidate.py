@@ -54,7 +54,7 @@ def rank_files(out_dir):
         worlds[(DCP + '/', 1)].append(DCP + '/')
     if len(worlds) != 1:  # (two runs of one script on different world sizes: the same pattern, twice)
         what = 'none' if not worlds else 'several: ' + ', '.join(
-            names[0] if p == DCP + '/' else f"{p.format('*')} of {n} ranks ({', '.join(names)})"
+            names[0] if p == DCP + '/' else f"{p.format('*')} of a {n}-file world ({', '.join(names)})"
             for (p, n), names in sorted(worlds.items()))
         raise SystemExit(f"error: consolidate: {out_dir} must hold one sharded checkpoint, holds {what}"
                          + ('; train it with a sharded script first' if not worlds else

@@ -206,7 +206,7 @@ def main(argv):
         dp, pp, cp, tp = grid.shape
         ep = f" (ep {cfg.ep}: runs of the dp x cp ranks)" if cfg.ep > 1 else ""
         print(run_shape(f"world {world_size} = dp {dp} x pp {pp} x cp {cp} x tp {tp}{ep}", cfg,
-                        model.get_num_params()))
+                        model.get_num_params(), model.config.n_expert))
     stage, tp, cp, layout = build_stage(model, cfg, grid, coords, comms, checkpoint)
     zeros, embed = build_zeros(model, cfg, comms, coords, checkpoint), comms['embed']
     weights, writer = clip_weights(model, layout, tp, embed, stage), CheckpointWriter(cfg.max_iters)

@@ -482,7 +482,7 @@ def build(cfg, rank, world_size, vocab_size):
         print(run_shape(f"world {world_size} = dp {dp.size} x pp {cfg.pp}, {model.config.n_layer // cfg.pp} "
                         f"blocks per stage in {cfg.virtual_stages} chunk(s), {cfg.schedule} over "
                         f"{cfg.n_microbatches} microbatches of {cfg.batch_size // cfg.n_microbatches}", cfg,
-                        n_params))
+                        n_params, model.config.n_expert))
     stage = Stage(model, chunks, pp_comm.rank, cfg.pp, grid[coords['dp'], :, coords['cp'], coords['tp']],
                   (cfg.batch_size // cfg.n_microbatches, cfg.block_size, model.config.n_embd), cfg.device,
                   autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype), pp_comm)

@@ -219,8 +219,10 @@ def resumed_config(cfg, ckpt_path, gpt2=True):
         from common.hf import gpt2_shape  # (its config.json, or the hub's four sizes: no weights read)
         config = gpt2_shape(cfg.init_from)
         shape = model_shape(cfg, vars(config) if config else {})
-        said = ', '.join(f"{k}={v!r}" for k, v in shape.items() if getattr(cfg, k) != v)
-        return SimpleNamespace(**dict(vars(cfg), **shape)), said and f"init_from={cfg.init_from} has {said}"
+        said = ', '.join(f"{k}={v!r}" for k, v in shape.items() if getattr(cfg, k) != v and k in
+                         ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'n_hidden'))  # (what the checks divide)
+        words = f"init_from={cfg.init_from} has {said}" if said else None
+        return SimpleNamespace(**dict(vars(cfg), **shape)), words
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
         return cfg, None  # (a missing file is check_config's or init_model's to report)
     checkpoint = load_mmap(ckpt_path)
@@ -311,10 +313,12 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
     if states is not None and len(states) == world_size:
         set_rng_state(states[rank])
         return
-    if rank == 0 and pp_rank == 0:
-        print(f"note: the checkpoint holds the random streams of {len(states or [1])} rank(s), this run has "
-              f"{world_size}: rank 0 continues train.py's, the others start afresh (with dropout on, the run "
-              "does not continue exactly)")
+    saved = len(states or [1])  # (a checkpoint without rng_states: train.py's one stream)
+    if rank == 0 and pp_rank == 0 and saved != world_size:
+        others = ', the others start afresh' if world_size > 1 else ''
+        print(f"note: the checkpoint holds the random streams of {saved} rank(s), this run has {world_size}: "
+              f"rank 0 continues the saved rank 0's{others} (with dropout on, the run does not continue "
+              "exactly)")
     set_rng_state({'cpu': checkpoint['rng_state'], 'cuda': checkpoint.get('cuda_rng_state')})
     seed_dropout(seed, dp_rank, pp_rank)
 

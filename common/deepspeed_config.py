@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from common.training import keys_set_after, refuse, value_refusals
+from common.training import keys_set_after
 
 DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer', 'overlap_comm'},
            'train_micro_batch_size_per_gpu': None,
@@ -85,9 +85,10 @@ def read_deepspeed_json(path):
     return ds
 
 
-def deepspeed_value(name, value, like):
-    """A JSON value for one of zero.py's keys, of the type of that key's present value (like), else one line
-    naming the JSON key. DeepSpeed's "auto" is filled in by Hugging Face's Trainer: no value to run here."""
+def deepspeed_value(name, value, like, least=None):
+    """A JSON value for one of zero.py's keys, of the type of that key's present value (like) and at least
+    `least`, else one line naming the JSON key. DeepSpeed's "auto" is filled in by Hugging Face's Trainer:
+    no value to run here."""
     if value == 'auto':
         raise SystemExit(f'error: deepspeed_config {name} is "auto", which Hugging Face\'s Trainer fills in: '
                          'give zero.py a value, or leave the key out')
@@ -100,59 +101,71 @@ def deepspeed_value(name, value, like):
         ok = isinstance(value, type(like)) and not isinstance(value, bool)
     if not ok:
         raise SystemExit(f"error: deepspeed_config {name} must be {type(like).__name__}, got {value!r}")
+    if least is not None and value < least:
+        raise SystemExit(f"error: deepspeed_config {name} must be at least {least}, got {value}")
     return value
 
 
 def apply_deepspeed_config(cfg, path, world_size, argv=()):
     """The common subset of a DeepSpeed JSON config, onto cfg. DeepSpeed's gradient_accumulation_steps is per
-    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N; where the JSON gives
-    train_batch_size and one of the other two, the third follows, as in DeepSpeed. Anything else is an error.
-    An empty path (no --deepspeed_config) leaves cfg as it is. The keys that argv (the command line) sets
-    after --deepspeed_config keep their values (nanoGPT's rule: a later setting overrides), said in a note."""
+    rank; ours counts micro-steps summed over ranks, so ours = DeepSpeed's × N. The keys that argv (the
+    command line) sets after --deepspeed_config keep their values (nanoGPT's rule: a later setting
+    overrides), said in a note; then what follows from the values (the batch key the JSON leaves out, the
+    final learning rate) follows from the final ones, and the JSON's train_batch_size must hold. Anything
+    else is an error. An empty path (no --deepspeed_config) leaves cfg as it is."""
     if not path:
         return cfg
-    ds, given = read_deepspeed_json(path), dict(vars(cfg))
+    ds, given, later = read_deepspeed_json(path), dict(vars(cfg)), keys_set_after(argv, 'deepspeed_config')
     zero_opt, params = ds.get('zero_optimization', {}), ds.get('optimizer', {}).get('params', {})
-    betas = params.get('betas', [None, None])
-    if not (isinstance(betas, list) and len(betas) == 2):
-        raise SystemExit(f"error: deepspeed_config optimizer.params.betas must be a list of two numbers, got "
-                         f"{betas!r}")
-    offload = zero_opt.get('offload_optimizer', {}).get('device', 'none')
+    betas = deepspeed_value('optimizer.params.betas', params.get('betas', [None, None]), [])
+    if len(betas) != 2:
+        raise SystemExit(f"error: deepspeed_config optimizer.params.betas must be two numbers, got {betas!r}")
     bf16 = ds.get('bf16', {}).get('enabled')
     dtype = None if bf16 is None else 'bfloat16' if deepspeed_value('bf16.enabled', bf16, True) else 'float32'
-    accumulation = ds.get('gradient_accumulation_steps')
-    updates = [('stage', 'zero_optimization.stage', zero_opt.get('stage')),
-               ('overlap_comm', 'zero_optimization.overlap_comm', zero_opt.get('overlap_comm')),
-               ('offload_optimizer', 'zero_optimization.offload_optimizer',
-                offload == 'cpu' if 'offload_optimizer' in zero_opt else None),
-               ('batch_size', 'train_micro_batch_size_per_gpu', ds.get('train_micro_batch_size_per_gpu')),
-               ('gradient_accumulation_steps', 'gradient_accumulation_steps', accumulation),
-               ('grad_clip', 'gradient_clipping', ds.get('gradient_clipping')),
-               ('dtype', 'bf16.enabled', dtype),
-               ('learning_rate', 'optimizer.params.lr', params.get('lr')),
-               ('beta1', 'optimizer.params.betas', betas[0]), ('beta2', 'optimizer.params.betas', betas[1]),
-               ('adam_eps', 'optimizer.params.eps', params.get('eps')),
-               ('weight_decay', 'optimizer.params.weight_decay', params.get('weight_decay'))]
-    for key, name, value in updates:
+    offload = zero_opt.get('offload_optimizer')  # (a section: CPU offload unless its device is 'none')
+    offload = None if offload is None else offload.get('device', 'none') == 'cpu'
+    updates = [('stage', 'zero_optimization.stage', zero_opt.get('stage'), 0),
+               ('overlap_comm', 'zero_optimization.overlap_comm', zero_opt.get('overlap_comm'), None),
+               ('offload_optimizer', 'zero_optimization.offload_optimizer', offload, None),
+               ('batch_size', 'train_micro_batch_size_per_gpu', ds.get('train_micro_batch_size_per_gpu'), 1),
+               ('gradient_accumulation_steps', 'gradient_accumulation_steps',
+                ds.get('gradient_accumulation_steps'), 1),
+               ('grad_clip', 'gradient_clipping', ds.get('gradient_clipping'), 0),
+               ('dtype', 'bf16.enabled', dtype, None),
+               ('learning_rate', 'optimizer.params.lr', params.get('lr'), 0),
+               ('beta1', 'optimizer.params.betas', betas[0], 0),
+               ('beta2', 'optimizer.params.betas', betas[1], 0),
+               ('adam_eps', 'optimizer.params.eps', params.get('eps'), 0),
+               ('weight_decay', 'optimizer.params.weight_decay', params.get('weight_decay'), 0)]
+    for key, name, value, least in updates:
         if value is not None:
-            setattr(cfg, key, deepspeed_value(name, value, getattr(cfg, key)))
-    if accumulation is not None:
+            setattr(cfg, key, deepspeed_value(name, value, getattr(cfg, key), least))
+    if 'gradient_accumulation_steps' in ds:
         cfg.gradient_accumulation_steps *= world_size  # DeepSpeed counts a rank's micro-steps, we all ranks'
-    batch, has_micro = ds.get('train_batch_size'), 'train_micro_batch_size_per_gpu' in ds
-    # DeepSpeed derives the batch key left out of three (train_batch = micro x accumulation x N)
-    if batch is not None and has_micro and accumulation is None:
-        cfg.gradient_accumulation_steps = deepspeed_value('train_batch_size', batch, 1) // cfg.batch_size
-    elif batch is not None and not has_micro and accumulation is not None:
-        cfg.batch_size = deepspeed_value('train_batch_size', batch, 1) // cfg.gradient_accumulation_steps
-    apply_scheduler(cfg, ds.get('scheduler'), cfg.learning_rate)
-    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
-    if batch is not None and deepspeed_value('train_batch_size', batch, 1) != global_batch:
-        raise SystemExit(f"error: deepspeed_config train_batch_size {batch} is not micro batch × "
-                         f"accumulation × world = {global_batch}")
-    # the JSON's values that no script runs (a 0 or a negative), as configure refuses a flag's
-    refuse(*[(bad, f"{message} (from deepspeed_config {path})")
-             for bad, message in value_refusals(vars(cfg))])
-    return keep_later(cfg, given, keys_set_after(argv, 'deepspeed_config'))
+    keep_later(cfg, given, later)
+    apply_batch(cfg, ds, world_size, later)
+    apply_scheduler(cfg, ds.get('scheduler'), later)
+    return cfg
+
+
+def apply_batch(cfg, ds, world_size, set_later):
+    """DeepSpeed's rule for its three batch keys: train_batch_size = micro batch × accumulation × N. The one
+    the JSON (and the command after it) leaves out follows from the other two; the JSON's train_batch_size
+    must hold for the final values."""
+    batch = ds.get('train_batch_size')
+    if batch is None:
+        return
+    deepspeed_value('train_batch_size', batch, 1, least=1)
+    has = lambda json_key, key: json_key in ds or key in set_later
+    if not has('gradient_accumulation_steps', 'gradient_accumulation_steps'):
+        cfg.gradient_accumulation_steps = batch // cfg.batch_size
+    elif not has('train_micro_batch_size_per_gpu', 'batch_size'):
+        cfg.batch_size = batch // cfg.gradient_accumulation_steps
+    micro_steps = cfg.gradient_accumulation_steps
+    if batch != cfg.batch_size * micro_steps or micro_steps % world_size:
+        raise SystemExit(f"error: deepspeed_config train_batch_size {batch} must be micro batch × "
+                         f"accumulation × {world_size} ranks: {micro_steps} micro-steps of {cfg.batch_size} "
+                         "sequences do not make it, each rank taking whole micro-steps")
 
 
 def keep_later(cfg, given, later):
@@ -163,28 +176,32 @@ def keep_later(cfg, given, later):
         setattr(cfg, key, given[key])
     if overridden and os.environ.get('RANK', '0') == '0':
         flags = ', '.join(f'--{key}={given[key]!r}' for key in overridden)
-        print(f"note: {flags} (after --deepspeed_config) override the JSON's", file=sys.stderr)  # (stdout:
+        verb = 'overrides' if len(overridden) == 1 else 'override'
+        print(f"note: {flags} (after --deepspeed_config) {verb} the JSON's", file=sys.stderr)  # (stdout:
         # --print_ds_config's JSON)
-    return cfg
 
 
-def apply_scheduler(cfg, scheduler, lr):
-    """A DeepSpeed WarmupCosineLR section onto cfg (scheduler_of read back); none: a constant rate."""
+def apply_scheduler(cfg, scheduler, set_later):
+    """A DeepSpeed WarmupCosineLR section onto cfg (scheduler_of read back), but for the keys the command
+    sets after it; none: a constant rate. The floor is cos_min_ratio of the final peak rate."""
     if scheduler is None:
-        cfg.decay_lr = False
+        cfg.decay_lr = 'decay_lr' in set_later and cfg.decay_lr
         return
     params = scheduler.get('params', {})
-    ours = scheduler.get('type') == 'WarmupCosineLR' and set(params) <= DS_SCHEDULER_PARAMS and \
-        params.get('warmup_type', 'linear') == 'linear' and params.get('warmup_min_ratio', 0.0) == 0.0
+    ours = scheduler.get('type') == 'WarmupCosineLR' and isinstance(params, dict) and \
+        set(params) <= DS_SCHEDULER_PARAMS and params.get('warmup_type', 'linear') == 'linear' and \
+        params.get('warmup_min_ratio', 0.0) == 0.0
     if not ours:
         raise SystemExit("error: deepspeed_config scheduler: zero.py runs a WarmupCosineLR with a linear "
                          f"warm-up from 0 ({', '.join(sorted(DS_SCHEDULER_PARAMS))}); got "
                          f"{json.dumps(scheduler)}")
-    value = lambda name, like: deepspeed_value(f'scheduler.params.{name}', params.get(name, like), like)
-    cfg.decay_lr = True
-    cfg.lr_decay_iters = value('total_num_steps', cfg.lr_decay_iters)
-    cfg.warmup_iters = value('warmup_num_steps', cfg.warmup_iters)
-    cfg.min_lr = value('cos_min_ratio', cfg.min_lr / cfg.learning_rate) * lr
+    value = lambda name, like: deepspeed_value(f'scheduler.params.{name}', params.get(name, like), like, 0)
+    ratio = value('cos_min_ratio', cfg.min_lr / cfg.learning_rate if cfg.learning_rate else 0.0)
+    for key, json_key in (('lr_decay_iters', 'total_num_steps'), ('warmup_iters', 'warmup_num_steps')):
+        if key not in set_later:
+            setattr(cfg, key, value(json_key, getattr(cfg, key)))
+    cfg.decay_lr = cfg.decay_lr if 'decay_lr' in set_later else True
+    cfg.min_lr = cfg.min_lr if 'min_lr' in set_later else ratio * cfg.learning_rate
 
 
 def print_deepspeed_config(cfg, world_size):

@@ -423,17 +423,18 @@ def autocast_context(device_type, dtype):
                           dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype])
 
 
-def run_shape(shape, cfg, n_params):
+def run_shape(shape, cfg, n_params, n_expert=0):
     """The line every training script prints when it starts: the run's shape, in one place. A mixture of
     experts cut into microbatches (pipeline.py, parallel_4d.py) gets a second line: a router sees one
     forward's tokens, so its auxiliary loss and capacity are those of a microbatch's rows (as in any
-    pipeline), and the curve is train.py's with that many rows a micro-step."""
+    pipeline), and the curve is train.py's with that many rows a micro-step (n_expert: the model's, which on a
+    resume is the checkpoint's)."""
     rows, m = cfg.batch_size * cfg.gradient_accumulation_steps, getattr(cfg, 'n_microbatches', 1)
     routed = f"{cfg.batch_size // m} row{'s' * (cfg.batch_size // m != 1)}"
     moe = (f"\nnote: a mixture of experts routes each microbatch ({routed}) on its own, its "
            f"auxiliary loss and capacity too: train.py's curve with --batch_size={cfg.batch_size // m} "
            f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * m}"
-           if getattr(cfg, 'n_expert', 0) and m > 1 else '')
+           if n_expert and m > 1 else '')
     return (f"run: {shape}; global batch {rows} sequences x {cfg.block_size} tokens = "
             f"{rows * cfg.block_size:,} "
             f"tokens per step; {n_params / 1e6:.2f}M parameters; {cfg.dtype} on {cfg.device}; outputs in "
@@ -476,9 +477,9 @@ def busy_cpu_note(device):
 
 def outputs_line(out_dir, *files):
     """The line every training script prints when it ends: where its outputs are. Each of files is a name (a
-    pattern) and its words, 'ckpt.pt (the checkpoint)', named only where out_dir holds it: a run that saved
-    nothing (--max_iters=0, --eval_only) names no checkpoint."""
-    there = [f for f in files if glob.glob(os.path.join(out_dir, f.split(' ')[0]))]
+    pattern) and its words, 'ckpt.pt (the checkpoint)', named only where out_dir holds it: a new run of
+    --max_iters=0 (iteration 0 is never saved) names no checkpoint."""
+    there = [f for f in files if glob.glob(os.path.join(glob.escape(out_dir), f.split(' ')[0]))]
     return f"done; outputs in {out_dir}/: " + ', '.join(['log.jsonl (every logged row as JSON)', *there])
 
 
@@ -727,7 +728,7 @@ def lost_rank_line(error):
     if 'Connection reset by peer' in text or 'Connection closed by peer' in text:
         return ("error: another rank of this run stopped (gloo: the connection to it was closed), so this "
                 "one stops too: that rank's own message, or torchrun's summary, says why")
-    if type(error).__name__ == 'DistStoreError' and 'Timed out' in text:
+    if type(error).__name__ == 'DistStoreError' and 'Timed out' in text and not distributed.JOINED:
         return f"error: not every rank joined within --dist_timeout ({text.splitlines()[0]})"
     return None
 

@@ -221,7 +221,7 @@ def test_a_pipelined_mixture_of_experts_names_the_curve_it_trains(script):
     module = importlib.import_module(script)
     for kind, flags in (('moe', MODELS[('gpt2', 'moe')]), ('dense', [])):
         cfg = configure(module.config, COMMON + PIPELINED + flags)
-        lines = run_shape('the grid', cfg, 1e6).splitlines()
+        lines = run_shape('the grid', cfg, 1e6, cfg.n_expert).splitlines()
         if kind == 'dense':
             assert len(lines) == 1, lines
         else:

@@ -530,7 +530,7 @@ def test_an_evaluation_leaves_the_checkpoint_and_a_lost_stream_is_said(tmp_path,
     assert capsys.readouterr().out == ''
     checkpoints.restore_rng(saved, 0, 1, 1337, 0)
     assert capsys.readouterr().out.startswith("note: the checkpoint holds the random streams of 2 rank(s), this "
-                                              "run has 1: rank 0 continues train.py's, the others start afresh")
+                                              "run has 1: rank 0 continues the saved rank 0's (with dropout on")
 
 
 def test_a_resume_says_where_a_later_checkpoint_sits_beside_it(tmp_path, capsys):

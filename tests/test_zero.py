@@ -385,8 +385,9 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
 def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
     from common.training import configure
     cfg = deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
-                                                  os.path.join(REPO, 'config/ds_zero2.json'), 4)
-    # train.py's batch: 16 sequences of micro-batches of 8 (DeepSpeed derives 16 / (8 x 4 ranks); ours sums ranks)
+                                                  os.path.join(REPO, 'config/ds_zero2.json'), 2)
+    # train.py's batch: 16 sequences in micro-batches of 8 (DeepSpeed derives 16 / (8 x 2 ranks) = 1 micro-step a
+    # rank; ours counts them summed over the ranks: 2)
     assert (cfg.stage, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.grad_clip, cfg.dtype) == \
         (2, 8, 2, 1.0, 'float32')
     assert (cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay) == (2e-3, 0.9, 0.99, 1e-8, 0.1)
@@ -418,11 +419,14 @@ def test_deepspeed_config_in_order_and_bad_values_in_one_line(tmp_path, capsys):
     (with a note); a value zero.py cannot run (DeepSpeed's "auto", a wrong type, a string where an object
     goes, a 0 batch) is one line naming the JSON key, never a traceback or a silent default."""
     from common.training import configure
-    ds3 = os.path.join(REPO, 'config/ds_zero3.json')  # stage 3, micro batch 8, lr 2e-3
+    ds3 = os.path.join(REPO, 'config/ds_zero3.json')  # stage 3, 16 sequences in micro-batches of 8, lr 2e-3
     argv = ['--stage=1', '--learning_rate=1e-3', f'--deepspeed_config={ds3}', '--batch_size=4']
     cfg = zero.check_config(configure(zero.config, argv), 1, argv)
     assert (cfg.stage, cfg.learning_rate, cfg.batch_size) == (3, 2e-3, 4)
-    assert "--batch_size=4 (after --deepspeed_config) override" in capsys.readouterr().err
+    assert cfg.gradient_accumulation_steps == 4  # the JSON's 16 sequences, from the final micro-batch (DeepSpeed's)
+    assert "--batch_size=4 (after --deepspeed_config) overrides" in capsys.readouterr().err
+    argv = [f'--deepspeed_config={ds3}', '--learning_rate=1e-3']  # the floor: cos_min_ratio 0.1 of the final peak
+    assert zero.check_config(configure(zero.config, argv), 1, argv).min_lr == pytest.approx(1e-4)
     argv = [f'--deepspeed_config={ds3}', '--stage=1']
     assert zero.check_config(configure(zero.config, argv), 1, argv).stage == 1
     bad = tmp_path / 'ds.json'
@@ -437,9 +441,16 @@ def test_deepspeed_config_in_order_and_bad_values_in_one_line(tmp_path, capsys):
                        ('{"zero_optimization": 3}', 'zero_optimization must be a JSON object'),
                        ('{"zero_optimization": {"offload_optimizer": "cpu"}}', 'offload_optimizer must be a JSON'),
                        ('{"zero_optimization": {"stage": "3"}}', "zero_optimization.stage must be int, got '3'"),
-                       ('{"optimizer": {"params": {"betas": 0.9}}}', 'betas must be a list of two numbers'),
+                       ('{"optimizer": {"params": {"betas": 0.9}}}', 'betas must be list, got 0.9'),
+                       ('{"optimizer": {"params": {"betas": [0.9]}}}', 'betas must be two numbers, got [0.9]'),
                        ('{"optimizer": {"params": {"lr": "3e-4"}}}', 'optimizer.params.lr must be float'),
-                       ('{"train_micro_batch_size_per_gpu": 0}', 'batch_size must be at least 1, got 0 (from'),
+                       ('{"train_micro_batch_size_per_gpu": 0}', 'train_micro_batch_size_per_gpu must be at least 1'),
+                       ('{"train_batch_size": 16, "gradient_accumulation_steps": 0}',
+                        'gradient_accumulation_steps must be at least 1, got 0'),
+                       ('{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 32}',
+                        'train_batch_size 16 must be micro batch × accumulation × 1 ranks'),
+                       ('{"scheduler": {"type": "WarmupCosineLR", "params": null}}', 'zero.py runs a WarmupCosineLR'),
+                       ('{"optimizer": {"params": {"betas": "auto"}}}', 'optimizer.params.betas is "auto"'),
                        ('[1]', 'deepspeed_config file must be a JSON object')]:
         bad.write_text(text)
         argv = [f'--deepspeed_config={bad}']
@@ -640,8 +651,8 @@ def test_consolidate_bad_input_is_one_line(tmp_path):
             torch.save({'files': ('zero_rank{}.pt', world), 'iter_num': iter_num}, directory / f'zero_rank{rank}.pt')
     for directory, message in ((tmp_path / 'empty', 'holds none'), (tmp_path, 'zero_rank1.pt'),
                                (stale, 'different iterations (2, 4)'),
-                               (worlds, 'several: zero_rank*.pt of 2 ranks (zero_rank0.pt, zero_rank1.pt), '
-                                        'zero_rank*.pt of 4 ranks (zero_rank2.pt, zero_rank3.pt)')):
+                               (worlds, 'several: zero_rank*.pt of a 2-file world (zero_rank0.pt, zero_rank1.pt), '
+                                        'zero_rank*.pt of a 4-file world (zero_rank2.pt, zero_rank3.pt)')):
         directory.mkdir(exist_ok=True)
         proc = subprocess.run([sys.executable, 'consolidate.py', str(directory)], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
