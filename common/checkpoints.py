@@ -141,8 +141,7 @@ def init_model(cfg, vocab_size, ckpt_path=None, gpt2=True, meta=False):
         else:
             model = hf.from_pretrained(cfg.init_from, **overrides)
     else:
-        raise SystemExit(f"error: init_from must be 'scratch', 'resume'{' or a GPT-2 name' if gpt2 else ''}, "
-                         f"got {cfg.init_from!r}")
+        raise SystemExit(unknown_init_from(cfg.init_from, gpt2))
     if cfg.block_size > model.config.block_size:
         raise SystemExit(f"error: block_size {cfg.block_size} is larger than the model's "
                          f"{model.config.block_size}: pass --block_size={model.config.block_size} (or less)")
@@ -207,22 +206,14 @@ def resumed_config(cfg, ckpt_path, gpt2=True):
     """What a script's check_config judges on a resume: this command's config with the model's shape the
     checkpoint's (init_model builds it so, whatever the command's flags say, and a resume without the run's
     config file leaves them at their defaults), so that a refusal is about the model that would run, and
-    none refuses a model that would; likewise a GPT-2's shape where init_from names one. Returns (that config,
-    words for a refusal to add: 'resuming with ...' (resume_note's), or None); (cfg, None) where the model is
-    the command's. A script that starts no GPT-2 (gpt2=False, as init_model's) refuses any other init_from
-    here, before its checks judge a model it would not build."""
+    none refuses a model that would; a GPT-2's shape where init_from names one (hf.gpt2_start_config). Returns
+    (that config, words for a refusal to add, or None). A script that starts no GPT-2 (gpt2=False, as
+    init_model's) refuses any other init_from here, before its checks judge a model it would not build."""
     if not gpt2 and cfg.init_from not in ('scratch', 'resume'):
-        raise SystemExit(f"error: init_from must be 'scratch' or 'resume' here, got {cfg.init_from!r} "
-                         "(GPT-2's weights load in train.py, train_ddp.py, train_fsdp.py, zero.py, "
-                         "tensor_parallel.py and context_parallel.py)")
+        raise SystemExit(unknown_init_from(cfg.init_from, gpt2))
     if cfg.init_from not in ('scratch', 'resume') and is_gpt2(cfg.init_from):
-        from common.hf import gpt2_shape  # (its config.json, or the hub's four sizes: no weights read)
-        config = gpt2_shape(cfg.init_from)
-        shape = model_shape(cfg, vars(config) if config else {})
-        said = ', '.join(f"{k}={v!r}" for k, v in shape.items() if getattr(cfg, k) != v and k in
-                         ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'n_hidden'))  # (what the checks divide)
-        words = f"init_from={cfg.init_from} has {said}" if said else None
-        return SimpleNamespace(**dict(vars(cfg), **shape)), words
+        from common.hf import gpt2_start_config  # (its config.json, or the hub's four sizes: no weights read)
+        return gpt2_start_config(cfg)
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
         return cfg, None  # (a missing file is check_config's or init_model's to report)
     checkpoint = load_mmap(ckpt_path)
@@ -233,9 +224,16 @@ def resumed_config(cfg, ckpt_path, gpt2=True):
     return SimpleNamespace(**dict(vars(cfg), **shape)), note and note.removeprefix('note: ')
 
 
+def unknown_init_from(init_from, gpt2):
+    """The one line for an init_from a script cannot start from (gpt2: whether it loads a GPT-2's weights)."""
+    if gpt2:
+        return f"error: init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}"
+    return (f"error: init_from must be 'scratch' or 'resume' here, got {init_from!r} (GPT-2's weights load "
+            "in train.py, train_ddp.py, train_fsdp.py, zero.py, tensor_parallel.py and context_parallel.py)")
+
+
 def model_shape(cfg, model_args):
-    """The model's keys that init_model takes from where the model comes from (not the command's flags):
-    all but dropout, activation checkpointing and the run's block size."""
+    """The model keys init_model takes from the model's source (checkpoint, GPT-2), not from the flags."""
     return {k: v for k, v in model_args.items()
             if hasattr(cfg, k) and k not in ('dropout', 'activation_checkpointing', 'block_size')}
 
@@ -313,12 +311,11 @@ def restore_rng(checkpoint, rank, world_size, seed, dp_rank, pp_rank=0):
     if states is not None and len(states) == world_size:
         set_rng_state(states[rank])
         return
-    saved = len(states or [1])  # (a checkpoint without rng_states: train.py's one stream)
+    saved = len(states or [1])  # (no rng_states: train.py's one stream)
     if rank == 0 and pp_rank == 0 and saved != world_size:
         others = ', the others start afresh' if world_size > 1 else ''
         print(f"note: the checkpoint holds the random streams of {saved} rank(s), this run has {world_size}: "
-              f"rank 0 continues the saved rank 0's{others} (with dropout on, the run does not continue "
-              "exactly)")
+              f"rank 0 continues the saved rank 0's{others} (with dropout on, not exactly the run's masks)")
     set_rng_state({'cpu': checkpoint['rng_state'], 'cuda': checkpoint.get('cuda_rng_state')})
     seed_dropout(seed, dp_rank, pp_rank)
 

@@ -85,6 +85,19 @@ def gpt2_shape(name):
     return None
 
 
+def gpt2_start_config(cfg):
+    """checkpoints.resumed_config where init_from names a GPT-2: the command's config with the GPT-2's shape
+    (init_model builds that, whatever the flags say), and words for a refusal naming the values the checks
+    divide that differ from the command's (None where none does)."""
+    from common.checkpoints import model_shape
+    config = gpt2_shape(cfg.init_from)
+    shape = model_shape(cfg, vars(config) if config else {})
+    said = ', '.join(f"{k}={v!r}" for k, v in shape.items() if getattr(cfg, k) != v and k in
+                     ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'n_hidden'))
+    return SimpleNamespace(**dict(vars(cfg), **shape)), (f"init_from={cfg.init_from} has {said}" if said
+                                                         else None)
+
+
 def gpt2_tensors(hf_named, config):
     """GPT-2's (name, tensor) pairs as this repo's: the names under transformer., the four Conv1D weights
     (stored (in, out)) transposed, no causal-mask buffers, a tied head under its own name too."""
