@@ -60,17 +60,20 @@ REFUSED = {('ep1', 'dense'): 'n_expert=0: a dense model has no experts',
 
 
 def run_cells(rank, world_size, cells, out_root):
-    """In each rank: every cell's main() in turn, its printing swallowed. Returns {cell: None (it trained: its
-    log is in out_root/cell) or the line it stopped with}."""
+    """In each rank: every cell's main() in turn, its printing kept (rank 0's in out_root/cell/stdout.txt).
+    Returns {cell: None (it trained: its log is in out_root/cell) or the line it stopped with}."""
     results = {}
     for name, script, argv in cells:
-        out_dir = os.path.join(out_root, name)
+        out_dir, printed = os.path.join(out_root, name), io.StringIO()
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(printed):
                 importlib.import_module(script).main(argv + [f'--out_dir={out_dir}'])
             results[name] = None
         except SystemExit as e:
             results[name] = str(e.code)
+        if rank == 0 and results[name] is None:
+            with open(os.path.join(out_dir, 'stdout.txt'), 'w') as f:
+                f.write(printed.getvalue())
     return results
 
 
@@ -209,6 +212,18 @@ def test_the_grid_logs_its_groups_and_holds_zero_1s_slices(matrix, cell):
     for r in rows:
         assert (r['param_bytes'], r['grad_bytes']) == (r['param_bytes_formula'], r['grad_bytes_formula']), r
         assert r['optim_bytes_formula'] <= r['optim_bytes'] <= r['optim_bytes_formula'] + 2 * 16 * 2 * 8, r
+
+
+@pytest.mark.parametrize('cell', ['pp2-1f1b', '4d-dp2-pp2'])
+def test_the_pipelined_cells_print_that_note_for_a_moe_only(matrix, cell):
+    """The scripts hand run_shape their model's experts: the MoE cells print the note with the flags the matrix
+    compares them at (ROWS_2), the dense cells none."""
+    _, out_root = matrix
+    for kind in ('moe', 'dense'):
+        printed = open(os.path.join(out_root, f'{cell}-gpt2-{kind}', 'stdout.txt')).read()
+        note = "note: a mixture of experts routes each microbatch (2 rows) on its own, its auxiliary loss and " \
+               "capacity too: train.py's curve with " + ' '.join(ROWS_2)
+        assert (note in printed) == (kind == 'moe'), printed[:600]
 
 
 @pytest.mark.parametrize('script', ['pipeline', 'parallel_4d'])
