@@ -71,6 +71,14 @@ def read_log(out_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def measured_rows(out_dir, world_size):
+    """The log's measured rows (a row per rank and measured step; not a grid's rows of coordinates), with every
+    rank's there: a loop over them checks something only if the run measured at all."""
+    rows = [r for r in read_log(out_dir) if 'rank' in r and 'iter' in r]
+    assert sorted({r['rank'] for r in rows}) == list(range(world_size)), (out_dir, rows)
+    return rows
+
+
 def train_losses(out_dir):
     """{iter: loss} of the training rows of a log."""
     return {r['iter']: r['loss'] for r in read_log(out_dir) if 'loss' in r and 'rank' not in r}

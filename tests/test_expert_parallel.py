@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from helpers import (TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, check, eval_losses, read_log,
-                     run_script, spawn, train_losses, train_py_reference)
+from helpers import (TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, check, eval_losses,
+                     measured_rows, read_log, run_script, spawn, train_losses, train_py_reference)
 
 MOE = ['--n_expert=4', '--n_expert_active=2']
 FLAGS = TINY + MOE + ['--gradient_accumulation_steps=4', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
@@ -289,7 +289,7 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
             '--n_embd=128', '--block_size=64', '--batch_size=8', '--ep=2', '--gradient_accumulation_steps=2',
             '--eval_iters=1', '--max_iters=1', '--eval_interval=1', f'--out_dir={tmp_path}'], nproc=2))
     assert flood.sent > 0
-    for r in [r for r in read_log(tmp_path) if 'rank' in r]:
+    for r in measured_rows(tmp_path, 2):
         assert 0.99 * r['wire_bytes_formula'] <= r['wire_bytes'] <= 1.05 * r['wire_bytes_formula'] + 16384, r
         assert r['all_to_all_wire_bytes'] > 0.2 * r['wire_bytes_formula']
 

@@ -11,8 +11,8 @@ import torch
 
 from consolidate import consolidate
 from helpers import (TINY, assert_config_error, assert_same_checkpoint, assert_same_losses, check, eval_losses,
-                     measuring_calls_per_step, one_error_line_per_rank, read_log, run_script, spawn, train_losses,
-                     stdlib_vocab, train_py_reference)
+                     measured_rows, measuring_calls_per_step, one_error_line_per_rank, read_log, run_script, spawn,
+                     train_losses, stdlib_vocab, train_py_reference)
 
 FLAGS = TINY + ['--gradient_accumulation_steps=2', '--log_interval=1', '--eval_interval=2', '--max_iters=4',
                 '--learning_rate=1e-2', '--warmup_iters=1']
@@ -48,7 +48,7 @@ def assert_bench_prices_what_it_sends(out_dir):
     work = step_time.row_work('grid_dp_cp_tp', config, 4, 2, 2)
     priced = {kind: sum(n * c for k, n, c in work['calls'] if k == kind)
               for kind in ('all_reduce', 'send', 'all_reduce burst x4')}
-    for r in [r for r in read_log(out_dir) if 'collective_bytes_by_kind' in r]:
+    for r in measured_rows(out_dir, 8):
         counted = r['collective_bytes_by_kind']
         assert priced['send'] == counted['cp kv'] + counted['cp dkv'], (priced, counted)
         assert priced['all_reduce'] == pytest.approx(counted['tp all_reduce'], rel=0.05), (priced, counted)

@@ -10,8 +10,8 @@ from torch.nn import functional as F
 
 from consolidate import consolidate
 from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
-                     one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, train_losses,
-                     stdlib_vocab, train_py_reference)
+                     measured_rows, one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn,
+                     train_losses, stdlib_vocab, train_py_reference)
 
 from common import formulas
 
@@ -453,7 +453,7 @@ def test_dp_x_pp_loss_curve_equals_train_py(baseline, tmp_path, schedule, v):
                                             '--n_microbatches=2', f'--out_dir={out}', '--max_iters=6'], nproc=4))
     assert_same_losses(train_losses(out), train_losses(baseline), range(6))
     assert_same_losses(eval_losses(out), eval_losses(baseline), [0, 3, 6])
-    for r in [r for r in read_log(out) if 'rank' in r]:
+    for r in measured_rows(out, 4):
         assert r['peak_microbatches_held'] == r['peak_microbatches_held_formula'], r
         assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0, r
 

@@ -61,8 +61,8 @@ def test_data_parallel_strategies_agree_and_resume_exactly_with_dropout_on(tmp_p
         assert split == got and sorted(got) == [0, 1, 2, 3], (name, 'resumed at 2:', split, 'uninterrupted:', got)
     plain = train_losses(f'{out}/no_dropout')
     assert all(abs(plain[it] - ddp[it]) > 1e-4 for it in ddp), "dropout changed nothing"
-    assert_mfu_per_device(f'{out}/ddp', 2)
-    assert_mfu_per_device(f'{out}/fsdp', 2)
+    assert_mfu_per_device(f'{out}/ddp', 2, DROPOUT)
+    assert_mfu_per_device(f'{out}/fsdp', 2, DROPOUT)
 
 
 def _masks(rank, world_size):

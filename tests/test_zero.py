@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from helpers import (REPO, TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, free_port, read_log,
-                     spawn, stdlib_vocab, train_losses, train_py_reference)
+from helpers import (REPO, TINY, LoopbackFlood, assert_same_checkpoint, assert_same_losses, free_port,
+                     measured_rows, read_log, spawn, stdlib_vocab, train_losses, train_py_reference)
 
 import consolidate
 from common import deepspeed_config
@@ -261,7 +261,7 @@ def test_offload_optimizer_trains_the_same_numbers(split_runs, reference):
         assert_same_losses(train_losses(out), train_losses(ref_dir))
         assert_same_checkpoint(torch.load(consolidate.consolidate(out), weights_only=False), ref)
         # measured: no optimizer state left beside the model; on the host the fp32 master, m, v and the gradients
-        for r in (r for r in read_log(out) if 'rank' in r):
+        for r in measured_rows(out, 2):
             assert r['optim_bytes'] == r['optim_bytes_formula'] == 0, r
             assert r['host_bytes_formula'] <= r['host_bytes'] <= r['host_bytes_formula'] + 32 * 2 * r['buckets'], r
 
@@ -542,7 +542,7 @@ def test_measured_wire_bytes_are_what_gloo_sends(tmp_path):
     gloo = {'all_reduce': 2 * (n - 1) / n, 'scalars': 2 * (n - 1) / n, 'reduce_scatter': 2 * (n - 1) / n,
             'all_gather': (n - 1) / n}
     for stage in range(4):
-        for r in [r for r in read_log(tmp_path / f's{stage}') if 'rank' in r]:
+        for r in measured_rows(tmp_path / f's{stage}', n):
             expected = sum(gloo[kind] * nbytes for kind, nbytes in r['collective_bytes_by_kind'].items())
             assert r['wire_bytes'] is not None, r['wire_bytes_note']
             assert 0.99 * expected <= r['wire_bytes'] <= 1.05 * expected + 4096, (stage, r['wire_bytes'], expected)
