@@ -49,11 +49,18 @@ def test_char_dataset_round_trip(tmp_path):
     assert len(read_split(tmp_path, 'train')) == int(0.9 * len(TEXT))
 
 
-def test_stdlib_text_is_deterministic_and_skips_tests():
+def test_stdlib_text_is_deterministic_and_skips_tests(tmp_path, monkeypatch):
     prep = load('stdlib_char')
     a, b = prep.stdlib_text(20_000), prep.stdlib_text(20_000)
     assert a == b and len(a) == 20_000
-    assert 'test' in prep.SKIP_DIRS and 'site-packages' in prep.SKIP_DIRS
+    # on a standard library of our own: the .py files in path order, none under a test or site-packages folder
+    files = {'b.py': 'B', 'a/x.py': 'X', 'a/notes.txt': 'N', 'test/t.py': 'T', 'a/tests/u.py': 'U',
+             'site-packages/s.py': 'S', 'c/d/e.py': 'E'}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(prep.sysconfig, 'get_paths', lambda: {'stdlib': str(tmp_path)})
+    assert prep.stdlib_text(100) == 'XBE' and prep.stdlib_text(2) == 'XB'
 
 
 def test_bpe_dataset_round_trip(tmp_path):

@@ -421,7 +421,14 @@ def test_resume_as_dp_x_pp_and_consolidate_continue_train_py_exactly(baseline, t
             modelled = 2 * 2 * formulas.saved_bytes_formula(gptconf, 16, 2)
             assert r['peak_activation_bytes'] == pytest.approx(modelled, rel=0.01), (r, modelled)
         assert r['p2p_bytes_per_step'] == r['p2p_bytes_per_step_formula'] > 0
-        assert 0.0 <= r['bubble_fraction'] < 1.0 and r['bubble_fraction_formula'] == pytest.approx(1 / 3)
+        # measured by the clock: the step less its compute (the F and B spans it recorded), as a fraction
+        assert r['n_schedules'] == 1 and r['bubble_fraction_formula'] == pytest.approx(1 / 3)
+        compute = sum(t1 - t0 for op, _, t0, t1 in r['records'] if op in ('F', 'B', 'W'))
+        assert 0 < compute < r['step_s'] and r['bubble_fraction'] == pytest.approx(1 - compute / r['step_s'])
+    from common.timelines import unit_time_bubbles
+    for dp_rank in (0, 1):  # the order each stage ran its ops, replayed at one unit an op: 1F1B's own bubble
+        tracks = [r['records'] for r in sorted(rows, key=lambda r: r['stage']) if r['dp_rank'] == dp_rank]
+        assert unit_time_bubbles(tracks) == pytest.approx([1 / 3, 1 / 3]), tracks
 
 
 def test_each_stage_measures_its_own_wire_bytes(tmp_path):

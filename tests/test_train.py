@@ -1,6 +1,7 @@
 """train.py: it learns, the logged loss is the global-batch mean, a killed run resumes bit-for-bit, checkpoints are
 atomic, and bad input is one line on stderr and a non-zero exit before any work."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -46,11 +47,27 @@ def test_train_logs_and_learns(tmp_path):
     assert [r['iter'] for r in evals] == [0, 30, 60]
     for r in train_rows:
         assert set(r) >= {'iter', 'loss', 'lr', 'ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'}
+    # the iteration's own learning rate: warm-up to 1e-2 over the default 50 iterations, then cosine decay
+    # towards min_lr 2e-4 at iteration 1250 (4 iterations into it at 54)
+    warmed = {it: 1e-2 * (it + 1) / 51 for it in range(0, 50, 6)}
+    assert {r['iter']: r['lr'] for r in train_rows} == pytest.approx(
+        {**warmed, 54: 2e-4 + 0.5 * (1 + math.cos(math.pi * 4 / 1200)) * (1e-2 - 2e-4)}, rel=1e-12)
     vocab = training.load_dataset('stdlib_char')[1]
     assert abs(evals[0]['val_loss'] - torch.log(torch.tensor(float(vocab))).item()) < 0.2
     assert evals[-1]['val_loss'] < evals[0]['val_loss'] - 1.0, evals
     assert torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)['iter_num'] == 60
     assert '(no sample after 60 iterations; to sample: python sample.py' in proc.stdout  # too short to be worth it
+
+
+def test_learning_rate_schedule_is_nanogpts():
+    """Linear warm-up over warmup_iters, cosine decay to min_lr at lr_decay_iters, min_lr after (nanoGPT's
+    get_lr), at train.py's defaults, worked by hand: the cosine's midpoint is halfway between the two rates."""
+    cfg = training.SimpleNamespace(decay_lr=True, learning_rate=2e-3, min_lr=2e-4, warmup_iters=50,
+                                   lr_decay_iters=1250)
+    by_hand = {0: 2e-3 / 51, 49: 2e-3 * 50 / 51, 50: 2e-3, 650: 1.1e-3, 1250: 2e-4, 5000: 2e-4}
+    assert {it: training.get_lr(it, cfg) for it in by_hand} == pytest.approx(by_hand, rel=1e-12)
+    cfg.decay_lr = False
+    assert training.get_lr(0, cfg) == training.get_lr(650, cfg) == 2e-3
 
 
 def test_the_end_of_run_sample_prints_what_the_model_generates(capsys):
