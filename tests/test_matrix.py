@@ -11,11 +11,12 @@ the aux loss needs (it depends on the tokens routed together)."""
 import contextlib
 import importlib
 import io
+import json
 import os
 
 import pytest
 
-from helpers import assert_same_losses, spawn, train_losses, train_py_reference
+from helpers import assert_same_losses, run_train_py_here, spawn, train_losses, train_py_reference
 
 COMMON = ['--n_layer=2', '--n_head=4', '--n_embd=16', '--block_size=16', '--dropout=0.0', '--dtype=float32',
           '--compile=False', '--eval_iters=1', '--eval_interval=100', '--log_interval=1', '--max_iters=3',
@@ -59,12 +60,31 @@ REFUSED = {('ep1', 'dense'): 'n_expert=0: a dense model has no experts',
            ('4d-dp2-pp2-tp2-ep2-zb1-sp', 'dense'): '--ep=2 needs a mixture of experts'}
 
 
+def keep_clip_norms(patch=setattr):
+    """Every gradient norm the clips return from now on, in a list: torch's clip_grad_norm_ (train.py,
+    train_ddp.py, train_fsdp.py, context_parallel.py) and common.distributed's (the others take it by name when
+    imported: patched before any script is). A norm counted wrong (a tied weight twice, experts left out) only
+    scales every gradient alike, which AdamW all but undoes: the losses move by 1e-6, the norm does not."""
+    import torch
+    from common import distributed
+    norms = []
+    for owner, name in ((torch.nn.utils, 'clip_grad_norm_'), (distributed, 'clip_grad_norm')):
+        def kept(*args, clip=getattr(owner, name), **kwargs):
+            norm = clip(*args, **kwargs)
+            norms.append(float(norm.full_tensor() if hasattr(norm, 'full_tensor') else norm))  # (FSDP2: a DTensor)
+            return norm
+        patch(owner, name, kept)
+    return norms
+
+
 def run_cells(rank, world_size, cells, out_root):
-    """In each rank: every cell's main() in turn, its printing kept (rank 0's in out_root/cell/stdout.txt).
-    Returns {cell: None (it trained: its log is in out_root/cell) or the line it stopped with}."""
-    results = {}
+    """In each rank: every cell's main() in turn, its printing and the norms its clip returned kept (rank 0's in
+    out_root/cell/stdout.txt and norms.json). Returns {cell: None (it trained: its log is in out_root/cell) or
+    the line it stopped with}."""
+    results, norms = {}, keep_clip_norms()
     for name, script, argv in cells:
         out_dir, printed = os.path.join(out_root, name), io.StringIO()
+        norms.clear()
         try:
             with contextlib.redirect_stdout(printed):
                 importlib.import_module(script).main(argv + [f'--out_dir={out_dir}'])
@@ -74,6 +94,8 @@ def run_cells(rank, world_size, cells, out_root):
         if rank == 0 and results[name] is None:
             with open(os.path.join(out_dir, 'stdout.txt'), 'w') as f:
                 f.write(printed.getvalue())
+            with open(os.path.join(out_dir, 'norms.json'), 'w') as f:
+                json.dump(norms, f)
     return results
 
 
@@ -106,6 +128,30 @@ def test_every_strategy_trains_train_py_first_steps_or_refuses(matrix, tmp_path_
     assert seen == [None] * world, f"{cell} stopped: {seen}"
     want = train_losses(train_py_reference(COMMON + ROWS_2 + MODELS[layout, kind], tmp_path_factory))
     assert_same_losses(train_losses(os.path.join(out_root, cell)), want, range(3))
+
+
+@pytest.fixture(scope='module')
+def train_py_norms(tmp_path_factory):
+    """{model: the gradient norms train.py's clip returned, an iteration each}, train.py run here again with
+    its clip watched."""
+    by_model = {}
+    for model, flags in MODELS.items():
+        with pytest.MonkeyPatch.context() as patched:
+            norms = keep_clip_norms(patched.setattr)
+            run_train_py_here(COMMON + ROWS_2 + flags + [f"--out_dir={tmp_path_factory.mktemp('norms')}"])
+        by_model[model] = norms
+    return by_model
+
+
+@pytest.mark.parametrize('strategy,layout,kind', [(s, layout, kind) for s, _, _, _ in STRATEGIES
+                                                 for layout, kind in MODELS if (s, kind) not in REFUSED])
+def test_every_strategy_clips_at_train_py_s_gradient_norm(matrix, train_py_norms, strategy, layout, kind):
+    """The norm each cell's clip returned at each iteration is train.py's whole-model norm (to 1e-5): every
+    parameter counted once, over every shard, slice, stage and expert."""
+    _, out_root = matrix
+    norms = json.load(open(os.path.join(out_root, f'{strategy}-{layout}-{kind}', 'norms.json')))
+    assert len(norms) == len(train_py_norms[layout, kind]) == 3 and norms == pytest.approx(
+        train_py_norms[layout, kind], rel=1e-5), (norms, train_py_norms[layout, kind])
 
 
 @pytest.mark.parametrize('layout,kind', IN_BF16, ids=['-'.join(k) for k in IN_BF16])
