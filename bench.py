@@ -31,8 +31,7 @@ import time
 import torch
 
 from common.plots import plot
-from common.planner import add_estimate_arguments, ds_config_for, gpt_config_from, run_estimate
-from common import plan_tables, step_time
+from common import plan_tables, planner, step_time
 from common.training import load_dataset
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -65,8 +64,8 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
         zero_row = by_name['ZeRO-1']
         ds_path = os.path.join(args.out, 'check_ds_config.json')
         with open(ds_path, 'w') as f:
-            json.dump(ds_config_for(zero_row, args.estimate, overrides, args.micro_batch, n_micro,
-                                    args.dtype != 'float32'), f, indent=2)
+            json.dump(planner.ds_config_for(zero_row, args.estimate, overrides, args.micro_batch, n_micro,
+                                            args.dtype != 'float32'), f, indent=2)
     runs.append((zero_row, 'zero.py', [f'--deepspeed_config={ds_path}'],
                  [('param_bytes', 'param_bytes'), ('grad_bytes', 'grad_bytes'),
                   ('optim_bytes', 'optim_bytes')]))
@@ -400,7 +399,7 @@ def run_bench(args):
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
-    moe = gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows' model)
+    moe = planner.gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows)
     predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe)
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
@@ -430,7 +429,7 @@ def run_bench(args):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
-    add_estimate_arguments(p)  # --estimate and its flags: planner.py
+    planner.add_estimate_arguments(p)  # --estimate and its flags: planner.py
     p.add_argument('--full', action='store_true', help='every row, on the 512-wide model, 12 iterations')
     p.add_argument('--rows', default=None,
                    help=f"comma-separated rows (default {','.join(QUICK_ROWS)}; --full: all)")
@@ -461,6 +460,7 @@ def parse_args(argv):
     p.add_argument('--plot', action='store_true',
                    help='also draw the loss curves, memory and communication as PNGs in --out (matplotlib)')
     args, rest = p.parse_known_args(argv)
+    rest += planner.planned_model_flags(argv) if args.estimate is not None else []  # (the plan's model's)
     args.rows = ('all' if args.full else ','.join(QUICK_ROWS)) if args.rows is None else args.rows
     args.max_iters = args.max_iters or (12 if args.full else 8)
     args.n_embd = args.n_embd or (512 if args.full else 128)
@@ -483,7 +483,7 @@ def parse_args(argv):
 def main(argv):
     args, overrides = parse_args(argv)
     if args.estimate is not None:
-        run_estimate(args, overrides, check=check_estimate)
+        planner.run_estimate(args, overrides, check=check_estimate)
     else:
         args.n_microbatches = args.n_microbatches or 4
         run_bench(args)

@@ -18,7 +18,7 @@ def add_device_arguments(p):
     """The stated figures of the GPUs bench.py --estimate prices a step on (defaults: an H100 SXM node)."""
     p.add_argument('--gpu_tflops', type=float, default=None,
                    help="--estimate: a GPU's peak TFLOP/s in the run's dtype (default: H100 SXM, dense: 989 "
-                        "in bf16, 67 in fp32)")
+                        "in bf16, 495 in fp32: TF32, as the scripts run it)")
     p.add_argument('--flops_efficiency', type=float, default=0.5,
                    help='--estimate: the fraction of that peak the model computes at (stated, not measured)')
     p.add_argument('--gpus_per_node', type=int, default=8)

@@ -351,6 +351,17 @@ def launch_command(row, ckpt, args, overrides, seq_len, n_micro, ds_path):
     return ' '.join([launch, script, args.estimate] + shape + flags)
 
 
+def planned_model_flags(argv):
+    """The flags in argv that bench.py's own parser shares with train.py's config and that shape the model:
+    under --estimate they are the planned model's, not the bench's (as --key=value, however written)."""
+    flags = []
+    for i, arg in enumerate(argv):
+        key, equals, value = arg.partition('=')
+        if key in ('--n_layer', '--n_head', '--n_embd', '--block_size'):
+            flags.append(f"{key}={value if equals else (argv[i + 1:] or [''])[0]}")
+    return flags
+
+
 def add_estimate_arguments(p):
     """bench.py's --estimate and the flags of the planner, on the argparse parser p."""
     p.add_argument('--estimate', nargs='?', const='', default=None, metavar='CONFIG',
@@ -433,7 +444,8 @@ def run_estimate(args, overrides, check=None):
     rows = estimate(gptconf, args.gpus, args.gpu_mem_gb, args.micro_batch, seq_len, args.tp, args.pp, args.cp,
                     n_micro, mixed, ep, args.global_batch)
     best = cheapest(rows, args.gpus)
-    args.gpu_tflops = args.gpu_tflops or (989 if mixed else 67)  # (an H100 SXM's dense peak)
+    # (an H100 SXM's dense peak; fp32 as the scripts run it on a GPU: TF32 matmuls, training.py turns them on)
+    args.gpu_tflops = args.gpu_tflops or (989 if mixed else 495)
     ranked = cluster_time.fastest_first(rows, args.gpus, gptconf, seq_len, args.micro_batch, args)
     fastest = ranked[0]['strategy'] if ranked else None
     fastest_command = (command_for(fastest, rows, args, overrides, seq_len, mixed,

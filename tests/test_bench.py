@@ -571,6 +571,18 @@ def test_a_flag_the_estimate_cannot_use_is_one_line(flag, message):
     assert proc.returncode != 0 and lines == [f'error: {message}'], proc.stderr
 
 
+def test_the_estimate_plans_the_model_flags_bench_shares():
+    """--n_layer, --n_head, --n_embd and --block_size are bench.py's own flags too: under --estimate they shape
+    the planned model, written either way (the bench's parser had kept them, and the plan was the config
+    file's model without a word); without --estimate they stay the bench's."""
+    args, overrides = bench.parse_args(['--estimate', 'config/tinyllama_1b.py', '--n_layer=11', '--block_size',
+                                        '512', '--n_head=16'])
+    gptconf = planner.gpt_config_from(args.estimate, overrides, 32000)
+    assert (gptconf.n_layer, gptconf.block_size, gptconf.n_head, gptconf.n_embd) == (11, 512, 16, 2048)
+    args, overrides = bench.parse_args(['--n_layer=11'])
+    assert overrides == [] and args.n_layer == 11
+
+
 def test_an_empty_row_list_is_one_line():
     """--rows= named no row and ran the default eight (a minute of work, out_bench/ overwritten): one line now."""
     proc = run_script('bench.py', ['--rows='])
