@@ -93,6 +93,7 @@ def test_zero_stages_keeping_bf16_weights_alike_agree(bf16_runs):
     _, out = bf16_runs
     losses = {s: train_losses(f'{out}/zero{s}') for s in range(4)}
     for a, b in ((0, 1), (2, 3)):
+        assert sorted(losses[a]) == sorted(losses[b]) == list(range(6)), losses
         for it in losses[a]:
             assert losses[b][it] == pytest.approx(losses[a][it], rel=1e-6), (f'stage {b} vs {a}', it, losses)
 
