@@ -98,10 +98,11 @@ def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes
     s, b, h, t, sp = cfg.block_size, cfg.batch_size, config.n_embd, tp.group.size, cfg.sequence_parallel
     elem, micro_steps = (4 if cfg.dtype == 'float32' else 2), cfg.gradient_accumulation_steps // dp.size
     sent, dense = comm_report([tp.group, dp]), not config.is_moe(0)  # (the layer measured: block 0)
+    held_formula = param_bytes_formula(config, t)  # (the dp all-reduce is priced on these too)
     rows = log_rank_rows(cfg.out_dir, dict(
         rank=dist.get_rank() if dist.is_initialized() else 0, iter=iter_num, tp_rank=tp.group.rank,
         dp_rank=dp.rank, tp=t, dp=dp.size, sequence_parallel=sp, param_bytes=params,
-        param_bytes_formula=param_bytes_formula(config, t), activation_bytes=activation_bytes,
+        param_bytes_formula=held_formula, activation_bytes=activation_bytes,
         activation_bytes_formula=saved_bytes_formula(config, s, b, t, sp, elem) if dense else None,
         activation_bytes_korthikanti=activation_bytes_formula(s, b, h, config.n_head, t, sp,
                                                               bytes_per_elem=elem) if dense else None,
@@ -113,7 +114,7 @@ def tensor_parallel_step(iter_num, cfg, config, params, tp, dp, activation_bytes
         tp_comm_bytes_formula=micro_steps * (config.n_layer * tp_comm_bytes_formula(s, b, h, t, sp, elem)
                                              + tp_edge_comm_bytes_formula(s, b, h, t, sp, elem)),
         dp_grad_wire_bytes_formula=dp.wire_bytes_formula['all_reduce'],
-        dp_grad_bytes_formula=2 * (dp.size - 1) / dp.size * params))
+        dp_grad_bytes_formula=2 * (dp.size - 1) / dp.size * held_formula))
     if not is_master():
         return
     r = rows[0]
@@ -221,6 +222,7 @@ def report_4d(clock, zeros, comms, wire, cfg, coords, iter_num, rank):
 
 CP_REPORT = [  # what a measured step prints: (quantity, its row keys: measured, counted, modelled)
     ("activation bytes, one layer (1/cp)", 'activation_bytes', None, 'activation_bytes_formula'),
+    ("  Megatron's count (Korthikanti), 1/cp", None, None, 'activation_bytes_korthikanti'),
     ('bytes sent by the attention', None, 'cp_attention_bytes', 'cp_attention_bytes_formula'),
     ('bytes sent, all groups', 'wire_bytes', 'collective_bytes', 'wire_bytes_formula'),
     ('attention layers: computing, s', 'attention_compute_s', None, None),
@@ -232,14 +234,20 @@ def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation
     """context_parallel.py's measured step: a log row per rank; rank 0 prints every rank's."""
     s, b, C, sent = cfg.block_size, cfg.batch_size, comm.size, comm_report([comm, dp_cp])
     elem, micro_steps = 2 if cfg.dtype == 'bfloat16' else 4, cfg.gradient_accumulation_steps * C // dp_cp.size
+    moe = c.is_moe(0)
     rows = log_rank_rows(cfg.out_dir, {
         'rank': dp_cp.rank, 'iter': iter_num, 'cp_rank': comm.rank, 'cp': C, 'cp_attention': attention,
-        'activation_bytes': activation_bytes, 'activation_bytes_formula': activation_bytes_formula(
+        # this repo's count for a block of s/cp tokens, and Megatron's; neither for an MoE block (the layer
+        # measured: block 0)
+        'activation_bytes': activation_bytes,
+        'activation_bytes_formula': None if moe else saved_bytes_formula(c, s // C, b, 1, False, elem),
+        'activation_bytes_korthikanti': None if moe else activation_bytes_formula(
             s, b, c.n_embd, c.n_head, 1, False, bytes_per_elem=elem) / C,
         'collective_bytes': sum(sent['collective_bytes'].values()),
         'collective_bytes_by_kind': sent['collective_bytes'],
         'wire_bytes_formula': sum(sent['wire_bytes_formula'].values()),
-        'cp_attention_bytes': sum(comm.wire_bytes_formula.values()),  # the step's cp calls: attention's
+        'cp_attention_bytes': sum(v for k, v in comm.wire_bytes_formula.items()  # (not an MoE's routing)
+                                  if k.split()[0] in ('kv', 'dkv', 'all_to_all')),
         'cp_attention_bytes_formula': micro_steps * c.n_layer * cp_comm_bytes_formula(
             s, b, c.n_head, c.n_kv_head, c.n_embd // c.n_head, C, attention, elem),
         'wire_bytes': wire_bytes, 'wire_bytes_note': why_not,
@@ -247,6 +255,10 @@ def report_context_parallel(cfg, c, attention, comm, dp_cp, iter_num, activation
     for r in rows if dp_cp.rank == 0 else []:
         print_measured(f"[rank {r['rank']}] cp {r['cp_rank']}/{C} ({attention}), iter {iter_num}:",
                        [(name, *(r.get(k) for k in keys)) for name, *keys in CP_REPORT],
+                       ["activation bytes: this repo's count reads model.py's block, whose attention is "
+                        "SDPA's; the difference is what the " + ("ring keeps in tensors of its own (q, k, "
+                        "v, the output, the log-sum-exp)" if attention == 'ring' else
+                        "all-to-alls' outputs keep")] * (not moe) +
                        ["bytes handed to the calls, by kind (of an all-to-all's, its own rank's block stays: "
                         f"{C - 1}/{C} is sent): " +
                         (', '.join(f"{k} {v:,}" for k, v in r['collective_bytes_by_kind'].items()) or 'none')]

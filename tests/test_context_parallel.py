@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losses, check, eval_losses,
-                     one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, stdlib_vocab, train_losses,
+                     measured_rows, one_error_line_per_rank, read_log, run_script, run_train_py_here, spawn, stdlib_vocab, train_losses,
                      train_py_reference)
 
 import context_parallel
@@ -252,6 +252,7 @@ def test_ring_and_ulysses_cp2_train_train_py_curve_and_measure_their_own_bytes(t
             # outputs): 4.8% and 6.7% more here
             chunk = formulas.saved_bytes_formula(llama, 16 // 2, 4)
             assert chunk <= r['activation_bytes'] <= 1.1 * chunk, (r['activation_bytes'], chunk)
+            assert r['activation_bytes_formula'] == chunk and r['activation_bytes_korthikanti'] > 0, r
             assert r['attention_compute_s'] > 0 and r['attention_wait_s'] > 0
             # this rank's own sockets: what its calls hand gloo (ring all-reduces, sends, all-to-alls), plus the
             # messages' headers and the meter's closing barrier; the flood is not in it
@@ -299,6 +300,19 @@ def test_bad_config_exits_on_every_rank(tmp_path, args, key):
     # (a rank still importing torch when the other has refused is stopped by torchrun: the helper allows that)
     one_error_line_per_rank(proc, key, 'context_parallel.py')
     assert not (tmp_path / 'log.jsonl').exists()
+
+
+def test_the_attentions_bytes_leave_out_a_mixture_of_experts_routing(tmp_path):
+    """With a mixture of experts the cp group also carries the routing (tokens per expert summed; with a
+    capacity factor every rank's slots gathered): the report's bytes of the attention are still the ring's
+    formula alone (they had included the routing's), and the routing is in the group's total."""
+    check(run_script('context_parallel.py', TINY + ['--cp=2', '--n_expert=4', '--n_expert_active=2',
+                                                    '--capacity_factor=1.0', '--max_iters=1', '--eval_interval=100',
+                                                    f'--out_dir={tmp_path}'], nproc=2))
+    for r in measured_rows(tmp_path, 2):
+        routing = r['collective_bytes_by_kind']['cp routing']
+        assert r['cp_attention_bytes'] == r['cp_attention_bytes_formula'] > 0 and routing > 0, r
+        assert r['activation_bytes'] > 0 and r['activation_bytes_formula'] is None, r  # (block 0: an MoE's)
 
 
 def test_bf16_formula_is_what_ring_and_ulysses_send(tmp_path):
