@@ -578,13 +578,15 @@ class StepLogger:
 
     def restart(self):
         """Time afresh from now (after an evaluation: eval time is not training time)."""
-        self.t_last, self.iters = time.time(), 0
+        self.t_last, self.iters, self.observed = time.time(), 0, False
 
-    def step(self, iter_num, loss, lr):
+    def step(self, iter_num, loss, lr, observed=False):
+        """observed: the step ran with a measuring observer, whose work is in its time (its row says so)."""
         if not math.isfinite(loss):
             raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint kept")
-        self.iters += 1
+        self.iters, self.observed = self.iters + 1, self.observed or observed
         if iter_num % self.every == 0 and is_master():
+            observed = {'observed': True} if self.observed else {}
             dt = (time.time() - self.t_last) / self.iters
             self.restart()
             tokens_per_sec = self.tokens_per_iter / dt
@@ -593,7 +595,7 @@ class StepLogger:
                                        'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices,
                                                   self.peak),
                                        'peak_mem_bytes': peak_memory_bytes(self.cfg.device),
-                                       'mem_added_bytes': self.added_memory()})
+                                       'mem_added_bytes': self.added_memory(), **observed})
 
     def added_memory(self):
         """On a CPU, what the run added to the process's resident set (distributed.added_resident_bytes):
@@ -651,7 +653,9 @@ def training_loop(cfg, run, iter_num, best_val_loss):
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
-        logger.step(iter_num, run_step(run, cfg, iter_num, first_iter), lr)  # one iteration, its log line
+        observed = getattr(run, 'kind', None) is not None and measured_step(iter_num, first_iter,
+                                                                             cfg.measure_every)
+        logger.step(iter_num, run_step(run, cfg, iter_num, first_iter), lr, observed)  # one step, its line
         if profiler:
             profiler.step()
         iter_num += 1

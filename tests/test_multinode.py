@@ -88,6 +88,8 @@ def test_two_nodes_train_train_py_curve(reference, tmp_path, script):
     assert_mfu_per_device(out, 2)
     if script == 'train_ddp.py':  # (torch DDP's step is not observed: it logs no per-rank rows)
         return
+    # the first step ran with the observer, and its log row says so (its time holds the measuring)
+    assert [r.get('observed', False) for r in read_log(out) if 'mfu' in r] == [True, False, False]
     # each rank measures what its own sockets sent, so it works between machines too
     rows = measured_rows(out, 2)
     assert all(r['wire_bytes'] is not None and r['wire_bytes'] > 0 for r in rows), rows
