@@ -80,13 +80,22 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
     notes.append("counted by kind: " + ', '.join(f"{k} {v:,.0f}" for k, v in by_kind.items()))
     if wire_bytes is None:
         notes.append(f"wire bytes {why_not}")
-    elif 'reduce_scatter' in by_kind and wire_bytes > 1.2 * row['wire_bytes_formula']:
-        notes.append("more on the wire than the ring formula: on gloo a reduce-scatter is an all-reduce "
-                     "(gloo's own is one underneath; stages 2-3 run one in place, reduce_scatter_of), "
-                     "2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring reduce-scatter")
+    else:
+        notes += gloo_reduce_scatter_note([row], "stages 2-3 run one in place, reduce_scatter_of")
     print_measured(f"iter {iter_num}: ZeRO stage {z.stage}, N = {z.world_size}, Ψ = {z.numel:,}: bytes "
                    f"each rank holds after the step (the paper's formula) and sends in it (its own sockets, "
                    f"counted at the calls, the ring formula)", lines, notes)
+
+def gloo_reduce_scatter_note(rows, how):
+    """The note for rows whose wire bytes are well above the ring formula's and that reduce-scattered: gloo's
+    reduce-scatter is an all-reduce underneath (how: where this script's is made). [] for none."""
+    if any(r['wire_bytes'] is not None and r['wire_bytes'] > 1.2 * r['wire_bytes_formula'] and
+           any(k.endswith('reduce_scatter') for k in r['collective_bytes_by_kind']) for r in rows):
+        return [f"more on the wire than the ring formula: on gloo a reduce-scatter is an all-reduce (gloo's "
+                f"own is one underneath; {how}), 2(N-1)/N of the tensor, not (N-1)/N; NCCL's is a true ring "
+                "reduce-scatter"]
+    return []
+
 
 # -----------------------------------------------------------------------------
 # tensor_parallel.py: the grid, activations per layer, the tp and dp traffic
@@ -214,7 +223,8 @@ def report_4d(clock, zeros, comms, wire, cfg, coords, iter_num, rank):
                            (f"rank {r['rank']} activations at peak", r['peak_activation_bytes'], None, None),
                            (f"rank {r['rank']} bytes sent", r['wire_bytes'], r['collective_bytes'],
                             r['wire_bytes_formula']))],
-                       [f"wire bytes {wire.why_not}"] if wire_bytes is None else [])
+                       [f"wire bytes {wire.why_not}"] if wire_bytes is None else
+                       gloo_reduce_scatter_note(rows, "ZeRO-1's over dp x cp run one in place"))
 
 
 # -----------------------------------------------------------------------------
@@ -318,7 +328,8 @@ def report_expert_parallel(iter_num, cfg, model, optimizer, comms, measured, why
                   (f"rank {r['rank']} model states", held_now, None, sum(held.values()))]
     print_measured(f"iter {iter_num}: dp {dp.size} = ep {ep.size} x {edp.size} replicas, {c.n_expert} "
                    f"experts (top-{c.n_expert_active}); tokens of the last micro-batch; bytes of the step "
-                   f"(counted at the calls; modelled: uniform routing)", lines,
+                   f"(counted at the calls; modelled: the all-to-alls at uniform routing, and the bytes sent "
+                   f"as the ring formula prices our calls, the all-to-alls' as routed)", lines,
                    ["all-to-all counted != modelled: the formula assumes the router spreads the slots "
                     "evenly; each rank's combine carries its experts' real load"] * (ep.size > 1)
                    + ([f"wire bytes {why_not}"] if why_not else []))

@@ -62,8 +62,9 @@ def test_dp2_cp2_tp2_resumes_and_consolidates_to_train_py(tmp_path, tmp_path_fac
     parameters and AdamW moments. And bench.py prices the calls it makes."""
     ref = train_py_reference(FLAGS, tmp_path_factory)
     flags = FLAGS + ['--cp=2', '--tp=2', f'--out_dir={tmp_path}']
-    check(run_script('parallel_4d.py', flags + ['--max_iters=2'], nproc=8, timeout=400))
+    first = check(run_script('parallel_4d.py', flags + ['--max_iters=2'], nproc=8, timeout=400))
     check(run_script('parallel_4d.py', flags + ['--init_from=resume'], nproc=8, timeout=400))
+    assert "more on the wire than the ring formula: on gloo a reduce-scatter is an all-reduce" in first.stdout
     assert_same_losses(train_losses(tmp_path), train_losses(ref), range(4))
     assert_same_losses(eval_losses(tmp_path), eval_losses(ref), [0, 2, 4])
     assert_groups_are_the_grids_rows(tmp_path, (2, 1, 2, 2))
