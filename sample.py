@@ -51,8 +51,14 @@ def load_model(cfg):
                 f"if {cfg.out_dir} holds a sharded one, join it first: python consolidate.py {cfg.out_dir}"
                 if shards else "train one first (python train.py) or set --out_dir"))
         warn_if_older_than_shards(ckpt_path)
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
+        try:
+            checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+            model = GPT(GPTConfig(**checkpoint['model_args']))
+        except Exception as e:  # (truncated, not a torch file, not a checkpoint): one line, not a traceback
+            reason = (str(e).splitlines() or [''])[0].split('. ')[0]  # (its first sentence)
+            raise SystemExit(f"error: {ckpt_path} is not a checkpoint this can read ({type(e).__name__}: "
+                             f"{reason}); train again, or join the rank files: python consolidate.py "
+                             f"{cfg.out_dir}")
         model.load_state_dict(checkpoint['model'])
         print(f"sampling from {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "
               f"{checkpoint['best_val_loss']:.4f}, data set {checkpoint['config']['dataset']}")
@@ -82,13 +88,19 @@ def read_prompt(start):
     path = start[len('FILE:'):]
     if not os.path.isfile(path):
         raise SystemExit(f"error: start file {path} not found")
-    with open(path, encoding='utf-8') as f:
-        return f.read()
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"error: start file {path} is not UTF-8 text ({e.reason} at byte {e.start})")
 
 
 def main(argv):
     cfg = configure(config, argv)  # (with its refusals: top_k, temperature below 0, no samples or tokens)
     prompt = read_prompt(cfg.start)
+    if cfg.export_hf and os.path.exists(cfg.export_hf) and not os.path.isdir(cfg.export_hf):
+        raise SystemExit(f"error: --export_hf={cfg.export_hf} is a file: name a directory (a new one, or one "
+                         "to write the model's files into)")
 
     torch.manual_seed(cfg.seed)
     device_type = 'cuda' if cfg.device.startswith('cuda') else 'cpu'
@@ -108,10 +120,13 @@ def main(argv):
     model.to(cfg.device)
     if cfg.compile:
         model = torch.compile(model)
-    encode, decode = get_codec(dataset)
+    encode, decode = get_codec(dataset, model.config.vocab_size)
     ids = encode(prompt)
     if not ids:
         raise SystemExit(f"error: the prompt {prompt!r} has no character of the model's vocabulary")
+    unknown = sorted(set(prompt) - set(decode(ids)))  # (a char vocabulary leaves them out; BPE keeps all)
+    if unknown:
+        print(f"note: the prompt's {''.join(unknown)!r} is not in the model's vocabulary: left out")
     x = torch.tensor([ids], dtype=torch.long, device=cfg.device)
 
     with torch.no_grad(), ctx:

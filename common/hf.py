@@ -227,7 +227,8 @@ def to_hf(model):
         raise ValueError(f"to_hf exports the GPT-2 layout (learned, layernorm, gelu; n_kv_head = n_head, "
                          f"dense), LLaMA's (rope, rmsnorm, swiglu) or Mixtral's (LLaMA's, experts in every "
                          f"block, none shared, no bias, softmax top-k routing, dropless, no balancing bias), "
-                         f"not {c}")
+                         f"not pos={c.pos}, norm={c.norm}, mlp={c.mlp}, n_kv_head={c.n_kv_head} of n_head="
+                         f"{c.n_head}, n_expert={c.n_expert}")
     with torch.no_grad():  # their tensors are views into hf's: writing them writes the model
         for mine, rows, theirs in pairs:
             if theirs is not None:  # (theirs has a bias this model lacks: zero, the same function)

@@ -141,7 +141,14 @@ def value_refusals(cfg):
              (cfg.get('memory_limit_mib', 0) < 0, f"--memory_limit_mib must be a size in MiB, or 0 for none, "
               f"got {cfg.get('memory_limit_mib')}"),
              (cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'),
-              f"--dtype must be float32, bfloat16 or float16, got {cfg.get('dtype')!r}")])
+              f"--dtype must be float32, bfloat16 or float16, got {cfg.get('dtype')!r}"),
+             (has('seed') and cfg['seed'] >= 2 ** 63, f"--seed must be below 2**63 (torch's generator takes "
+              f"a 64-bit seed), got {cfg.get('seed')}"),
+             (has('device') and not re.fullmatch(r'cpu|cuda(:\d+)?', str(cfg['device'])),
+              f"--device must be 'cpu' or 'cuda' (or 'cuda:N'), got {cfg.get('device')!r}"),
+             (str(cfg.get('device')).startswith('cuda') and not torch.cuda.is_available(),
+              f"--device={cfg.get('device')}, but this torch ({torch.__version__}) sees no CUDA device: pass "
+              "--device=cpu")])
 
 
 def read_overrides(argv):
@@ -338,9 +345,10 @@ def micro_batch_rows(cfg, dp_rank, dp_size, micro_step):
     return slice(first, first + cfg.batch_size)
 
 
-def get_codec(dataset):
+def get_codec(dataset, vocab_size=None):
     """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl
-    if it has one, else (also for dataset None) tiktoken's GPT-2 BPE."""
+    if it has one, else (also for dataset None) tiktoken's GPT-2 BPE, which a model of vocab_size tokens, if
+    given, must have room for."""
     import pickle
     meta_path = os.path.join(REPO, 'data', dataset or '', 'meta.pkl')
     if dataset is not None and os.path.exists(meta_path):
@@ -348,6 +356,9 @@ def get_codec(dataset):
             meta = pickle.load(f)
         stoi, itos = meta['stoi'], meta['itos']
         return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
+    if vocab_size is not None and vocab_size < 50257:  # (a char-level model without its meta.pkl here)
+        raise SystemExit(f"error: the model's {vocab_size}-token vocabulary is not GPT-2's, and {meta_path} "
+                         f"is not here: prepare its data set first (python data/{dataset}/prepare.py)")
     import tiktoken
     try:
         enc = tiktoken.get_encoding('gpt2')

@@ -66,6 +66,39 @@ def test_sample_errors(tmp_path):
         assert words in e.value.code, e.value.code
 
 
+def test_bad_files_and_devices_are_one_line(trained, tmp_path, capsys):
+    """A checkpoint that is truncated or not one, a prompt file that is not UTF-8, an export onto a file
+    (transformers logs and saves nothing: it had said 'saved'), a device this torch lacks, a seed past 64
+    bits: one line each, where they were tracebacks; a char-level model whose meta.pkl is not here is refused
+    (it fell back to GPT-2's BPE, 50,257 ids for its vocabulary); characters outside the vocabulary are named."""
+    import shutil
+    import sample
+    whole = open(os.path.join(trained, 'ckpt.pt'), 'rb').read()
+    (tmp_path / 'cut').mkdir(), (tmp_path / 'other').mkdir()
+    (tmp_path / 'cut' / 'ckpt.pt').write_bytes(whole[:1000])
+    torch.save([1, 2], tmp_path / 'other' / 'ckpt.pt')
+    (tmp_path / 'latin1.txt').write_bytes(b'caf\xe9')
+    (tmp_path / 'a_file').write_text('')
+    moved = tmp_path / 'moved'
+    shutil.copytree(trained, moved)
+    ckpt = torch.load(moved / 'ckpt.pt', weights_only=False)
+    ckpt['config']['dataset'] = 'no_such_set'
+    torch.save(ckpt, moved / 'ckpt.pt')
+    for args, words in [([f'--out_dir={tmp_path}/cut'], 'ckpt.pt is not a checkpoint this can read'),
+                        ([f'--out_dir={tmp_path}/other'], 'ckpt.pt is not a checkpoint this can read'),
+                        ([f'--out_dir={trained}', f'--start=FILE:{tmp_path}/latin1.txt'], 'is not UTF-8 text'),
+                        ([f'--out_dir={trained}', f'--export_hf={tmp_path}/a_file'], 'is a file: name a directory'),
+                        ([f'--out_dir={moved}'], "vocabulary is not GPT-2's, and"),
+                        (['--device=cuda:0'] * (not torch.cuda.is_available()) or ['--device=gpu'],
+                         "--device"),
+                        (['--seed=99999999999999999999'], '--seed must be below 2**63')]:
+        with pytest.raises(SystemExit) as e:
+            sample.main(args)
+        assert e.value.code.startswith('error: ') and words in e.value.code, e.value.code
+    sample.main([f'--out_dir={trained}', '--start=ab日c', '--num_samples=1', '--max_new_tokens=2'])
+    assert "note: the prompt's '日' is not in the model's vocabulary: left out" in capsys.readouterr().out
+
+
 def test_export_hf_loads_in_auto_model_with_the_same_logits(tmp_path):
     """python sample.py --export_hf=DIR on a train.py checkpoint: AutoModelForCausalLM.from_pretrained(DIR)
     computes the checkpoint's logits."""
