@@ -22,6 +22,7 @@ train_fsdp.py      ckpt_dcp/            torch.distributed.checkpoint's own forma
 import glob
 import os
 import sys
+import tempfile
 from collections import defaultdict
 
 import torch
@@ -41,13 +42,35 @@ def progress(done, total, what):
 DCP = 'ckpt_dcp'  # train_fsdp.py's folder of torch.distributed.checkpoint's shards
 
 
+def read(path):
+    """A .pt file memory-mapped, or one line naming it (truncated, not torch's, not a checkpoint's dict)."""
+    try:
+        checkpoint = load_mmap(path)
+    except Exception as e:
+        reason = (str(e).splitlines() or [''])[0].split('. ')[0][:120]
+        raise SystemExit(f"error: consolidate: {path} is not a file this can read ({type(e).__name__}: "
+                         f"{reason}): move it out of the folder, or save it again")
+    return checkpoint if isinstance(checkpoint, dict) else {}
+
+
+def same_run(files, pattern, out_dir):
+    """Refuse rank files of different runs (another seed, shape or flags; one iteration is not enough): every
+    file's config and model alike, but for the rank's own device and the folder it was written in."""
+    run = lambda f: dict({k: v for k, v in f['config'].items() if k not in ('device', 'out_dir')},
+                         model_args=f['model_args'])
+    keys = sorted({k for f in files for k, v in run(f).items() if v != run(files[0]).get(k)})
+    if keys:
+        raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from "
+                         f"different runs (they differ in {', '.join(keys)}): keep one run's in the folder")
+
+
 def rank_files(out_dir):
     """The rank files in out_dir, memory-mapped: every file of the one world they declare ('files': their
     pattern and count), all there and from one iteration (each file is written atomically, but a run stopped
     while saving can leave some ranks' files a save behind). None for train_fsdp.py's folder."""
     worlds = defaultdict(list)  # (pattern, count) -> the files that declare it
     for path in sorted(glob.glob(os.path.join(out_dir, '*.pt'))):
-        files = load_mmap(path).get('files') if os.path.basename(path) != 'ckpt.pt' else None
+        files = read(path).get('files') if os.path.basename(path) != 'ckpt.pt' else None
         if files is not None:
             worlds[tuple(files)].append(os.path.basename(path))
     if os.path.isdir(os.path.join(out_dir, DCP)):
@@ -67,11 +90,12 @@ def rank_files(out_dir):
     if missing:
         raise SystemExit(f"error: consolidate: {out_dir} holds a world of {count} but not "
                          f"{', '.join(missing)}")
-    files = [load_mmap(p) for p in paths]
+    files = [read(p) for p in paths]
     iters = sorted({f['iter_num'] for f in files})
     if len(iters) != 1:
         raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from "
                          f"different iterations ({', '.join(map(str, iters))})")
+    same_run(files, pattern, out_dir)
     return files
 
 
@@ -117,8 +141,16 @@ def join_dcp(out_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     path = os.path.join(out_dir, DCP)
-    extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        files = {s.relative_path for s in dcp.FileSystemReader(path).read_metadata().storage_data.values()}
+        missing = sorted(f for f in files if not os.path.exists(os.path.join(path, f)))
+        if missing:
+            raise FileNotFoundError(f"no {', '.join(missing)}")
+    except (OSError, RuntimeError) as e:  # (a save stopped part way: torch's error is a traceback)
+        raise SystemExit(f"error: consolidate: {path} is not a whole checkpoint ({e}): train_fsdp.py saves "
+                         "it again at its next evaluation")
     keys = [k for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)]
     whole, steps = defaultdict(dict), {}
     for i, key in enumerate(keys):  # 'model.<name>' or 'optimizer.state.<name>.<step | exp_avg | exp_avg_sq>'
@@ -154,11 +186,21 @@ def adamw_state_dict(model_args, whole, steps, cfg):
     return sd
 
 
+def writable(folder):
+    """Refuse, before any work, a destination that is a file or where this process cannot write."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise SystemExit(f"error: consolidate: cannot write ckpt.pt in {folder} ({e.strerror})")
+
+
 def consolidate(out_dir, dest_dir=None):
     """out_dir's sharded checkpoint, whichever script wrote it -> dest_dir/ckpt.pt (default out_dir),
     train.py's format: the first file's model_args, iteration and best loss, the data-parallel ranks' random
     streams in rank order. Returns the path written."""
     files = rank_files(out_dir)
+    writable(dest_dir or out_dir)  # (before the work)
     if files is None:
         whole, steps, first = join_dcp(out_dir)
         rng_states, source = first['rng_states'], os.path.join(out_dir, DCP)

@@ -240,6 +240,26 @@ def split_runs(tmp_path_factory):
     return tmp
 
 
+def test_consolidate_refuses_two_runs_unreadable_files_and_a_file_for_a_folder(split_runs, tmp_path):
+    """consolidate.py had joined rank 0 of one run with rank 1 of another (same iteration, another seed or
+    flag) without a word, and a truncated rank file or an unwritable destination was a traceback (the latter
+    after the whole join): one line each, before the work."""
+    mixed, cut = tmp_path / 'mixed', tmp_path / 'cut'
+    mixed.mkdir()
+    shutil.copy(rank_path(split_runs / 'whole1', zero.RANK_FILE, 0), mixed)
+    shutil.copy(rank_path(split_runs / 'offload1', zero.RANK_FILE, 1), mixed)
+    shutil.copytree(split_runs / 'whole1', cut)
+    whole = open(rank_path(cut, zero.RANK_FILE, 1), 'rb').read()
+    open(rank_path(cut, zero.RANK_FILE, 1), 'wb').write(whole[:3000])
+    (tmp_path / 'a_file').write_text('')
+    for args, words in [((mixed,), 'are from different runs (they differ in dropout, model_args, offload_'),
+                        ((cut,), 'zero_rank1.pt is not a file this can read'),
+                        ((split_runs / 'whole1', tmp_path / 'a_file'), 'cannot write ckpt.pt in')]:
+        with pytest.raises(SystemExit) as e:
+            consolidate.consolidate(*map(str, args))
+        assert e.value.code.startswith('error: consolidate: ') and words in e.value.code, e.value.code
+
+
 def test_shard_checkpoint_resume_is_identical(split_runs):
     for stage in (1, 3):
         whole, split = split_runs / f'whole{stage}', split_runs / f'split{stage}'
