@@ -43,6 +43,10 @@ def from_pretrained(name, **overrides):
     except ImportError:
         raise SystemExit(f"error: init_from={name} needs Hugging Face transformers: pip install "
                          f"transformers")
+    config_path = os.path.join(name, 'config.json')
+    if os.path.isfile(config_path):  # (a LLaMA's or Mixtral's export: GPT2LMHeadModel would misread it)
+        with open(config_path) as f:
+            refuse_not_gpt2(name, json.load(f).get('model_type'))
     try:
         hf_model = GPT2LMHeadModel.from_pretrained(name)
     except OSError as e:  # (no weights in the directory; no network and no cached copy)
@@ -110,6 +114,13 @@ def gpt2_tensors(hf_named, config):
             yield 'lm_head.weight', values
 
 
+def refuse_not_gpt2(name, model_type):
+    """One line for a Hugging Face model that is not a GPT-2 (init_from loads GPT-2's weights)."""
+    if model_type != 'gpt2':
+        raise SystemExit(f"error: init_from={name} is a {model_type!r} model; only GPT-2 weights load here "
+                         f"(a LLaMA goes through hf.from_hf)")
+
+
 def open_gpt2(name, **overrides):
     """A GPT-2's GPTConfig, and a function that yields its weights as this repo's (name, tensor) pairs one at
     a time from its safetensors file, so a sharded script copies out its share of each and never holds the
@@ -132,9 +143,7 @@ def open_gpt2(name, **overrides):
         raise SystemExit(f"error: init_from={name}: no model.safetensors in it (save_pretrained writes one)")
     with open(config_path) as f:
         hf_cfg = SimpleNamespace(**json.load(f))
-    if getattr(hf_cfg, 'model_type', None) != 'gpt2':
-        raise SystemExit(f"error: init_from={name} is a {getattr(hf_cfg, 'model_type', None)!r} model; only "
-                         f"GPT-2 weights load here (a LLaMA goes through hf.from_hf)")
+    refuse_not_gpt2(name, getattr(hf_cfg, 'model_type', None))
     config = gpt2_config(hf_cfg, **overrides)
 
     def tensors():

@@ -117,6 +117,21 @@ def test_export_hf_loads_in_auto_model_with_the_same_logits(tmp_path):
         torch.testing.assert_close(theirs(idx).logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_a_llama_export_is_refused_where_gpt2_weights_load(tmp_path):
+    """train.py --init_from=DIR of a LLaMA's export had read it as a GPT-2 (GPT2LMHeadModel: a KeyError
+    traceback); the sharded scripts refused it in one line: so does train.py now."""
+    pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
+    from common import hf
+    import train
+    llama = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, norm='rmsnorm',
+                              mlp='swiglu', pos='rope', bias=False))
+    hf.to_hf(llama).save_pretrained(tmp_path / 'llama')
+    with pytest.raises(SystemExit) as e:
+        train.main([f'--init_from={tmp_path / "llama"}', f'--out_dir={tmp_path / "out"}', '--max_iters=1'])
+    assert e.value.code == f"error: init_from={tmp_path / 'llama'} is a 'llama' model; only GPT-2 weights load " \
+        "here (a LLaMA goes through hf.from_hf)", e.value.code
+
+
 def test_export_hf_of_a_mixed_layout_is_one_line(trained, tmp_path):
     """The fixture's model mixes GPT-2's norm and MLP with RoPE: no Hugging Face class holds it."""
     pytest.importorskip('transformers', reason='transformers is not installed (it is optional)')
