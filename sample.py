@@ -22,7 +22,7 @@ from common.training import autocast_context, configure, get_codec, run_main
 
 # -----------------------------------------------------------------------------
 # config
-init_from = 'resume'            # 'resume' (out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', ...
+init_from = 'resume'            # 'resume' (out_dir/ckpt.pt), a GPT-2 name ('gpt2', 'gpt2-medium', ...) or dir
 out_dir = 'out'
 start = '\n'                    # the prompt; FILE:path reads it from a file
 num_samples = 3
@@ -63,10 +63,11 @@ def load_model(cfg):
         print(f"sampling from {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "
               f"{checkpoint['best_val_loss']:.4f}, data set {checkpoint['config']['dataset']}")
         return model, checkpoint['config']['dataset']
-    if cfg.init_from.startswith('gpt2'):
+    if cfg.init_from.startswith('gpt2') or os.path.isfile(os.path.join(cfg.init_from, 'config.json')):
         from common.hf import from_pretrained  # (needs transformers
         return from_pretrained(cfg.init_from), None
-    raise SystemExit(f"error: init_from must be 'resume' or a GPT-2 name, got {cfg.init_from!r}")
+    raise SystemExit(f"error: init_from must be 'resume', a GPT-2 name or a GPT-2's save_pretrained "
+                     f"directory, got {cfg.init_from!r}")
 
 
 def warn_if_older_than_shards(ckpt_path):

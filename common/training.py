@@ -357,8 +357,9 @@ def get_codec(dataset, vocab_size=None):
         stoi, itos = meta['stoi'], meta['itos']
         return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
     if vocab_size is not None and vocab_size < 50257:  # (a char-level model without its meta.pkl here)
-        raise SystemExit(f"error: the model's {vocab_size}-token vocabulary is not GPT-2's, and {meta_path} "
-                         f"is not here: prepare its data set first (python data/{dataset}/prepare.py)")
+        raise SystemExit(f"error: the model's {vocab_size}-token vocabulary is not GPT-2's BPE, and " + (
+            f"{meta_path} is not here: prepare its data set first (python data/{dataset}/prepare.py)"
+            if dataset else "a Hugging Face model brings no other here: sample its checkpoint (--out_dir)"))
     import tiktoken
     try:
         enc = tiktoken.get_encoding('gpt2')

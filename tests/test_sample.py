@@ -88,7 +88,7 @@ def test_bad_files_and_devices_are_one_line(trained, tmp_path, capsys):
                         ([f'--out_dir={tmp_path}/other'], 'ckpt.pt is not a checkpoint this can read'),
                         ([f'--out_dir={trained}', f'--start=FILE:{tmp_path}/latin1.txt'], 'is not UTF-8 text'),
                         ([f'--out_dir={trained}', f'--export_hf={tmp_path}/a_file'], 'is a file: name a directory'),
-                        ([f'--out_dir={moved}'], "vocabulary is not GPT-2's, and"),
+                        ([f'--out_dir={moved}'], "vocabulary is not GPT-2's BPE, and"),
                         (['--device=cuda:0'] * (not torch.cuda.is_available()) or ['--device=gpu'],
                          "--device"),
                         (['--seed=99999999999999999999'], '--seed must be below 2**63')]:
@@ -126,10 +126,12 @@ def test_a_llama_export_is_refused_where_gpt2_weights_load(tmp_path):
     llama = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, norm='rmsnorm',
                               mlp='swiglu', pos='rope', bias=False))
     hf.to_hf(llama).save_pretrained(tmp_path / 'llama')
-    with pytest.raises(SystemExit) as e:
-        train.main([f'--init_from={tmp_path / "llama"}', f'--out_dir={tmp_path / "out"}', '--max_iters=1'])
-    assert e.value.code == f"error: init_from={tmp_path / 'llama'} is a 'llama' model; only GPT-2 weights load " \
-        "here (a LLaMA goes through hf.from_hf)", e.value.code
+    import sample
+    for main in (train.main, sample.main):  # (sample.py takes a save_pretrained directory too)
+        with pytest.raises(SystemExit) as e:
+            main([f'--init_from={tmp_path / "llama"}', f'--out_dir={tmp_path / "out"}'])
+        assert e.value.code == f"error: init_from={tmp_path / 'llama'} is a 'llama' model; only GPT-2 weights " \
+            "load here (a LLaMA goes through hf.from_hf)", e.value.code
 
 
 def test_export_hf_of_a_mixed_layout_is_one_line(trained, tmp_path):
