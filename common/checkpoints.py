@@ -1,9 +1,7 @@
-"""
-Checkpoints and random streams: atomic writes (in the background), the model every script starts from
+"""Checkpoints and random streams: atomic writes (in the background), the model every script starts from
 (train.py's initialization, a checkpoint to resume, GPT-2's weights), train.py's checkpoint format that every
-sharded layout consolidates back into, and every rank's random streams saved and restored so that dropout
-resumes exactly.
-"""
+sharded layout consolidates back into, and every rank's random streams, saved and restored: dropout resumes
+exactly."""
 
 import contextlib
 import json
@@ -183,6 +181,12 @@ def resume_note(cfg, checkpoint):
             f"{k}={shape[k]!r} (the checkpoint's; this command says {getattr(cfg, k)!r})"
             for k in [*shape, 'dataset']
             if k in run and k != 'block_size' and getattr(cfg, k, run[k]) != run[k]]
+    global_batch = lambda c: c.get('batch_size', 0) * c.get('gradient_accumulation_steps', 0)
+    had, has = global_batch(run), global_batch(vars(cfg))
+    if had and has and had != has:  # (the global batch)
+        said.append(f"a global batch of {has} sequences (this command's; the run had {had}: --batch_size="
+                    f"{run['batch_size']} --gradient_accumulation_steps={run['gradient_accumulation_steps']}"
+                    ")")
     return "note: resuming with " + ', '.join(said) if said else None
 
 

@@ -373,12 +373,17 @@ def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsy
     assert out.count('\n') == 1 and out.startswith('note: resuming with '), out
     assert "n_embd=16 (the checkpoint's; this command says 128)" in out, out
     assert "dropout=0.0 (this command's; the run had 0.1)" in out, out
+    # (the default batch_size, 8: another global batch, which a consolidated expert_parallel.py run resumed
+    # in train.py had taken without a word: its default accumulation is 4, train.py's 2)
+    assert ("a global batch of 16 sequences (this command's; the run had 8: --batch_size=4 "
+            "--gradient_accumulation_steps=2)") in out, out
     # flags that alone describe no model (3 heads in the default 128 wide): compared as they are, not refused
     assert resume([f'--out_dir={tmp_path}', '--n_head=3', '--block_size=16']).config.n_head == 4
     assert capsys.readouterr().out == (
         "note: resuming with n_layer=2 (the checkpoint's; this command says 4), n_head=4 (the checkpoint's; "
         "this command says 3), n_embd=16 (the checkpoint's; this command says 128), dropout=0.0 (this "
-        "command's; the run had 0.1)\n")
+        "command's; the run had 0.1), a global batch of 16 sequences (this command's; the run had 8: "
+        "--batch_size=4 --gradient_accumulation_steps=2)\n")
 
 
 # A resume's model is the checkpoint's whatever the command's flags say: each script's check_config judges that
