@@ -179,10 +179,11 @@ MEASURED = ['param_bytes', 'grad_bytes', 'optim_bytes', 'activation_bytes', 'pea
 
 
 def summarize(log, warmup):
-    """What the script reported: median ms (and its timed steps' range), tokens/s, MFU after the warm-up, the
-    loss curve, a MoE's routing (counted), per-rank rows (merged), the largest of each measured number."""
+    """What the script reported: median ms (its timed steps' range), tokens/s, MFU after the warm-up, of the
+    steps not observed; the loss curve, a MoE's routing, per-rank rows (merged), each measured's largest."""
     train_rows = [r for r in log if 'loss' in r and 'rank' not in r and 'ms' in r]
     timed = [r for r in train_rows if r['iter'] >= warmup] or train_rows
+    timed = [r for r in timed if not r.get('observed')] or timed  # (observed: the observer's time in it)
     out = {'losses': {r['iter']: r['loss'] for r in train_rows}}
     for key in ('ms', 'tokens_per_sec', 'mfu', 'peak_mem_bytes'):
         values = [r[key] for r in timed if r.get(key) is not None]
@@ -286,10 +287,9 @@ def bubble_cell(row, pct):
 
 def bench_markdown(results, rows, all_same, rtol):
     pct = lambda x: f"{100 * x:.1f}%"
-    lines = ['| row | script | ms/step | tokens/s | MFU | params/rank | grads/rank | optimizer/rank | '
-             'activations/rank | sent/step/rank: collective bytes | wire bytes | bubble | final loss | same '
-             'loss |',
-             '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    cols = ('row, script, ms/step, tokens/s, MFU, params/rank, grads/rank, optimizer/rank, activations/rank, '
+            'sent/step/rank: collective bytes, wire bytes, bubble, final loss, same loss').split(', ')
+    lines = ['| ' + ' | '.join(cols) + ' |', '|---' * len(cols) + '|']
     for name, r in results.items():
         script = ' '.join([rows[name][0]] + rows[name][1])
         if r.get('status') != 'ok':

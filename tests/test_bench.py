@@ -583,6 +583,18 @@ def test_the_estimate_plans_the_model_flags_bench_shares():
     assert overrides == [] and args.n_layer == 11
 
 
+def test_the_bench_times_the_steps_nobody_observed():
+    """A measured step's row says 'observed' (its time holds the observer's work): the bench's median leaves
+    it out (the pipeline rows measure their last step too), unless every timed step was observed (the
+    pp_1f1b_measured row, whose point is what measuring costs)."""
+    row = lambda it, ms, observed=False: dict(iter=it, loss=1.0, ms=ms, tokens_per_sec=1.0, mfu=None,
+                                              peak_mem_bytes=1, **({'observed': True} if observed else {}))
+    log = [row(0, 900, True), row(1, 50), row(2, 10), row(3, 12), row(4, 400, True)]
+    assert bench.summarize(log, 2)['ms'] == 11 and bench.summarize(log, 2)['ms_range'] == (10, 12)
+    every = [row(it, ms, True) for it, ms in enumerate((900, 50, 30, 40))]
+    assert bench.summarize(every, 2)['ms'] == 35
+
+
 def test_an_empty_row_list_is_one_line():
     """--rows= named no row and ran the default eight (a minute of work, out_bench/ overwritten): one line now."""
     proc = run_script('bench.py', ['--rows='])
