@@ -3,8 +3,8 @@
 #   torchrun --standalone --nproc_per_node=8 train_ddp.py config/train_gpt2.py
 # where gradient_accumulation_steps (the global count) is shared out among the ranks: 5 micro-steps each on 8 GPUs.
 # train.py runs the same config on one GPU, 40 micro-steps per iteration.
-# Data: GPT-2 BPE tokens in data/<dataset>/{train,val}.bin. tiny Shakespeare (python data/shakespeare/prepare.py)
-# is far too small for 124M parameters; for a real run make a large corpus with
+# Data: GPT-2 BPE tokens in data/<dataset>/{train,val}.bin. tiny Shakespeare (python data/shakespeare/prepare.py
+# downloads it) is far too small for 124M parameters; for a real run make a large corpus with
 #   python data/text/prepare.py --input 'corpus/**/*.txt' --tokenizer gpt2 --out data/corpus
 # and pass --dataset=corpus. vocab_size is not a config key: it is 50304 for any BPE data set (GPT-2's 50257
 # padded to a multiple of 64).

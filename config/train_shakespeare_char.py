@@ -1,6 +1,6 @@
 # A baby GPT on tiny Shakespeare characters, as nanoGPT's: about 10M parameters, ~1.47 val loss after 5000 iters.
 # A few minutes on one GPU; on a laptop CPU add --device=cpu --compile=False and expect hours (shorten max_iters).
-#   python data/shakespeare_char/prepare.py
+#   python data/shakespeare_char/prepare.py     # (downloads tiny Shakespeare once: needs the network)
 #   python train.py config/train_shakespeare_char.py
 #   python sample.py --out_dir=out-shakespeare-char
 out_dir = 'out-shakespeare-char'
