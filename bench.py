@@ -427,7 +427,7 @@ def run_bench(args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], allow_abbrev=False,  # (no --n_emb)
                                 formatter_class=argparse.RawTextHelpFormatter)
     planner.add_estimate_arguments(p)  # --estimate and its flags: planner.py
     p.add_argument('--full', action='store_true', help='every row, on the 512-wide model, 12 iterations')

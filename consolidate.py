@@ -21,6 +21,7 @@ train_fsdp.py      ckpt_dcp/            torch.distributed.checkpoint's own forma
 
 import glob
 import os
+import pickle
 import sys
 import tempfile
 from collections import defaultdict
@@ -53,12 +54,19 @@ def read(path):
     return checkpoint if isinstance(checkpoint, dict) else {}
 
 
+# config keys that do not shape a run's state: a rank's own device, where and how often it writes, how it is
+# started (a resume that re-saved its first iteration and stopped part way leaves files of two commands alike)
+NOT_STATE = ('device', 'out_dir', 'init_from', 'max_iters', 'eval_interval', 'eval_iters', 'eval_only',
+             'log_interval', 'always_save_checkpoint', 'measure_every', 'profile', 'sample_at_end', 'compile',
+             'dist_timeout', 'memory_limit_mib')
+
+
 def same_run(files, pattern, out_dir):
     """Refuse rank files of different runs (another seed, shape or flags; one iteration is not enough): every
-    file's config and model alike, but for the rank's own device and the folder it was written in."""
-    run = lambda f: dict({k: v for k, v in f['config'].items() if k not in ('device', 'out_dir')},
+    file's model and config alike but for NOT_STATE."""
+    run = lambda f: dict({k: v for k, v in f['config'].items() if k not in NOT_STATE},
                          model_args=f['model_args'])
-    keys = sorted({k for f in files for k, v in run(f).items() if v != run(files[0]).get(k)})
+    keys = sorted({k for f in files for k in run(f) if len({repr(run(g).get(k)) for g in files}) > 1})
     if keys:
         raise SystemExit(f"error: consolidate: the files {pattern.format('*')} in {out_dir} are from "
                          f"different runs (they differ in {', '.join(keys)}): keep one run's in the folder")
@@ -143,12 +151,13 @@ def join_dcp(out_dir):
     path = os.path.join(out_dir, DCP)
     try:
         extras = torch.load(os.path.join(path, 'extras.pt'), weights_only=False)
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        files = {s.relative_path for s in dcp.FileSystemReader(path).read_metadata().storage_data.values()}
+        saved = dcp.FileSystemReader(path).read_metadata()
+        metadata = saved.state_dict_metadata
+        files = {s.relative_path for s in saved.storage_data.values()}
         missing = sorted(f for f in files if not os.path.exists(os.path.join(path, f)))
         if missing:
             raise FileNotFoundError(f"no {', '.join(missing)}")
-    except (OSError, RuntimeError) as e:  # (a save stopped part way: torch's error is a traceback)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:  # (a save stopped part way)
         raise SystemExit(f"error: consolidate: {path} is not a whole checkpoint ({e}): train_fsdp.py saves "
                          "it again at its next evaluation")
     keys = [k for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)]

@@ -53,12 +53,14 @@ def load_model(cfg):
         warn_if_older_than_shards(ckpt_path)
         try:
             checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-            model = GPT(GPTConfig(**checkpoint['model_args']))
+            if not (isinstance(checkpoint, dict) and 'model_args' in checkpoint):
+                raise ValueError('no model_args in it')
         except Exception as e:  # (truncated, not a torch file, not a checkpoint): one line, not a traceback
             reason = (str(e).splitlines() or [''])[0].split('. ')[0]  # (its first sentence)
             raise SystemExit(f"error: {ckpt_path} is not a checkpoint this can read ({type(e).__name__}: "
                              f"{reason}); train again, or join the rank files: python consolidate.py "
                              f"{cfg.out_dir}")
+        model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
         print(f"sampling from {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "
               f"{checkpoint['best_val_loss']:.4f}, data set {checkpoint['config']['dataset']}")

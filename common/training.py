@@ -128,7 +128,8 @@ NOT_NEGATIVE = ('max_iters', 'learning_rate', 'min_lr', 'warmup_iters', 'lr_deca
 
 def value_refusals(cfg):
     """configure's rows of refusals (as refuse takes them) for the values no script can run: the keys above
-    (those the script has), dropout outside [0, 1), experts with no MoE layer, an unknown dtype."""
+    (those the script has), dropout outside [0, 1), experts with no MoE layer, an unknown dtype or device, a
+    CUDA device this torch does not have, a seed past 2**63."""
     has = lambda key: cfg.get(key) is not None
     return ([(has(k) and cfg[k] < 1, f"--{k} must be at least 1, got {cfg.get(k)}")
              for k in AT_LEAST_ONE] +
@@ -143,7 +144,7 @@ def value_refusals(cfg):
              (cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'),
               f"--dtype must be float32, bfloat16 or float16, got {cfg.get('dtype')!r}"),
              (has('seed') and cfg['seed'] >= 2 ** 63, f"--seed must be below 2**63 (torch's generator takes "
-              f"a 64-bit seed), got {cfg.get('seed')}"),
+              f"64 bits, and each rank adds its offset), got {cfg.get('seed')}"),
              (has('device') and not re.fullmatch(r'cpu|cuda(:\d+)?', str(cfg['device'])),
               f"--device must be 'cpu' or 'cuda' (or 'cuda:N'), got {cfg.get('device')!r}"),
              (str(cfg.get('device')).startswith('cuda') and not torch.cuda.is_available(),
@@ -616,13 +617,13 @@ class StepLogger:
         return None if self.cfg.device.startswith('cuda') else added_resident_bytes()
 
 
-def run_step(run, cfg, iter_num, first_iter):
-    """One iteration, run.step(iter_num). On a step that measured_step names, an observer (common/observe.py,
-    imported only then) is attached around it: it reads what the strategy holds and sends (run.kind says which
-    parts of run it reads) and prints the report. Every other step runs the algorithm alone, and so does a
-    measured one where the measuring files were not copied."""
+def observer_for(run, cfg, iter_num, first_iter):
+    """The observer of a step that measured_step names (common/observe.py's measured_step, imported only
+    then): it runs the step, reads what the strategy holds and sends (run.kind says which parts of run it
+    reads) and prints the report. None for every other step, and for a measured one where the measuring files
+    were not copied."""
     if getattr(run, 'kind', None) is None or not measured_step(iter_num, first_iter, cfg.measure_every):
-        return run.step(iter_num)
+        return None
     try:
         import common.observe
     except ModuleNotFoundError as e:  # a script copied without the measuring files trains on, unmeasured
@@ -630,8 +631,14 @@ def run_step(run, cfg, iter_num, first_iter):
             raise
         if is_master():
             print(f"(iter {iter_num} not measured: {e.name.replace('.', '/')}.py is not here)")
-        return run.step(iter_num)
-    return common.observe.measured_step(run, cfg, iter_num)
+        return None
+    return common.observe.measured_step
+
+
+def run_step(run, cfg, iter_num, first_iter):
+    """One iteration, run.step(iter_num), observed where observer_for names an observer."""
+    observe = observer_for(run, cfg, iter_num, first_iter)
+    return run.step(iter_num) if observe is None else observe(run, cfg, iter_num)
 
 
 def step_profiler(cfg, rank):
@@ -665,9 +672,9 @@ def training_loop(cfg, run, iter_num, best_val_loss):
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
-        observed = getattr(run, 'kind', None) is not None and measured_step(iter_num, first_iter,
-                                                                             cfg.measure_every)
-        logger.step(iter_num, run_step(run, cfg, iter_num, first_iter), lr, observed)  # one step, its line
+        observe = observer_for(run, cfg, iter_num, first_iter)  # (its row says so: observed)
+        loss = run.step(iter_num) if observe is None else observe(run, cfg, iter_num)
+        logger.step(iter_num, loss, lr, observe is not None)  # one iteration, its log line
         if profiler:
             profiler.step()
         iter_num += 1

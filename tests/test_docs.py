@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from helpers import REPO, TINY, check, run_script, train_losses
+from helpers import REPO, TINY, check, read_log, run_script, train_losses
 
 COMMAND = re.compile(r'^(?:[A-Z_]+=\S+ )*(?:python|torchrun|pip) ')
 FILE = re.compile(r'^(?:[\w.-]+/)*[\w.*{}-]+\.(?:py|json|md|pt|png|jsonl)$|^(?:config|data|tests|docs)/[\w./*<>-]*$')
@@ -91,6 +91,9 @@ def test_zero_py_copied_with_the_files_the_readme_names_trains_the_same(tmp_path
     assert '(iter 0 not measured: common/observe.py is not here)' in copied.stdout, copied.stdout
     check(run_script('zero.py', args + [f'--out_dir={tmp_path / "here"}'], nproc=2))
     assert train_losses(tmp_path / 'copied') == train_losses(tmp_path / 'here') != {}
+    # the log says which steps an observer ran in: none where the measuring files are not there
+    observed = lambda out: [r['iter'] for r in read_log(out) if r.get('observed')]
+    assert observed(tmp_path / 'copied') == [] and observed(tmp_path / 'here') == [0]
 
 
 def test_the_planners_tables_in_big_models_md_are_what_it_prints(tmp_path):
