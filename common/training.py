@@ -636,9 +636,10 @@ def observer_for(run, cfg, iter_num, first_iter):
 
 
 def run_step(run, cfg, iter_num, first_iter):
-    """One iteration, run.step(iter_num), observed where observer_for names an observer."""
+    """One iteration, run.step(iter_num), observed where observer_for names an observer. Returns (the loss,
+    whether it was observed: its time holds the observer's work)."""
     observe = observer_for(run, cfg, iter_num, first_iter)
-    return run.step(iter_num) if observe is None else observe(run, cfg, iter_num)
+    return (run.step(iter_num) if observe is None else observe(run, cfg, iter_num)), observe is not None
 
 
 def step_profiler(cfg, rank):
@@ -672,9 +673,8 @@ def training_loop(cfg, run, iter_num, best_val_loss):
             logger.restart()
         if iter_num == cfg.max_iters or cfg.eval_only:
             break
-        observe = observer_for(run, cfg, iter_num, first_iter)  # (its row says so: observed)
-        loss = run.step(iter_num) if observe is None else observe(run, cfg, iter_num)
-        logger.step(iter_num, loss, lr, observe is not None)  # one iteration, its log line
+        loss, observed = run_step(run, cfg, iter_num, first_iter)  # (observed: its log row says so)
+        logger.step(iter_num, loss, lr, observed)  # one iteration, its log line
         if profiler:
             profiler.step()
         iter_num += 1

@@ -316,9 +316,9 @@ def measuring_calls_per_step(rank, world_size, module, argv):
 
     def counted_step(*args):
         calls.clear()
-        loss = run_step(*args)
+        loss_and_observed = run_step(*args)
         per_step.append({k: v for k, v in calls.items() if not k.startswith('comm ')})
-        return loss
+        return loss_and_observed
     with contextlib.ExitStack() as stack:
         for p in counting_patches(calls, measuring_calls()) + [mock.patch.object(training, 'run_step',
                                                                                  counted_step)]:
