@@ -599,7 +599,7 @@ class StepLogger:
             raise SystemExit(f"error: loss is {loss} at iter {iter_num}; stopped, the last checkpoint kept")
         self.iters, self.observed = self.iters + 1, self.observed or observed
         if iter_num % self.every == 0 and is_master():
-            observed = {'observed': True} if self.observed else {}
+            flag = {'observed': True} if self.observed else {}  # (before restart clears it)
             dt = (time.time() - self.t_last) / self.iters
             self.restart()
             tokens_per_sec = self.tokens_per_iter / dt
@@ -608,7 +608,7 @@ class StepLogger:
                                        'mfu': mfu(self.flops_per_token, tokens_per_sec, self.n_devices,
                                                   self.peak),
                                        'peak_mem_bytes': peak_memory_bytes(self.cfg.device),
-                                       'mem_added_bytes': self.added_memory(), **observed})
+                                       'mem_added_bytes': self.added_memory(), **flag})
 
     def added_memory(self):
         """On a CPU, what the run added to the process's resident set (distributed.added_resident_bytes):
