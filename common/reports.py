@@ -86,6 +86,7 @@ def zero_step(z, comm, cfg, iter_num, at_rest, peak, wire_bytes, why_not):
                    f"each rank holds after the step (the paper's formula) and sends in it (its own sockets, "
                    f"counted at the calls, the ring formula)", lines, notes)
 
+
 def gloo_reduce_scatter_note(rows, how):
     """The note for rows whose wire bytes are well above the ring formula's and that reduce-scattered: gloo's
     reduce-scatter is an all-reduce underneath (how: where this script's is made). [] for none."""
