@@ -25,8 +25,7 @@ def is_gpt2(init_from):
 
 
 def trim_log(out_dir, iter_num):
-    """On resume, drop the log rows from iter_num on: the resumed run writes them again, so log.jsonl stays
-    the record of one run."""
+    """On resume, drop log.jsonl's rows from iter_num on: the resumed run writes them again."""
     path = os.path.join(out_dir, 'log.jsonl')
     if os.path.exists(path):
         rows = [line for line in open(path) if line.strip() and json.loads(line).get('iter', -1) < iter_num]
@@ -257,22 +256,20 @@ def check_resume_files(checkpoint, ckpt_path):
     missing = [rank for rank, it in enumerate(iters) if it is None]
     if missing:
         raise SystemExit(f"error: init_from=resume but rank(s) {', '.join(map(str, missing))} found no "
-                         "checkpoint "
-                         f"(this rank's: {ckpt_path})")
+                         f"checkpoint (this rank's: {ckpt_path})")
     if len(set(iters)) > 1:
         at = ', '.join(f"rank {rank}: {it}" for rank, it in enumerate(iters))
-        raise SystemExit("error: init_from=resume: the ranks' checkpoint files are from different "
-                         f"iterations ({at}; "
-                         f"this rank's is {ckpt_path}): a run stopped while saving leaves some a save behind")
+        raise SystemExit("error: init_from=resume: the ranks' checkpoint files are from different iterations "
+                         f"({at}; this rank's is {ckpt_path}): a run stopped while saving leaves some a save "
+                         "behind")
 
 
 def train_checkpoint(model_sd, optimizer_sd, rng_states, model_args, iter_num, best_val_loss, config,
                      scaler_sd=None):
     """train.py's checkpoint: what every script resumes from and sample.py reads. rng_states: every
     data-parallel rank's random streams, in rank order (rank 0's are also saved under nanoGPT's names)."""
-    return {'model': model_sd, 'optimizer': optimizer_sd, 'scaler': scaler_sd or {},
+    return {'model': model_sd, 'optimizer': optimizer_sd, 'scaler': scaler_sd or {}, 'rng_states': rng_states,
             'rng_state': rng_states[0]['cpu'], 'cuda_rng_state': rng_states[0]['cuda'],
-            'rng_states': rng_states,
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
 
 
@@ -420,7 +417,6 @@ def zero_buffers(model, device):
             if buffer is not None:
                 module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     return model
-
 
 
 @torch.no_grad()
