@@ -62,7 +62,7 @@ def load_model(cfg):
                              f"{cfg.out_dir}")
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
-        print(f"sampling from {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "
+        print(f"loaded {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "
               f"{checkpoint['best_val_loss']:.4f}, data set {checkpoint['config']['dataset']}")
         return model, checkpoint['config']['dataset']
     if cfg.init_from.startswith('gpt2') or os.path.isfile(os.path.join(cfg.init_from, 'config.json')):

@@ -33,7 +33,7 @@ def test_sample_from_checkpoint_needs_no_model_flags(trained):
     proc = check(run_script('sample.py', [f'--out_dir={trained}', '--start=def ', '--num_samples=2',
                                           '--max_new_tokens=40', '--seed=3', '--device=cpu']))
     header, _, printed = proc.stdout.partition('\n')
-    assert header.startswith(f"sampling from {trained}/ckpt.pt: iteration 20, best val loss "), header
+    assert header.startswith(f"loaded {trained}/ckpt.pt: iteration 20, best val loss "), header
     samples = printed.split('---------------\n')
     assert samples[-1] == '' and len(samples) == 3
     want = expected_samples(trained, 'def ', 2, 40, 3, 200)
