@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from common.distributed import is_master
 from model import GPT, GPTConfig
 
 
@@ -47,11 +48,27 @@ def from_pretrained(name, **overrides):
     if os.path.isfile(config_path):  # (a LLaMA's or Mixtral's export: GPT2LMHeadModel would misread it)
         with open(config_path) as f:
             refuse_not_gpt2(name, json.load(f).get('model_type'))
-    try:
-        hf_model = GPT2LMHeadModel.from_pretrained(name)
-    except OSError as e:  # (no weights in the directory; no network and no cached copy)
-        raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+    hf_model = cache_first(name, lambda cached: GPT2LMHeadModel.from_pretrained(name,
+                                                                             local_files_only=cached))
     return from_hf(hf_model, **overrides)
+
+
+def cache_first(name, fetch):
+    """fetch(cached=True): a model from a directory or from Hugging Face's cache, with no network (a cached
+    GPT-2 starts at once, offline too); else fetch(cached=False) downloads it from the hub, saying so first
+    (the one download a training script makes, and only when init_from asks for it). A failure is one line:
+    the library's first (no weights in the directory; no network and no cached copy, after its retries)."""
+    try:
+        return fetch(True)
+    except OSError as e:
+        if os.path.isdir(name):
+            raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+    if is_master():
+        print(f"downloading {name} from the Hugging Face hub (once: later runs read its cache)", flush=True)
+    try:
+        return fetch(False)
+    except OSError as e:
+        raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
 
 
 GPT2_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
@@ -134,11 +151,8 @@ def open_gpt2(name, **overrides):
         except ImportError:
             raise SystemExit(f"error: init_from={name} needs Hugging Face's hub client: pip install "
                              f"transformers")
-        try:
-            config_path, weights_path = [hf_hub_download(name, f)
-                                         for f in ('config.json', 'model.safetensors')]
-        except OSError as e:  # (no network and no cached copy; a name the hub does not have)
-            raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+        config_path, weights_path = cache_first(name, lambda cached: [
+            hf_hub_download(name, f, local_files_only=cached) for f in ('config.json', 'model.safetensors')])
     if not os.path.isfile(weights_path):
         raise SystemExit(f"error: init_from={name}: no model.safetensors in it (save_pretrained writes one)")
     with open(config_path) as f:

@@ -483,6 +483,31 @@ def test_a_gpt2_directory_without_weights_is_one_line(tmp_path):
         assert '\n' not in e.value.code, e.value.code
 
 
+def test_a_gpt2_is_read_from_the_cache_first_and_a_download_says_so(tmp_path, capsys):
+    """init_from=gpt2 asks the cache first, with no network (offline, huggingface_hub retries for ~28 s before
+    it fails: a cached GPT-2 must not wait for that); only a model not cached is downloaded, and the run says so
+    before it waits. A directory is never sent to the hub."""
+    from common import hf
+    asked = []
+
+    def fetch(cached, have=()):
+        asked.append(cached)
+        if cached not in have:
+            raise FileNotFoundError(f"not {'in the cache' if cached else 'on the hub'}\nmore")
+        return 'model'
+    assert hf.cache_first('gpt2', lambda cached: fetch(cached, have=(True,))) == 'model' and asked == [True]
+    assert capsys.readouterr().out == ''
+    asked.clear()
+    assert hf.cache_first('gpt2', lambda cached: fetch(cached, have=(False,))) == 'model'
+    assert asked == [True, False] and capsys.readouterr().out.startswith("downloading gpt2 from the Hugging Face hub")
+    for name, tries in (('gpt2', [True, False]), (str(tmp_path), [True])):
+        asked.clear()
+        with pytest.raises(SystemExit) as e:
+            hf.cache_first(name, fetch)
+        assert asked == tries and e.value.code == f"error: init_from={name}: not " + (
+            'on the hub' if name == 'gpt2' else 'in the cache'), e.value.code
+
+
 @pytest.mark.parametrize('flag, message', [
     ('--batch_size=0', '--batch_size must be at least 1, got 0'),
     ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps must be at least 1, got 0'),
