@@ -259,8 +259,7 @@ def measured_cell(row, key, fmt=plan_tables.fmt_bytes):
 
 
 def activation_cell(row):
-    """tensor_parallel.py: one layer's saved activations; pipeline.py: the stage's peak of saved
-    activations."""
+    """tensor_parallel.py: one layer's saved activations; pipeline.py: a stage's peak of saved activations."""
     if row.get('activation_bytes') is None and row.get('peak_activation_bytes') is not None:
         return measured_cell(row, 'peak_activation_bytes') + ' peak'
     return measured_cell(row, 'activation_bytes')
@@ -409,7 +408,8 @@ def run_bench(args):
     header = (f"`{cmd_line.strip()}` on {machine}. Model{other}: {args.n_layer} layers, {args.n_head} heads, "
               f"{args.n_embd} wide, block {args.block_size}; global batch {args.batch_size * args.world_size}"
               f" sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
-              f"Bytes: the script's own per-rank report, largest rank, measured (formula).")
+              f"Bytes: the script's own per-rank report, largest rank, measured (formula); a pipeline's peak "
+              f"activations (formula): the schedule's microbatches held x the most one held, measured.")
     table = bench_markdown(results, rows, all_same, rtol)
     table += '\n\n' + '\n'.join(predicted)
     print('\n' + header + '\n\n' + table, flush=True)
