@@ -24,6 +24,7 @@ import os
 import pickle
 import sys
 import tempfile
+import warnings
 from collections import defaultdict
 
 import torch
@@ -165,7 +166,9 @@ def join_dcp(out_dir):
     for i, key in enumerate(keys):  # 'model.<name>' or 'optimizer.state.<name>.<step | exp_avg | exp_avg_sq>'
         progress(i + 1, len(keys), f"consolidating {path}")
         tensor = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)}
-        dcp.load(tensor, checkpoint_id=path, no_dist=True)
+        with warnings.catch_warnings():  # (torch's warning that no_dist means one process: it does, here)
+            warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+            dcp.load(tensor, checkpoint_id=path, no_dist=True)
         if key.startswith('model.'):
             whole['param'][key[len('model.'):]] = tensor[key]
         else:
