@@ -57,12 +57,15 @@ def cache_first(name, fetch):
     """fetch(cached=True): a model from a directory or from Hugging Face's cache, with no network (a cached
     GPT-2 starts at once, offline too); else fetch(cached=False) downloads it from the hub, saying so first
     (the one download a training script makes, and only when init_from asks for it). A failure is one line:
-    the library's first (no weights in the directory; no network and no cached copy, after its retries)."""
+    the library's first (no weights in the directory; no network and no cached copy, after its retries; a
+    name the hub cannot have)."""
     try:
         return fetch(True)
-    except OSError as e:
+    except OSError as e:  # (not cached: huggingface_hub's LocalEntryNotFoundError, transformers' OSError)
         if os.path.isdir(name):
             raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+    except ValueError as e:  # (not a name the hub can have: huggingface_hub's HFValidationError)
+        raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
     if is_master():
         print(f"downloading {name} from the Hugging Face hub (once: later runs read its cache)", flush=True)
     try:

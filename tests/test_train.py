@@ -483,29 +483,60 @@ def test_a_gpt2_directory_without_weights_is_one_line(tmp_path):
         assert '\n' not in e.value.code, e.value.code
 
 
-def test_a_gpt2_is_read_from_the_cache_first_and_a_download_says_so(tmp_path, capsys):
-    """init_from=gpt2 asks the cache first, with no network (offline, huggingface_hub retries for ~28 s before
-    it fails: a cached GPT-2 must not wait for that); only a model not cached is downloaded, and the run says so
-    before it waits. A directory is never sent to the hub."""
+def test_a_gpt2_is_read_from_the_cache_first_and_a_download_says_so(tmp_path, monkeypatch, capsys):
+    """init_from=gpt2 asks Hugging Face's cache first, with no network (offline, huggingface_hub retries for
+    ~28 s before it fails: a cached GPT-2 must not wait for that); only a model not cached is downloaded, and the
+    run says so before it waits. Both readers: hf.open_gpt2 (huggingface_hub, the sharded scripts) and
+    hf.from_pretrained (transformers, train.py), each library's call replaced by one that records what it was
+    asked. And the libraries' own answer for a model not in the cache is an OSError, the miss cache_first takes."""
+    transformers = pytest.importorskip('transformers', reason='the GPT-2 readers need Hugging Face transformers')
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
     from common import hf
-    asked = []
+    empty = dict(cache_dir=str(tmp_path / 'empty'), local_files_only=True)
+    for ask in (lambda: huggingface_hub.hf_hub_download('gpt2', 'config.json', **empty),
+                lambda: transformers.GPT2LMHeadModel.from_pretrained('gpt2', **empty)):
+        with pytest.raises(OSError):
+            ask()
+    with pytest.raises(SystemExit) as e:  # (a name the hub cannot have: one line, where it was a traceback)
+        hf.open_gpt2('gpt2 medium')
+    assert e.value.code.startswith("error: init_from=gpt2 medium: Repo id must use alphanumeric chars")
+    shape = transformers.GPT2Config(n_positions=16, vocab_size=32, n_layer=1, n_head=2, n_embd=8)
+    hub, asked = tmp_path / 'hub', []
+    hub.mkdir()
+    shape.to_json_file(str(hub / 'config.json'))
+    (hub / 'model.safetensors').write_bytes(b'')  # (open_gpt2 reads the weights later, one at a time)
 
-    def fetch(cached, have=()):
-        asked.append(cached)
-        if cached not in have:
-            raise FileNotFoundError(f"not {'in the cache' if cached else 'on the hub'}\nmore")
-        return 'model'
-    assert hf.cache_first('gpt2', lambda cached: fetch(cached, have=(True,))) == 'model' and asked == [True]
-    assert capsys.readouterr().out == ''
-    asked.clear()
-    assert hf.cache_first('gpt2', lambda cached: fetch(cached, have=(False,))) == 'model'
-    assert asked == [True, False] and capsys.readouterr().out.startswith("downloading gpt2 from the Hugging Face hub")
-    for name, tries in (('gpt2', [True, False]), (str(tmp_path), [True])):
+    def download(repo, filename, local_files_only=False, cached=(), online=True):
+        asked.append(local_files_only)
+        if (local_files_only and filename not in cached) or not (local_files_only or online):
+            raise LocalEntryNotFoundError(f"{filename}: not {'in the cache' if local_files_only else 'reached'}")
+        return str(hub / filename)
+    downloading = "downloading gpt2 from the Hugging Face hub (once: later runs read its cache)\n"
+    for cached, online, want, said in (
+            (('config.json', 'model.safetensors'), False, [True, True], ''),  # cached: offline is no matter
+            (('config.json',), True, [True, True, False, False], downloading),  # half cached: both fetched
+            ((), False, [True, False], downloading)):  # offline, not cached: the library's line
+        monkeypatch.setattr(huggingface_hub, 'hf_hub_download',
+                            lambda *a, **k: download(*a, **k, cached=cached, online=online))
         asked.clear()
-        with pytest.raises(SystemExit) as e:
-            hf.cache_first(name, fetch)
-        assert asked == tries and e.value.code == f"error: init_from={name}: not " + (
-            'on the hub' if name == 'gpt2' else 'in the cache'), e.value.code
+        if online or cached:
+            assert hf.open_gpt2('gpt2')[0].n_layer == 1
+        else:
+            with pytest.raises(SystemExit) as e:
+                hf.open_gpt2('gpt2')
+            assert e.value.code == "error: init_from=gpt2: config.json: not reached", e.value.code
+        assert asked == want and capsys.readouterr().out == said, (cached, asked)
+
+    def from_pretrained(name, local_files_only=False):
+        asked.append(local_files_only)
+        if local_files_only:
+            raise OSError("gpt2 is not in the cache")
+        return transformers.GPT2LMHeadModel(shape)
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, 'from_pretrained', from_pretrained)
+    asked.clear()
+    assert hf.from_pretrained('gpt2').config.n_layer == 1
+    assert asked == [True, False] and capsys.readouterr().out == downloading
 
 
 @pytest.mark.parametrize('flag, message', [
