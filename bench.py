@@ -409,7 +409,7 @@ def run_bench(args):
               f"{args.n_embd} wide, block {args.block_size}; global batch {args.batch_size * args.world_size}"
               f" sequences; {args.dtype}. Times: median of iterations {args.warmup}..{args.max_iters - 1}. "
               f"Bytes: the script's own per-rank report, largest rank, measured (formula); a pipeline's peak "
-              f"activations (formula): the schedule's microbatches held x the most one held, measured.")
+              f"activations' formula: microbatches held x the most one held, measured (zb1: + W's grads).")
     table = bench_markdown(results, rows, all_same, rtol)
     table += '\n\n' + '\n'.join(predicted)
     print('\n' + header + '\n\n' + table, flush=True)
