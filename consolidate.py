@@ -30,6 +30,7 @@ from collections import defaultdict
 import torch
 
 from common.checkpoints import load_mmap, save_checkpoint, train_checkpoint
+from common.training import first_sentence
 from model import GPT, GPTConfig
 from common.model_parallel import whole_shapes
 
@@ -49,9 +50,8 @@ def read(path):
     try:
         checkpoint = load_mmap(path)
     except Exception as e:
-        reason = (str(e).splitlines() or [''])[0].split('. ')[0][:120]
         raise SystemExit(f"error: consolidate: {path} is not a file this can read ({type(e).__name__}: "
-                         f"{reason}): move it out of the folder, or save it again")
+                         f"{first_sentence(e)[:120]}): move it out of the folder, or save it again")
     return checkpoint if isinstance(checkpoint, dict) else {}
 
 

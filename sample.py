@@ -18,7 +18,7 @@ import os
 import torch
 
 from model import GPT, GPTConfig
-from common.training import autocast_context, configure, get_codec, run_main
+from common.training import autocast_context, configure, first_sentence, get_codec, run_main
 
 # -----------------------------------------------------------------------------
 # config
@@ -56,10 +56,9 @@ def load_model(cfg):
             if not (isinstance(checkpoint, dict) and 'model_args' in checkpoint):
                 raise ValueError('no model_args in it')
         except Exception as e:  # (truncated, not a torch file, not a checkpoint): one line, not a traceback
-            reason = (str(e).splitlines() or [''])[0].split('. ')[0]  # (its first sentence)
             raise SystemExit(f"error: {ckpt_path} is not a checkpoint this can read ({type(e).__name__}: "
-                             f"{reason}); train again, or join the rank files: python consolidate.py "
-                             f"{cfg.out_dir}")
+                             f"{first_sentence(e)}); train again, or join the rank files: python "
+                             f"consolidate.py {cfg.out_dir}")
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
         print(f"loaded {ckpt_path}: iteration {checkpoint['iter_num']}, best val loss "

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from common.distributed import is_master
+from common.training import first_sentence
 from model import GPT, GPTConfig
 
 
@@ -63,15 +64,15 @@ def cache_first(name, fetch):
         return fetch(True)
     except OSError as e:  # (not cached: huggingface_hub's LocalEntryNotFoundError, transformers' OSError)
         if os.path.isdir(name):
-            raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+            raise SystemExit(f"error: init_from={name}: {first_sentence(e)}")
     except ValueError as e:  # (not a name the hub can have: huggingface_hub's HFValidationError)
-        raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+        raise SystemExit(f"error: init_from={name}: {first_sentence(e)}")
     if is_master():
         print(f"downloading {name} from the Hugging Face hub (once: later runs read its cache)", flush=True)
     try:
         return fetch(False)
     except OSError as e:
-        raise SystemExit(f"error: init_from={name}: {str(e).splitlines()[0]}")
+        raise SystemExit(f"error: init_from={name}: {first_sentence(e)}")
 
 
 GPT2_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')

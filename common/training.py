@@ -713,6 +713,11 @@ def record_for_torchrun(message, callstack):
                                                                      'timestamp': str(int(time.time()))}}}, f)
 
 
+def first_sentence(error):
+    """An exception's first sentence, for a one-line error (a library's messages run to paragraphs)."""
+    return (str(error).splitlines() or [''])[0].split('. ')[0]
+
+
 def run_main(main):
     """Run main(argv) and turn a config error into one line on stderr and exit code 1 (on every rank); under
     torchrun that line, or an unexpected error's traceback, is also what torchrun's summary shows."""
