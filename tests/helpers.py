@@ -171,11 +171,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-# A rank starts as a fork of a server that imported torch once (multiprocessing's forkserver), not as a fresh
-# interpreter that imports it again (~1 s of a core a rank, ~4 s a 4-rank world on 2 cores); where the platform
-# has no fork server (Windows), as a fresh interpreter. Each rank still gets this process's environment, working
-# directory and sys.path as they are at the call, as a spawned one does.
-START_METHOD = 'forkserver' if 'forkserver' in mp.get_all_start_methods() else 'spawn'
+# On Linux a rank starts as a fork of a server that imported torch once (multiprocessing's forkserver), not as a
+# fresh interpreter that imports it again (~1 s of a core a rank, ~4 s a 4-rank world on 2 cores). Elsewhere as a
+# fresh interpreter: Windows has no fork, and on macOS a fork after system frameworks are loaded can crash (why
+# Python spawns there by default). Each rank still gets this process's environment, working directory and
+# sys.path as they are at the call, as a spawned one does.
+START_METHOD = 'forkserver' if sys.platform.startswith('linux') else 'spawn'
 mp.set_forkserver_preload(['torch', 'torch.distributed'])
 
 
