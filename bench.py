@@ -32,7 +32,7 @@ import torch
 
 from common.plots import plot
 from common import plan_tables, planner, step_time
-from common.training import load_dataset
+from common.data import load_dataset
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, apply_rope, balance_routers, moe_loss, rope_cos_sin
-from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape,
-                             shared_refusals, start_run, training_loop)
+from common.config import config_defaults, configure, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, outputs_line, print_sample, profiled, run_main, run_shape,
+                             start_run, training_loop)
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, resumed_config,
                                 train_checkpoint)
 from common.distributed import Comm, finish_distributed, world_size_from_env
@@ -38,7 +39,7 @@ from common.model_parallel import (AllToAll, along, average_gradients, configure
                                    group_comm, process_grid)
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-cp'              # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits for the others before failing
 cp = 2                          # context-parallel degree: ranks that split each sequence; world = dp * cp

@@ -23,9 +23,10 @@ from types import SimpleNamespace
 import torch
 
 from model import MoE, balance_routers, combine
-from common.training import (autocast_context, config_defaults, configure, load_dataset, loss_function,
-                             make_out_dir, micro_batches, model_config, outputs_line, print_sample, profiled,
-                             refuse, run_main, run_shape, shared_refusals, training_loop)
+from common.config import config_defaults, configure, model_config, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, loss_function, make_out_dir, outputs_line, print_sample,
+                             profiled, run_main, run_shape, training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
                                 materialize, rank_path, resumed_config, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, init_distributed, world_size_from_env
@@ -33,7 +34,7 @@ from common.model_parallel import (AllToAll, along, average_gradients, data_para
                                    group_comm, held_pieces, keep_own, process_grid)
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-ep'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_ep_rank<r>.pt, the same ep and world)
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails

@@ -36,9 +36,10 @@ from common.distributed import finish_distributed, world_size_from_env
 from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, shard_gpt, sync_tp_grads, tp_embed,
                              tp_head)
-from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
-                             micro_batches, outputs_line, profiled, refuse, run_main, run_shape,
-                             shared_refusals, start_run, training_loop)
+from common.config import config_defaults, configure, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, get_lr, outputs_line, profiled, run_main, run_shape, start_run,
+                             training_loop)
 from zero import Zero
 from common.model_parallel import (along, data_parallel_size, expert_groups, group_comm, keep_slices,
                                    print_grid, process_grid, slice_places)
@@ -46,7 +47,7 @@ from expert_parallel import cut_experts
 from model import balance_routers
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-4d'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_4d_rank{r}.pt, the same grid)
 sample_at_end = False           # (no sampling here: the model is in pieces)
@@ -246,8 +247,7 @@ def check_config(cfg, world_size):
            (cfg.n_expert % (cfg.ep * cfg.tp), f"n_expert ({cfg.n_expert}) must be divisible by ep x tp = "
             f"{cfg.ep * cfg.tp}: each rank holds n_expert/(ep·tp) whole experts of every MoE layer"),
            (cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
-            f"must be divisible by tp{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole "
-            "heads"),
+            f"must be divisible by tp{' x cp' * (heads != cfg.tp)} = {heads}: each rank holds whole heads"),
            (cfg.n_layer % (cfg.pp * cfg.virtual_stages), f"n_layer ({cfg.n_layer}) must be divisible by pp x "
             f"virtual_stages = {cfg.pp * cfg.virtual_stages}"),
            (cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp)

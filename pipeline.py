@@ -15,8 +15,9 @@ from types import SimpleNamespace
 
 import torch
 
-from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
+from common.config import config_defaults, configure, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, outputs_line, profiled, run_main, run_shape, start_run,
                              training_loop)
 from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
                                 init_params, materialize, rank_path, restore_rng, resumed_config,
@@ -27,7 +28,7 @@ from common.model_parallel import (along, average_gradients, configure_adamw, da
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-pp'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_stage{r}.pt)
 sample_at_end = False           # (no sampling here: consolidate, then python sample.py)

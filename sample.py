@@ -18,7 +18,9 @@ import os
 import torch
 
 from model import GPT, GPTConfig
-from common.training import autocast_context, configure, first_sentence, get_codec, run_main
+from common.config import configure
+from common.data import get_codec
+from common.training import autocast_context, first_sentence, run_main
 
 # -----------------------------------------------------------------------------
 # config

@@ -27,15 +27,16 @@ from torch.nn import functional as F
 from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
                                 materialize, rank_path, resumed_config, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
-from common.training import (autocast_context, config_defaults, configure, load_dataset, micro_batches,
-                             outputs_line, profiled, refuse, run_main, run_shape, shared_refusals, start_run,
+from common.config import config_defaults, configure, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, outputs_line, profiled, run_main, run_shape, start_run,
                              training_loop)
 from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
                                    keep_slices, print_grid, process_grid, qkv_split, slice_places, take_slice)
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-tp'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt_rank<r>.pt) or a GPT-2 name: 'gpt2', ...
 dist_timeout = 60               # seconds a rank waits for the others before failing

@@ -13,10 +13,11 @@ import os
 
 import torch
 
-from common.training import (StepLogger, autocast_context, busy_cpu_note, config_defaults, configure,
-                             evaluate, get_lr, load_dataset, log_row, loss_function, make_out_dir,
-                             micro_batches, outputs_line, print_sample, profiled, run_main, run_shape, set_lr,
-                             should_evaluate, should_save, step_profiler)
+from common.config import config_defaults, configure
+from common.data import load_dataset, micro_batches
+from common.training import (StepLogger, autocast_context, busy_cpu_note, evaluate, get_lr, log_row,
+                             loss_function, make_out_dir, outputs_line, print_sample, profiled, run_main,
+                             run_shape, set_lr, should_evaluate, should_save, step_profiler)
 from common.checkpoints import CheckpointWriter, init_model, restore_rng, rng_state, train_checkpoint
 from model import balance_routers
 

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.training import (StepLogger, autocast_context, batch_refusal, config_defaults, configure,
-                             evaluate, get_lr, load_dataset, loss_function, make_out_dir, micro_batches,
-                             outputs_line, print_sample, profiled, refuse, run_main, run_shape, set_lr,
+from common.config import batch_refusal, config_defaults, configure, refuse
+from common.data import load_dataset, micro_batches
+from common.training import (StepLogger, autocast_context, evaluate, get_lr, loss_function, make_out_dir,
+                             outputs_line, print_sample, profiled, run_main, run_shape, set_lr,
                              should_evaluate, should_save, step_profiler)
 from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, seed_dropout,
                                 train_checkpoint)
@@ -29,7 +30,7 @@ from common.distributed import Comm, finish_distributed, init_distributed, world
 from model import balance_routers
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-ddp'             # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 config = config_defaults(globals())

@@ -27,9 +27,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common.training import (autocast_context, config_defaults, configure, load_dataset, make_out_dir,
-                             micro_batches, outputs_line, print_sample, profiled, refuse, run_main, run_shape,
-                             shared_refusals, training_loop)
+from common.config import config_defaults, configure, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, make_out_dir, outputs_line, print_sample, profiled, run_main,
+                             run_shape, training_loop)
 from common.checkpoints import (gather_rng_states, init_model, init_values, load_params, materialize,
                                 restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import (Comm, finish_distributed, init_distributed, return_freed_buffers_to_the_os,
@@ -38,7 +39,7 @@ from model import balance_routers
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-fsdp'            # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 measure_every = 0               # measure and report every this many steps too; 0: the first step only

@@ -23,9 +23,10 @@ import torch
 import torch.nn as nn
 
 from model import balance_routers, param_groups
-from common.training import (autocast_context, config_defaults, configure, get_lr, load_dataset,
-                             loss_function, micro_batches, outputs_line, print_sample, profiled, refuse,
-                             run_main, run_shape, shared_refusals, start_run, training_loop)
+from common.config import config_defaults, configure, refuse, shared_refusals
+from common.data import load_dataset, micro_batches
+from common.training import (autocast_context, get_lr, loss_function, outputs_line, print_sample, profiled,
+                             run_main, run_shape, start_run, training_loop)
 from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_grid, checkpoint_of, init_model,
                                 init_values, load_buffers, load_params, pieces_of, rank_path, restore_rng,
                                 seed_dropout, set_rng_state, zero_buffers)
@@ -34,7 +35,7 @@ from common.distributed import (Comm, clip_grad_norm, default_bucket_size, finis
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (training.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-zero'            # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only

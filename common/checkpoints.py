@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.distributed import is_master, load_meta_kernels
-from common.training import model_config
+from common.config import model_config
 from model import GPT, GPTConfig
 
 

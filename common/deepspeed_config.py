@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from common.training import keys_set_after
+from common.config import keys_set_after
 
 DS_KEYS = {'zero_optimization': {'stage', 'offload_optimizer', 'overlap_comm'},
            'train_micro_batch_size_per_gpu': None,

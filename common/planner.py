@@ -20,7 +20,7 @@ import torch
 from common import cluster_time, formulas
 from common.plan_tables import estimate_json, model_state_markdown, print_checked, print_estimate
 from model import GPT
-from common.training import config_defaults, configure, model_config
+from common.config import config_defaults, configure, model_config
 from common.model_parallel import GRID_DIMS
 
 GB = 1e9  # decimal gigabytes, as the ZeRO paper counts (16 bytes x 7.5B = 120 GB)

@@ -1,14 +1,12 @@
 """
-What every training loop shares, named once so that each script's main() reads like train.py's: the config
-(nanoGPT's override rule), the data (the token files and the one batch rule), the LR schedule, evaluation,
-the log line and log.jsonl, the loop itself (training_loop, with its one seam for a measured step) and
-run_main (a bad input is one line on every rank).
+What every training loop shares, named once so that each script's main() reads like train.py's: the LR
+schedule, evaluation, MFU, the log line and log.jsonl, the loop itself (training_loop, with its one seam for
+a measured step) and run_main (a bad input is one line on every rank). The config is common/config.py's, the
+data common/data.py's.
 """
 
-import ast
 import contextlib
 import glob
-import inspect
 import json
 import math
 import os
@@ -16,207 +14,13 @@ import re
 import sys
 import threading
 import time
-from dataclasses import fields
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from common import distributed
+from common.data import EVAL_STREAM, get_batch, get_codec, micro_batch_rows
 from common.distributed import added_resident_bytes, is_master, peak_memory_bytes
-from model import GPTConfig
-
-# The config keys every training script shares, with nanoGPT's names. train.py spells them out in its own
-# block (tests/test_train.py keeps the two equal); every other script declares only the keys of its idea (and
-# any default it changes) and takes these. `python X.py --help` lists a script's keys with these comments.
-TRAIN_DEFAULTS = dict(
-    out_dir='out',                  # where the checkpoints and log.jsonl go
-    eval_interval=250,              # evaluate (and checkpoint) every this many iterations
-    log_interval=25,                # log the loss every this many iterations (a short run: ~10 lines)
-    eval_iters=20,                  # global batches per evaluation of each split
-    eval_only=False,                # evaluate once and exit
-    always_save_checkpoint=True,    # save at every eval, not only when val loss improves
-    init_from='scratch',            # 'scratch', 'resume' (out_dir's checkpoint) or a GPT-2 name: 'gpt2', ...
-    sample_at_end=True,             # print a short sample when training ends
-    dataset='stdlib_char',          # data/<dataset>/{train,val}.bin (stdlib_char: built offline on first use)
-    gradient_accumulation_steps=2,  # micro-steps per iteration, summed over all data-parallel ranks
-    batch_size=8,                   # sequences per micro-step per data-parallel rank
-    block_size=128,                 # tokens per sequence
-    n_layer=4,                      # (every GPTConfig field is a key: norm, mlp, pos, n_kv_head, ...)
-    n_head=4,                       # attention heads
-    n_embd=128,                     # the residual stream's width
-    dropout=0.0,                    # dropout probability (0: every strategy equals train.py to 1e-5)
-    bias=False,                     # biases in Linear and LayerNorm
-    learning_rate=2e-3,             # AdamW's peak learning rate
-    max_iters=1250,                 # iterations to train (~0.12 s each on an idle 2-core CPU)
-    weight_decay=0.1,               # AdamW's weight decay on the 2-D weights
-    beta1=0.9,                      # AdamW's beta1
-    beta2=0.99,                     # AdamW's beta2
-    grad_clip=1.0,                  # clip the global gradient norm to this; 0.0 turns clipping off
-    decay_lr=True,                  # warm up, then cosine decay to min_lr; False: constant learning_rate
-    warmup_iters=50,                # linear warm-up iterations
-    lr_decay_iters=1250,            # cosine decay ends here (usually max_iters)
-    min_lr=2e-4,                    # the learning rate after the decay
-    device='cuda' if torch.cuda.is_available() else 'cpu',  # 'cpu', 'cuda' (each rank takes its LOCAL_RANK)
-    dtype='bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32',  # AMP
-    compile=False,                  # torch.compile the model (train.py)
-    seed=1337,                      # the seed of the initialization, the batches and the dropout streams
-    peak_flops=None,                # the device's peak FLOP/s for MFU; None: looked up by GPU name
-    profile=0,                      # trace this many steps with torch.profiler: out_dir/trace_rank{r}.json
-    memory_limit_mib=0,             # cap each rank's memory in the kernel (a memory cgroup); 0: no cap
-)
-
-
-def config_defaults(script_globals):
-    """The config of a script: every GPTConfig field, then TRAIN_DEFAULTS, then the script's own module-level
-    ints, floats, bools, strings and Nones (the keys of its idea, and any default it changes)."""
-    cfg = {f.name: f.default for f in fields(GPTConfig)}
-    cfg.update(TRAIN_DEFAULTS)
-    for k, v in script_globals.items():
-        if not k.startswith('_') and not k.isupper() and isinstance(v, (int, float, bool, str, type(None))):
-            cfg[k] = v
-    cfg.pop('vocab_size')  # comes from the data set
-    return cfg
-
-
-def config_help(defaults, script):
-    """`python script --help`: every key the script takes, its default and the comment where it is declared
-    (the script's own block, else TRAIN_DEFAULTS, else GPTConfig): the keys of the script's idea first."""
-    model_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'model.py')
-    sources = [open(p).read() for p in (script, __file__, model_py)
-               if os.path.isfile(p)]
-    said = lambda text, key: re.search(rf'^\s*{key}\s*(?::[^=\n]*)?=[^\n]*?#\s*(.*)$', text, re.M)
-    lines = [f"usage: python {os.path.basename(script)} [config/file.py ...] [--key=value ...]  (torchrun "
-             "too)"]
-    model_keys = [f.name for f in fields(GPTConfig)]
-    own = [k for k in defaults if k not in TRAIN_DEFAULTS and k not in model_keys]
-    shared = [k for k in TRAIN_DEFAULTS if k in defaults]
-    for key in own + shared + [k for k in model_keys if k in defaults and k not in shared]:
-        words = next((m.group(1) for m in (said(s, key) for s in sources) if m), '')
-        lines.append(f"  --{key}={defaults[key]!r}".ljust(34) + f" {words}".rstrip())
-    return '\n'.join(lines)
-
-
-def _checked(key, value, default):
-    """value, if it has the type of default (an int is a fine float, None fits a None default), else
-    SystemExit."""
-    if default is None or value is None and key in ('n_kv_head', 'n_hidden', 'peak_flops'):
-        return value
-    if isinstance(default, bool) or isinstance(value, bool):
-        ok = isinstance(value, bool) and isinstance(default, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float))
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise SystemExit(f"error: config key '{key}' must be {type(default).__name__}, got {value!r}")
-    return value
-
-
-# Keys that mean something only at 1 or more, or at 0 or more: anything else would divide by zero, reshape
-# to nothing, or (a negative clip, learning rate) climb the loss without a word. configure refuses it in one
-# line.
-AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'block_size', 'n_layer', 'n_head', 'n_embd',
-                'moe_every', 'eval_iters', 'eval_interval', 'log_interval', 'dist_timeout',
-                'tp', 'pp', 'cp', 'ep', 'num_samples', 'max_new_tokens')
-NOT_NEGATIVE = ('max_iters', 'learning_rate', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'weight_decay',
-                'grad_clip', 'seed', 'n_expert', 'profile', 'measure_every', 'bucket_size', 'prefetch_blocks',
-                'temperature', 'top_k')
-
-
-def value_refusals(cfg):
-    """configure's rows of refusals (as refuse takes them) for the values no script can run: the keys above
-    (those the script has), dropout outside [0, 1), experts with no MoE layer, an unknown dtype or device, a
-    CUDA device this torch does not have, a seed past 2**63."""
-    has = lambda key: cfg.get(key) is not None
-    return ([(has(k) and cfg[k] < 1, f"--{k} must be at least 1, got {cfg.get(k)}")
-             for k in AT_LEAST_ONE] +
-            [(has(k) and cfg[k] < 0, f"--{k} must be 0 or more, got {cfg.get(k)}") for k in NOT_NEGATIVE] +
-            [(has('dropout') and not 0 <= cfg['dropout'] < 1, f"--dropout must be in [0, 1), got "
-              f"{cfg.get('dropout')}"),
-             (cfg.get('n_expert') and cfg.get('moe_every', 1) > cfg.get('n_layer', 1),
-              f"moe_every ({cfg.get('moe_every')}) > n_layer ({cfg.get('n_layer')}): no MoE layer; pass "
-              "--moe_every of at most n_layer, or --n_expert=0 for a dense model"),
-             (cfg.get('memory_limit_mib', 0) < 0, f"--memory_limit_mib must be a size in MiB, or 0 for none, "
-              f"got {cfg.get('memory_limit_mib')}"),
-             (cfg.get('dtype', 'float32') not in ('float32', 'bfloat16', 'float16'),
-              f"--dtype must be float32, bfloat16 or float16, got {cfg.get('dtype')!r}"),
-             (has('seed') and cfg['seed'] >= 2 ** 63, f"--seed must be below 2**63 (torch's generator takes "
-              f"64 bits, and each rank adds its offset), got {cfg.get('seed')}"),
-             (has('device') and not re.fullmatch(r'cpu|cuda(:\d+)?', str(cfg['device'])),
-              f"--device must be 'cpu' or 'cuda' (or 'cuda:N'), got {cfg.get('device')!r}"),
-             (str(cfg.get('device')).startswith('cuda') and not torch.cuda.is_available(),
-              f"--device={cfg.get('device')}, but this torch ({torch.__version__}) sees no CUDA device: pass "
-              "--device=cpu")])
-
-
-def read_overrides(argv):
-    """The (key, value, source) settings of `[config/file.py ...] [--key=value ...]`, in their order."""
-    settings = []
-    for arg in argv:
-        if not arg.startswith('--'):
-            if not os.path.isfile(arg):
-                raise SystemExit(f"error: config file {arg} not found")
-            namespace = {}
-            exec(open(arg).read(), {}, namespace)
-            settings += [(key, value, arg) for key, value in namespace.items()
-                         if not key.startswith('_') and not inspect.ismodule(value)]
-        else:
-            key, eq, text = arg[2:].partition('=')
-            if not eq:
-                raise SystemExit(f"error: expected --key=value, got {arg}")
-            try:
-                value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
-                value = text  # a bare word is a string
-            settings.append((key, value, arg))
-    return settings
-
-
-def keys_set_after(argv, key):
-    """The keys that argv sets after its last setting of key: under nanoGPT's rule, they override what key
-    brings (zero.py: the keys a --deepspeed_config JSON sets)."""
-    settings = read_overrides(argv)
-    last = max((i for i, (k, _, _) in enumerate(settings) if k == key), default=len(settings))
-    return {k for k, _, _ in settings[last + 1:]}
-
-
-def configure(defaults, argv):
-    """nanoGPT's override rule: `script.py [config/file.py ...] [--key=value ...]`, applied in order. A config
-    file is Python that assigns keys; values on the command line are Python literals (or plain strings). An
-    unknown key or a value of the wrong type exits before any work, naming the key and the valid ones.
-    --memory_limit_mib=M takes effect here, before any work: the process joins a memory cgroup of its own
-    that the kernel holds to M MiB (common/memory_limit.py)."""
-    cfg = dict(defaults)
-    if '--help' in argv or '-h' in argv:
-        print(config_help(defaults, os.path.abspath(sys.argv[0])))
-        raise SystemExit(0)
-
-    for key, value, source in read_overrides(argv):
-        if key not in defaults:
-            import difflib
-            near = difflib.get_close_matches(key, defaults, n=1)
-            raise SystemExit(f"error: unknown config key '{key}' (from {source}); " +
-                             (f"did you mean {near[0]}? " if near else '') +
-                             f"valid keys: {', '.join(sorted(defaults))}")
-        cfg[key] = _checked(key, value, defaults[key])
-    refuse(*value_refusals(cfg))
-    if cfg.get('memory_limit_mib'):
-        from common.memory_limit import limit_this_rank
-        limit_this_rank(cfg['memory_limit_mib'], os.environ.get('RANK', '0'))
-    return SimpleNamespace(**cfg)
-
-
-def model_config(cfg, vocab_size):
-    """The GPTConfig that the run's config describes."""
-    args = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if f.name != 'vocab_size'}
-    args['vocab_size'] = vocab_size
-    try:
-        return GPTConfig(**args)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
 
 
 # Dense (no sparsity) peak FLOP/s of common accelerators by dtype, for MFU; 'float32' is the TF32 tensor-core
@@ -266,117 +70,6 @@ def measured_step(iter_num, first_iter, every=0):
     """Whether iteration iter_num is measured: the run's first, and every `every`-th (--measure_every; 0: none
     after the first)."""
     return iter_num == first_iter or (every > 0 and iter_num % every == 0)
-
-
-# -----------------------------------------------------------------------------
-# The data: the token files (data/<dataset>/{train,val}.bin, prepared once by one rank on a fresh checkout),
-# the one batch rule (the global batch at iteration i is a pure function of seed and i; each data-parallel
-# rank takes its contiguous slice) and the text codec sample.py uses
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (data/ is beside common/)
-
-
-def prepare_once(data_dir, prepare):
-    """Run data_dir's prepare.py in one process: every rank of a fresh checkout arrives here at once, the
-    first to lock data_dir/.prepare.lock prepares, the others wait on the lock and then find the files
-    (written under temporary names and renamed, so nobody reads half a file)."""
-    import fcntl
-    import runpy
-    with open(os.path.join(data_dir, '.prepare.lock'), 'w') as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(os.path.join(data_dir, 'train.bin')):
-            print(f"{data_dir} is missing its data: preparing it now (python {os.path.relpath(prepare)})",
-                  flush=True)
-            runpy.run_path(prepare, run_name='__main__')
-
-
-def load_dataset(dataset):
-    """Memmaps of data/<dataset>/{train,val}.bin and the vocabulary size (from meta.pkl, else GPT-2's 50304).
-    The default data set (stdlib_char) is built here on first use; any other missing one names its command."""
-    import pickle
-    data_dir = os.path.join(REPO, 'data', dataset)
-    if not os.path.exists(os.path.join(data_dir, 'train.bin')):
-        prepare = os.path.join(data_dir, 'prepare.py')
-        if dataset == 'stdlib_char' and os.path.exists(prepare):
-            prepare_once(data_dir, prepare)
-        else:
-            hint = (f"python data/{dataset}/prepare.py" if os.path.exists(prepare) else
-                    "see data/ for the prepare scripts")
-            raise SystemExit(f"error: data set '{dataset}' not found in {data_dir}; make it with: {hint}")
-    data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
-            for split in ('train', 'val')}
-    vocab_size = 50304
-    meta_path = os.path.join(data_dir, 'meta.pkl')
-    if os.path.exists(meta_path):
-        with open(meta_path, 'rb') as f:
-            vocab_size = pickle.load(f)['vocab_size']
-    return data, vocab_size
-
-
-TRAIN_STREAM, EVAL_STREAM = 0, 1
-
-
-def get_batch(tokens, seed, stream, step, n_rows, block_size, rows=None, device='cpu'):
-    """Rows `rows` (a slice; default all) of the batch of n_rows sequences for (seed, stream, step).
-    The batch is a pure function of those numbers, so every strategy and world size sees the same global batch
-    at iteration `step` and each data-parallel rank just takes its own contiguous slice of it; resume needs no
-    data-loader state. x is the sequence, y the same shifted by one token."""
-    if len(tokens) <= block_size + 1:
-        raise SystemExit(f"error: block_size {block_size} is too large for a data split of {len(tokens)} "
-                         "tokens")
-    rng = np.random.default_rng([seed, stream, step])
-    starts = rng.integers(0, len(tokens) - block_size - 1, size=n_rows)
-    if rows is not None:
-        starts = starts[rows]
-    window = np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)], dtype=np.int64)  # one gather
-    xy = torch.from_numpy(window)
-    x, y = xy[:, :-1], xy[:, 1:]
-    if device.startswith('cuda'):
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.contiguous(), y.contiguous()
-
-
-def micro_batch_rows(cfg, dp_rank, dp_size, micro_step):
-    """The one batch rule of this repo. The global batch is batch_size * gradient_accumulation_steps
-    sequences, whatever the world size. Each of the dp_size data-parallel ranks owns a contiguous block of it
-    and walks through that block batch_size sequences per micro-step, gradient_accumulation_steps // dp_size
-    micro-steps."""
-    rows_per_rank = cfg.batch_size * (cfg.gradient_accumulation_steps // dp_size)
-    first = dp_rank * rows_per_rank + micro_step * cfg.batch_size
-    return slice(first, first + cfg.batch_size)
-
-
-def get_codec(dataset, vocab_size=None):
-    """encode(str) -> list[int] and decode(list[int]) -> str: the char vocabulary of data/<dataset>/meta.pkl
-    if it has one, else (also for dataset None) tiktoken's GPT-2 BPE, which a model of vocab_size tokens, if
-    given, must have room for."""
-    import pickle
-    meta_path = os.path.join(REPO, 'data', dataset or '', 'meta.pkl')
-    if dataset is not None and os.path.exists(meta_path):
-        with open(meta_path, 'rb') as f:
-            meta = pickle.load(f)
-        stoi, itos = meta['stoi'], meta['itos']
-        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
-    if vocab_size is not None and vocab_size < 50257:  # (a char-level model without its meta.pkl here)
-        raise SystemExit(f"error: the model's {vocab_size}-token vocabulary is not GPT-2's BPE, and " + (
-            f"{meta_path} is not here: prepare its data set first (python data/{dataset}/prepare.py)"
-            if dataset else "a Hugging Face model brings no other here: sample its checkpoint (--out_dir)"))
-    import tiktoken
-    try:
-        enc = tiktoken.get_encoding('gpt2')
-    except Exception as e:  # offline on first use: tiktoken cannot fetch its vocabulary files
-        raise SystemExit(f"error: tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it is "
-                         f"downloaded on first use, so run once with network access")
-    return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
-
-
-def micro_batches(data, cfg, iter_num, dp_rank=0, dp_size=1):
-    """This data-parallel rank's (x, y) for each of its micro-steps of iteration iter_num (the one batch
-    rule)."""
-    global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-    return [get_batch(data['train'], cfg.seed, TRAIN_STREAM, iter_num, global_rows, cfg.block_size,
-                      micro_batch_rows(cfg, dp_rank, dp_size, micro_step), cfg.device)
-            for micro_step in range(cfg.gradient_accumulation_steps // dp_size)]
 
 
 # -----------------------------------------------------------------------------
@@ -523,27 +216,6 @@ def log_rank_rows(out_dir, row):
         with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
             f.writelines(json.dumps(r) + '\n' for r in rows)
     return rows
-
-
-def batch_refusal(cfg, dp_size, world_size):
-    """The one batch rule's row: whole micro-batches on every data-parallel rank."""
-    fits = math.ceil(cfg.gradient_accumulation_steps / dp_size) * dp_size
-    return (cfg.gradient_accumulation_steps % dp_size,
-            f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by the "
-            f"data-parallel size dp={dp_size} (world size {world_size}): each data-parallel rank takes whole "
-            f"micro-batches; use --gradient_accumulation_steps={fits} or fewer processes")
-
-
-def shared_refusals(cfg, script, dp_size, world_size, compiles=False):
-    """The rows every parallel script's table of refusals starts with, (bad, message) as refuse takes them:
-    whole micro-batches on every data-parallel rank (the one batch rule), float32 or bfloat16 (float16's loss
-    scale would need its inf check shared by the ranks: train.py has it), and --compile where the script
-    does not wire it in (said rather than ignored)."""
-    return [batch_refusal(cfg, dp_size, world_size),
-            (cfg.dtype not in ('float32', 'bfloat16'), f"{script} trains in float32 or bfloat16, got "
-             f"--dtype={cfg.dtype!r} (float16's loss scale would need its inf check shared by the ranks)"),
-            (cfg.compile and not compiles, f"--compile=True is not supported by {script}: pass "
-             "--compile=False (a config file that sets compile = True needs it after the file)")]
 
 
 def set_lr(optimizer, lr):
@@ -775,16 +447,6 @@ def exit_run(code, main):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def refuse(*checks, resumed=None):
-    """A config's checks, in order: each (bad, message); the first bad one stops the run with 'error:
-    message' (run_main prints it as one line on every rank). Each condition is evaluated before any is
-    tested: one that would divide by a key goes after the check of that key. resumed: where a resume's
-    model differs from this command's flags, which values are the checkpoint's (resumed_config's words)."""
-    for bad, message in checks:
-        if bad:
-            raise SystemExit(f"error: {message}" + (f" ({resumed})" if resumed else ''))
 
 
 def make_out_dir(cfg):

@@ -20,7 +20,7 @@ TINY = ['--n_layer=2', '--n_head=4', '--n_embd=16', '--block_size=16', '--batch_
 def stdlib_vocab():
     """The vocabulary of the data set the scripts train on by default (stdlib_char: the characters of this
     Python's standard library; 96 with 3.11, built on first use): a test that prices a run's logits needs it."""
-    from common.training import load_dataset
+    from common.data import load_dataset
     return load_dataset('stdlib_char')[1]
 
 

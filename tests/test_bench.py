@@ -9,7 +9,7 @@ from helpers import REPO, TINY, check, read_log, run_script, stdlib_vocab
 import bench
 from common import planner
 from common import formulas
-from common.training import load_dataset
+from common.data import load_dataset
 
 # The ZeRO paper (Rajbhandari et al. 2020), its worked example: Ψ = 7.5B, N = 64, mixed-precision Adam.
 # Published, rounded to 0.1 GB: DP 120 GB, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB per GPU.

@@ -21,7 +21,7 @@ from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losse
 
 import context_parallel
 from common import formulas
-from common.training import configure, model_config
+from common.config import configure, model_config
 
 TOL = 1e-5
 LAYOUTS = {

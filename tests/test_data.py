@@ -11,7 +11,7 @@ import pytest
 import tiktoken
 import torch
 
-from common import training
+from common.data import EVAL_STREAM, TRAIN_STREAM, get_batch, get_codec, load_dataset, micro_batch_rows
 from helpers import REPO
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
@@ -79,7 +79,7 @@ def test_gpt2_encoding_offline_is_one_clear_error(monkeypatch):
     with pytest.raises(SystemExit, match="could not load tiktoken's GPT-2 encoding"):
         load('shakespeare').gpt2_encoding()
     with pytest.raises(SystemExit, match='GPT-2 encoding is not available'):
-        training.get_codec(None)
+        get_codec(None)
 
 
 def test_download_offline_is_one_clear_error_and_cache_is_used(tmp_path, monkeypatch):
@@ -118,21 +118,21 @@ def test_text_prepare_char_and_gpt2(tmp_path, monkeypatch):
 
 def test_missing_dataset_names_the_command():
     with pytest.raises(SystemExit, match="'no_such_dataset' not found .*see data/"):
-        training.load_dataset('no_such_dataset')
+        load_dataset('no_such_dataset')
     if not os.path.exists(os.path.join(REPO, 'data', 'shakespeare', 'train.bin')):  # not prepared on this machine
         with pytest.raises(SystemExit, match='make it with: python data/shakespeare/prepare.py'):
-            training.load_dataset('shakespeare')
+            load_dataset('shakespeare')
 
 
 def test_get_batch_is_pure_and_shifted():
     tokens = np.arange(1000, dtype=np.uint16)
-    x, y = training.get_batch(tokens, 1, training.TRAIN_STREAM, 5, 8, 16)
-    x2, y2 = training.get_batch(tokens, 1, training.TRAIN_STREAM, 5, 8, 16)
+    x, y = get_batch(tokens, 1, TRAIN_STREAM, 5, 8, 16)
+    x2, y2 = get_batch(tokens, 1, TRAIN_STREAM, 5, 8, 16)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(x, x[:, :1] + torch.arange(16))  # each row is one contiguous window of the data
-    assert not torch.equal(x, training.get_batch(tokens, 1, training.TRAIN_STREAM, 6, 8, 16)[0])  # another step, another batch
-    assert not torch.equal(x, training.get_batch(tokens, 1, training.EVAL_STREAM, 5, 8, 16)[0])  # eval never reuses training
+    assert not torch.equal(x, get_batch(tokens, 1, TRAIN_STREAM, 6, 8, 16)[0])  # another step, another batch
+    assert not torch.equal(x, get_batch(tokens, 1, EVAL_STREAM, 5, 8, 16)[0])  # eval never reuses training
 
 
 @pytest.mark.parametrize('dp_size', [1, 2, 4])
@@ -141,18 +141,17 @@ def test_rank_slices_concatenate_to_the_global_batch(dp_size):
     cfg = SimpleNamespace(batch_size=3, gradient_accumulation_steps=4)
     tokens = np.random.default_rng(0).integers(0, 60000, 5000).astype(np.uint16)
     global_rows = cfg.batch_size * cfg.gradient_accumulation_steps
-    x_all, y_all = training.get_batch(tokens, 7, training.TRAIN_STREAM, 3, global_rows, 16)
-    parts = [training.get_batch(tokens, 7, training.TRAIN_STREAM, 3, global_rows, 16,
-                         training.micro_batch_rows(cfg, rank, dp_size, micro))
+    x_all, y_all = get_batch(tokens, 7, TRAIN_STREAM, 3, global_rows, 16)
+    parts = [get_batch(tokens, 7, TRAIN_STREAM, 3, global_rows, 16, micro_batch_rows(cfg, rank, dp_size, micro))
              for rank in range(dp_size) for micro in range(cfg.gradient_accumulation_steps // dp_size)]
     assert torch.equal(torch.cat([p[0] for p in parts]), x_all)
     assert torch.equal(torch.cat([p[1] for p in parts]), y_all)
 
 
 def _load_fresh_copy(repo_copy, barrier, results):
-    """One rank of a fresh checkout: import the copy's common/training.py and load the default data set, which the copy
+    """One rank of a fresh checkout: import the copy's common/data.py and load the default data set, which the copy
     does not have yet. Puts the sizes it read (or its error) in results."""
-    spec = importlib.util.spec_from_file_location('dataset_of_copy', os.path.join(repo_copy, 'common', 'training.py'))
+    spec = importlib.util.spec_from_file_location('dataset_of_copy', os.path.join(repo_copy, 'common', 'data.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     barrier.wait()  # every rank arrives at once, as torchrun starts them
@@ -168,7 +167,7 @@ def test_ranks_of_a_fresh_checkout_prepare_the_data_once(tmp_path):
     prepares while the others wait; files appear whole, by rename), none sees a missing or empty file."""
     import multiprocessing as mp
     import shutil
-    want = training.load_dataset('stdlib_char')
+    want = load_dataset('stdlib_char')
     want = (len(want[0]['train']), len(want[0]['val']), want[1])
     ctx = mp.get_context('fork')  # quick to start: the children have torch imported already
     for attempt in range(3):

@@ -34,8 +34,8 @@ def _comms(rank, world_size):
 
 def _cfg(out_dir, *extra):
     import expert_parallel as epm
-    from common.training import configure
-    from common.training import load_dataset
+    from common.config import configure
+    from common.data import load_dataset
     cfg = configure(epm.config, FLAGS + [f'--out_dir={out_dir}', *extra])
     return cfg, *load_dataset(cfg.dataset)
 
@@ -45,8 +45,9 @@ def _train_py(cfg, data, vocab_size):
     step's gradients (before AdamW) by name."""
     import train
     from model import GPT
-    from common.training import get_lr, model_config, set_lr
-    from common.training import micro_batches
+    from common.config import model_config
+    from common.training import get_lr, set_lr
+    from common.data import micro_batches
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg, vocab_size))
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), 'cpu')
@@ -74,7 +75,7 @@ def _expert_parallel(cfg, data, vocab_size, comms):
     """expert_parallel.py's build and train_step, ITERS iterations: the losses and the first step's gradients."""
     import expert_parallel as epm
     from common.training import get_lr, set_lr
-    from common.training import micro_batches
+    from common.data import micro_batches
     ep, edp, dp = comms
     model, params, optimizer, *_ = epm.build(cfg, vocab_size, ep, dp.rank, dp.size)
     losses, grads = _run(model, optimizer, cfg, lambda it: epm.train_step(
@@ -159,7 +160,7 @@ def _measuring_calls(rank, world_size, out_dir, comms):
     from common import distributed
     from types import SimpleNamespace
     import expert_parallel as epm
-    from common.training import micro_batches
+    from common.data import micro_batches
     from common.training import run_step
     cfg, data, vocab_size = _cfg(out_dir, '--measure_every=0')
     model, params, optimizer, *_ = epm.build(cfg, vocab_size, comms[0], rank, world_size)
@@ -269,7 +270,7 @@ def test_the_script_resumes_exactly_and_consolidates_to_train_py(tmp_path, tmp_p
         assert (r['param_bytes'], r['grad_bytes'], r['optim_bytes']) == (
             r['param_bytes_formula'], r['grad_bytes_formula'], r['optim_bytes_formula'])
     from common import planner  # the planner's expert-parallel row holds what each rank held
-    from common.training import load_dataset
+    from common.data import load_dataset
     gptconf = planner.gpt_config_from(None, FLAGS, load_dataset('stdlib_char')[1])
     plan = next(p for p in planner.estimate(gptconf, 2, 1, 4, 16, 1, 1, 1, 2, False, 2) if p['ep'] == 2)
     assert all((r['param_bytes'], r['grad_bytes'], r['optim_bytes']) ==

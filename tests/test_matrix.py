@@ -219,7 +219,7 @@ def test_the_planner_prices_the_grid_with_experts_as_the_ranks_held_them(matrix,
     whole experts, each part's AdamW state sharded over the ranks that hold the same) holds each rank's
     measured bytes: its two ZeRO-1 engines' parameters, gradients and AdamW moments."""
     from common import planner
-    from common.training import load_dataset
+    from common.data import load_dataset
     from helpers import read_log
     outcomes, out_root = matrix
     rows = [r for r in read_log(os.path.join(out_root, f'4d-dp4-tp2-ep2-{layout}-moe')) if 'numel' in r]
@@ -278,7 +278,8 @@ def test_a_pipelined_mixture_of_experts_names_the_curve_it_trains(script):
     its own, so it trains train.py's curve at a microbatch's rows a micro-step (the matrix compares PIPELINED with
     ROWS_2: found by a helper's audit, 3e-3 apart at the same batch flags). The run's first lines say which
     flags that is; a dense model, whose loss does not depend on the split, gets no note."""
-    from common.training import configure, run_shape
+    from common.config import configure
+    from common.training import run_shape
     module = importlib.import_module(script)
     for kind, flags in (('moe', MODELS[('gpt2', 'moe')]), ('dense', [])):
         cfg = configure(module.config, COMMON + PIPELINED + flags)

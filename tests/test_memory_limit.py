@@ -26,7 +26,7 @@ MARGIN = 1.25  # what the planner leaves out: the framework's own memory, the lo
 def planned_mib():
     """The planner's ZeRO-3 estimate per rank for this run on 4 ranks (bench.py --estimate), in MiB."""
     from common import planner
-    from common.training import load_dataset
+    from common.data import load_dataset
     gptconf = planner.gpt_config_from(CONFIG, ['--dtype=float32'], load_dataset('stdlib_char')[1])
     rows = planner.estimate(gptconf, 4, 1, 2, gptconf.block_size, 1, 1, 1, 1, False)
     return next(r for r in rows if r['strategy'] == 'ZeRO-3')['total_bytes'] / 2**20

@@ -45,7 +45,7 @@ def flops_per_token(out_dir):
     from model import GPT, GPTConfig
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):  # the sharded scripts: the model is TINY's on the default data set
-        from common.training import load_dataset
+        from common.data import load_dataset
         vocab_size = load_dataset('stdlib_char')[1]
         return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, bias=False,
                              vocab_size=vocab_size)).flops_per_token()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as M
-from common import training
+from common.data import get_codec
 from helpers import TINY, check, run_script
 
 
@@ -24,7 +24,7 @@ def expected_samples(out, start, n, max_new_tokens, seed, top_k):
     model = M.GPT(M.GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     model.eval()
-    encode, decode = training.get_codec(ckpt['config']['dataset'])
+    encode, decode = get_codec(ckpt['config']['dataset'])
     x = torch.tensor([encode(start)])
     return [decode(model.generate(x, max_new_tokens, 0.8, top_k)[0].tolist()) for _ in range(n)]
 

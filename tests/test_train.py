@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 import model as M
 from common import checkpoints
 from common import training
+from common.config import TRAIN_DEFAULTS, configure, model_config
+from common.data import EVAL_STREAM, TRAIN_STREAM, get_batch, load_dataset
 from helpers import REPO, TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses
 
 TRAIN = 'train.py'
@@ -21,8 +24,8 @@ TRAIN = 'train.py'
 
 def test_overfits_one_batch():
     """The model and optimizer of train.py drive the loss on one fixed batch close to zero."""
-    data, vocab = training.load_dataset('stdlib_char')
-    x, y = training.get_batch(data['train'], 0, training.TRAIN_STREAM, 0, 4, 16)
+    data, vocab = load_dataset('stdlib_char')
+    x, y = get_batch(data['train'], 0, TRAIN_STREAM, 0, 4, 16)
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, bias=False))
     optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.99), 'cpu')
@@ -52,7 +55,7 @@ def test_train_logs_and_learns(tmp_path):
     warmed = {it: 1e-2 * (it + 1) / 51 for it in range(0, 50, 6)}
     assert {r['iter']: r['lr'] for r in train_rows} == pytest.approx(
         {**warmed, 54: 2e-4 + 0.5 * (1 + math.cos(math.pi * 4 / 1200)) * (1e-2 - 2e-4)}, rel=1e-12)
-    vocab = training.load_dataset('stdlib_char')[1]
+    vocab = load_dataset('stdlib_char')[1]
     assert abs(evals[0]['val_loss'] - torch.log(torch.tensor(float(vocab))).item()) < 0.2
     assert evals[-1]['val_loss'] < evals[0]['val_loss'] - 1.0, evals
     assert torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)['iter_num'] == 60
@@ -62,7 +65,7 @@ def test_train_logs_and_learns(tmp_path):
 def test_learning_rate_schedule_is_nanogpts():
     """Linear warm-up over warmup_iters, cosine decay to min_lr at lr_decay_iters, min_lr after (nanoGPT's
     get_lr), at train.py's defaults, worked by hand: the cosine's midpoint is halfway between the two rates."""
-    cfg = training.SimpleNamespace(decay_lr=True, learning_rate=2e-3, min_lr=2e-4, warmup_iters=50,
+    cfg = SimpleNamespace(decay_lr=True, learning_rate=2e-3, min_lr=2e-4, warmup_iters=50,
                                    lr_decay_iters=1250)
     by_hand = {0: 2e-3 / 51, 49: 2e-3 * 50 / 51, 50: 2e-3, 650: 1.1e-3, 1250: 2e-4, 5000: 2e-4}
     assert {it: training.get_lr(it, cfg) for it in by_hand} == pytest.approx(by_hand, rel=1e-12)
@@ -74,9 +77,9 @@ def test_the_end_of_run_sample_prints_what_the_model_generates(capsys):
     """After a run of 100 iterations or more, print_sample prints 200 generated characters and the command."""
     import contextlib
     torch.manual_seed(0)
-    vocab = training.load_dataset('stdlib_char')[1]
+    vocab = load_dataset('stdlib_char')[1]
     model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab))
-    cfg = training.SimpleNamespace(max_iters=100, dataset='stdlib_char', device='cpu', out_dir='out')
+    cfg = SimpleNamespace(max_iters=100, dataset='stdlib_char', device='cpu', out_dir='out')
     training.print_sample(model, cfg, contextlib.nullcontext())
     out = capsys.readouterr().out
     text = out.split('---------- a sample ----------\n')[1].split('\n------------------------------')[0]
@@ -195,19 +198,19 @@ def test_every_shipped_config_sets_only_valid_keys():
     import glob
     import train
     for path in sorted(glob.glob(os.path.join(REPO, 'config', '*.py'))):
-        cfg = training.configure(train.config, [path])
-        training.model_config(cfg, 50304)  # and describes a valid model
+        cfg = configure(train.config, [path])
+        model_config(cfg, 50304)  # and describes a valid model
 
 
 def test_cpu_default_config_is_the_default():
     import train
-    assert vars(training.configure(train.config, [os.path.join(REPO, 'config', 'train_stdlib_char.py')])) == train.config
+    assert vars(configure(train.config, [os.path.join(REPO, 'config', 'train_stdlib_char.py')])) == train.config
 
 
 def test_block_size_too_large():
     import numpy as np
     with pytest.raises(SystemExit, match='block_size 16 is too large'):
-        training.get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
+        get_batch(np.zeros(17, dtype=np.uint16), 0, 0, 0, 2, 16)
 
 
 def test_profile_writes_a_trace_perfetto_opens(tmp_path):
@@ -237,10 +240,10 @@ def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulatio
     """Evaluation batch k is the global batch of (seed, k) whatever the split: a global batch of 12 sequences
     evaluated in one process, as 3 or 12 micro-batches, or over 3 and 4 data-parallel ranks, gives one loss.
     (The mean of a per-sequence loss computed here, apart from estimate_loss, is the reference.)"""
-    data, vocab = training.load_dataset('stdlib_char')
+    data, vocab = load_dataset('stdlib_char')
     torch.manual_seed(0)
     model = M.GPT(M.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=vocab)).eval()
-    cfg = training.SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
+    cfg = SimpleNamespace(batch_size=batch_size, gradient_accumulation_steps=accumulation, eval_iters=2,
                             seed=7, block_size=16, device='cpu')
     got = {'train': 0.0, 'val': 0.0}
     for rank in range(dp_size):
@@ -248,7 +251,7 @@ def test_eval_loss_is_equal_for_every_split_of_the_batch(batch_size, accumulatio
         for split, loss in losses.items():
             got[split] += loss
     for split in ('train', 'val'):
-        batches = [training.get_batch(data[split], 7, training.EVAL_STREAM, k, 12, 16) for k in range(2)]
+        batches = [get_batch(data[split], 7, EVAL_STREAM, k, 12, 16) for k in range(2)]
         want = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
         assert got[split] == pytest.approx(want, rel=1e-6), (split, got[split], want)
 
@@ -282,12 +285,11 @@ def test_torchrun_summary_carries_the_error_and_plain_python_says_single_process
 
 def test_train_py_spells_out_the_shared_config():
     """train.py keeps nanoGPT's full config block; the other scripts take the same keys from
-    training.TRAIN_DEFAULTS. The two must never drift apart."""
+    TRAIN_DEFAULTS. The two must never drift apart."""
     import train
-    from common import training
-    declared = {k: train.config[k] for k in training.TRAIN_DEFAULTS}
-    assert declared == training.TRAIN_DEFAULTS
-    own = set(train.config) - set(training.TRAIN_DEFAULTS) - set(M.GPTConfig.__dataclass_fields__)
+    declared = {k: train.config[k] for k in TRAIN_DEFAULTS}
+    assert declared == TRAIN_DEFAULTS
+    own = set(train.config) - set(TRAIN_DEFAULTS) - set(M.GPTConfig.__dataclass_fields__)
     assert own == set(), own
 
 
@@ -322,9 +324,9 @@ def test_train_py_trains_a_mixture_of_experts_and_logs_its_load(tmp_path):
     evals = eval_losses(out)
     assert evals[30][1] < evals[0][1] - 0.8, evals  # from ~ln(vocab) at init
     import train
-    cfg = training.configure(train.config, ['--n_expert=4', '--n_expert_active=5'])
+    cfg = configure(train.config, ['--n_expert=4', '--n_expert_active=5'])
     with pytest.raises(SystemExit, match=r'^error: n_expert_active \(top-k, 5\) must be 1 to n_expert \(4\)'):
-        training.model_config(cfg, 40)  # top-k > n_expert: one line
+        model_config(cfg, 40)  # top-k > n_expert: one line
 
 
 def test_a_new_run_starts_its_own_log_and_a_resume_continues_it(tmp_path):
@@ -349,7 +351,7 @@ def test_a_resume_takes_dropout_and_checkpointing_from_its_flags(tmp_path):
     import train
     flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--sample_at_end=False']
     train.main(flags)
-    cfg = training.configure(train.config, flags + ['--init_from=resume', '--dropout=0.1',
+    cfg = configure(train.config, flags + ['--init_from=resume', '--dropout=0.1',
                                                     '--activation_checkpointing=True'])
     model = checkpoints.init_model(cfg, None, os.path.join(tmp_path, 'ckpt.pt'))[0]
     assert model.config.dropout == 0.1 and model.config.activation_checkpointing, model.config
@@ -362,7 +364,7 @@ def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsy
     import train
     flags = TINY + [f'--out_dir={tmp_path}', '--max_iters=1', '--eval_interval=1', '--sample_at_end=False']
     train.main(flags + ['--dropout=0.1'])
-    resume = lambda argv: checkpoints.init_model(training.configure(train.config, argv + ['--init_from=resume']),
+    resume = lambda argv: checkpoints.init_model(configure(train.config, argv + ['--init_from=resume']),
                                                  None, os.path.join(tmp_path, 'ckpt.pt'))[0]
     capsys.readouterr()
     assert resume(flags + ['--dropout=0.1']).config.n_embd == 16 and 'note' not in capsys.readouterr().out
@@ -410,7 +412,7 @@ def test_a_resume_is_checked_against_the_model_it_resumes(tmp_path, script, grid
         torch.save({'model_args': {key: saved}, 'config': {key: saved}, 'grid': grid},
                    os.path.join(tmp_path, file))
         argv = TINY + flags + [f'--{key}={says}', '--init_from=resume', f'--out_dir={tmp_path}']
-        return check(training.configure(module.config, argv), 2)
+        return check(configure(module.config, argv), 2)
     resume(good, bad)  # passes
     with pytest.raises(SystemExit) as e:
         resume(bad, good)
@@ -436,7 +438,7 @@ def test_a_gpt2_start_is_checked_against_the_gpt2(tmp_path, script, flags):
             model_type='gpt2', n_positions=32, vocab_size=96, n_layer=2, n_head=n_head_saved, n_embd=12,
             layer_norm_epsilon=1e-5, activation_function='gelu_new')))
         argv = TINY + flags + [f'--n_head={n_head_flag}', f'--init_from={init_from}', f'--out_dir={tmp_path}']
-        return module.check_config(training.configure(module.config, argv), 2)
+        return module.check_config(configure(module.config, argv), 2)
     start(gpt2, 4, 3)  # the command's 3 heads are not what runs: passes
     for init_from, says in ((gpt2, 'n_head=3'), ('gpt2-xl', 'n_head=25')):
         with pytest.raises(SystemExit) as e:
@@ -464,7 +466,7 @@ def test_a_script_that_starts_no_gpt2_says_so_first(script, flags):
     module = importlib.import_module(script)
     check = getattr(module, 'validate', None) or module.check_config
     with pytest.raises(SystemExit) as e:
-        check(training.configure(module.config, TINY + flags + ['--init_from=gpt2']), 8)
+        check(configure(module.config, TINY + flags + ['--init_from=gpt2']), 8)
     assert e.value.code.startswith("error: init_from must be 'scratch' or 'resume' here, got 'gpt2'"), e.value.code
 
 
@@ -554,9 +556,9 @@ def test_a_value_no_script_can_run_is_one_line(flag, message):
     every script calls first."""
     import train
     with pytest.raises(SystemExit) as e:
-        training.configure(train.config, TINY + ['--moe_every=3', flag])
+        configure(train.config, TINY + ['--moe_every=3', flag])
     assert e.value.code == f"error: {message}" or e.value.code.startswith(f"error: {message}"), e.value.code
-    training.configure(train.config, TINY + ['--moe_every=3'])  # (the flags without it pass)
+    configure(train.config, TINY + ['--moe_every=3'])  # (the flags without it pass)
 
 
 def test_a_resume_that_cannot_continue_the_run_is_refused(tmp_path, capsys):
@@ -573,7 +575,7 @@ def test_a_resume_that_cannot_continue_the_run_is_refused(tmp_path, capsys):
         train.main(flags + ['--init_from=resume', '--max_iters=2'])
     assert e.value.code == (f"error: init_from=resume: {ckpt} is at iteration 3, past --max_iters=2: pass a "
                             "--max_iters of 3 or more (or --eval_only=True)")
-    cfg = training.configure(train.config, flags + ['--init_from=resume'])
+    cfg = configure(train.config, flags + ['--init_from=resume'])
     with pytest.raises(SystemExit) as e:
         checkpoints.init_model(cfg, 97, ckpt)
     assert e.value.code == ("error: init_from=resume: --dataset=stdlib_char has 97 tokens, the checkpoint's "
@@ -620,7 +622,7 @@ def test_a_resume_says_where_a_later_checkpoint_sits_beside_it(tmp_path, capsys)
     train.main(flags)
     for name, it in (('zero_rank0.pt', 2), ('zero_rank1.pt', 2), ('notes.pt', None)):
         torch.save({'iter_num': it} if it else [1, 2], os.path.join(tmp_path, name))
-    resume = lambda: checkpoints.init_model(training.configure(train.config, flags + ['--init_from=resume']),
+    resume = lambda: checkpoints.init_model(configure(train.config, flags + ['--init_from=resume']),
                                             None, os.path.join(tmp_path, 'ckpt.pt'))
     capsys.readouterr()
     resume()

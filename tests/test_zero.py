@@ -406,7 +406,7 @@ def test_consolidate_then_train_py_and_other_world_sizes_continue_identically(sp
 
 
 def test_deepspeed_config_read_and_unsupported_key_rejected(tmp_path):
-    from common.training import configure
+    from common.config import configure
     cfg = deepspeed_config.apply_deepspeed_config(configure(zero.config, []),
                                                   os.path.join(REPO, 'config/ds_zero2.json'), 2)
     # train.py's batch: 16 sequences in micro-batches of 8 (DeepSpeed derives 16 / (8 x 2 ranks) = 1 micro-step a
@@ -441,7 +441,7 @@ def test_deepspeed_config_in_order_and_bad_values_in_one_line(tmp_path, capsys):
     """nanoGPT's rule holds for the JSON too: it overrides the flags before it, the flags after it override it
     (with a note); a value zero.py cannot run (DeepSpeed's "auto", a wrong type, a string where an object
     goes, a 0 batch) is one line naming the JSON key, never a traceback or a silent default."""
-    from common.training import configure
+    from common.config import configure
     ds3 = os.path.join(REPO, 'config/ds_zero3.json')  # stage 3, 16 sequences in micro-batches of 8, lr 2e-3
     argv = ['--stage=1', '--learning_rate=1e-3', f'--deepspeed_config={ds3}', '--batch_size=4']
     cfg = zero.check_config(configure(zero.config, argv), 1, argv)
@@ -585,7 +585,8 @@ def measuring_calls(rank, world_size, out_dir):
     from common import reports
     from model import GPT, GPTConfig
     from types import SimpleNamespace
-    from common.training import configure, get_lr, run_step
+    from common.config import configure
+    from common.training import get_lr, run_step
     from helpers import counting_patches, measuring_calls
     calls, seen = Counter(), {}
     patches = counting_patches(calls, [
@@ -643,7 +644,7 @@ def test_an_unmeasured_step_makes_no_measuring_call(tmp_path):
 def test_print_ds_config_round_trips(tmp_path, monkeypatch, capsys):
     """--print_ds_config prints the DeepSpeed JSON of the run; reading it back gives the same run."""
     import json
-    from common.training import configure
+    from common.config import configure
     monkeypatch.setenv('WORLD_SIZE', '4')
     argv = ['--stage=3', '--dtype=bfloat16', '--batch_size=4', '--gradient_accumulation_steps=8', '--grad_clip=0.5',
             '--learning_rate=3e-4', '--beta2=0.95', '--weight_decay=0.05', '--adam_eps=1e-6', '--warmup_iters=7',
