@@ -28,15 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, apply_rope, balance_routers, moe_loss, rope_cos_sin
-from common.config import config_defaults, configure, refuse, shared_refusals
+from common.config import config_defaults, configure
 from common.data import load_dataset, micro_batches
 from common.training import (autocast_context, outputs_line, print_sample, profiled, run_main, run_shape,
                              start_run, training_loop)
-from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, restore_rng, resumed_config,
-                                train_checkpoint)
+from common.checkpoints import CheckpointWriter, gather_rng_states, init_model, restore_rng, train_checkpoint
 from common.distributed import Comm, finish_distributed, world_size_from_env
-from common.model_parallel import (AllToAll, along, average_gradients, configure_adamw, data_parallel_size,
-                                   group_comm, process_grid)
+from common.model_parallel import (AllToAll, along, average_gradients, check_context_parallel,
+                                   configure_adamw, group_comm, process_grid)
 
 # -----------------------------------------------------------------------------
 # config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
@@ -372,24 +371,6 @@ def build_cp(cfg, vocab_size, rank, world_size, ckpt_path):
     return model, optimizer, cp, dp, dp_cp, iter_num, best_val_loss
 
 
-def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank (a resume's model: the
-    checkpoint's)."""
-    dp = data_parallel_size(world_size, cp=cfg.cp)  # (names the flag to change)
-    cfg, resumed = resumed_config(cfg, os.path.join(cfg.out_dir, 'ckpt.pt'))
-    n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
-    refuse(*shared_refusals(cfg, 'context_parallel.py', dp, world_size),
-           (cfg.cp_attention not in ('ring', 'ulysses'),
-            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
-           (cfg.block_size % (2 * cfg.cp), f"block_size ({cfg.block_size}) must be divisible by 2 x cp = "
-            f"{2 * cfg.cp}: each rank holds two equal chunks of every sequence (zig-zag)"),
-           (cfg.cp_attention == 'ulysses' and (cfg.n_head % cfg.cp or n_kv_head % cfg.cp),
-            f"ulysses needs n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) divisible by cp={cfg.cp}: its "
-            f"all-to-all gives each rank whole heads"),
-           (cfg.dropout != 0.0, f"context_parallel.py needs dropout=0.0, got {cfg.dropout}: attention's "
-            f"dropout would have to be replayed block by block in the ring's backward"), resumed=resumed)
-
-
 def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_path):
     """The checkpoint: train.py's ckpt.pt, whole (every rank holds every weight: no layout of our own, nothing
     to consolidate), with every rank's random streams; rank 0 writes it in the background."""
@@ -402,7 +383,7 @@ def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_pat
 
 def main(argv):
     cfg = configure(config, argv)
-    check_config(cfg, world_size_from_env())
+    check_context_parallel(cfg, world_size_from_env())
     rank, world_size = start_run(cfg)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)

@@ -23,14 +23,14 @@ from types import SimpleNamespace
 import torch
 
 from model import MoE, balance_routers, combine
-from common.config import config_defaults, configure, model_config, refuse, shared_refusals
+from common.config import config_defaults, configure
 from common.data import load_dataset, micro_batches
 from common.training import (autocast_context, loss_function, make_out_dir, outputs_line, print_sample,
                              profiled, run_main, run_shape, training_loop)
-from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_params,
-                                materialize, rank_path, resumed_config, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, checkpoint_of, init_model, init_params, materialize,
+                                rank_path, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, init_distributed, world_size_from_env
-from common.model_parallel import (AllToAll, along, average_gradients, data_parallel_size, expert_groups,
+from common.model_parallel import (AllToAll, along, average_gradients, check_expert_parallel, expert_groups,
                                    group_comm, held_pieces, keep_own, process_grid)
 
 # -----------------------------------------------------------------------------
@@ -202,25 +202,9 @@ def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_
                          best_val_loss, vars(cfg))
 
 
-def check_config(cfg, world_size):
-    """Every bad input, before any work: one line naming the key, the same on every rank (a resume's model:
-    the checkpoint's)."""
-    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, RANK_FILE, 0), gpt2=False)  # (GPT-2: dense)
-    model_config(cfg, 256)  # (the model's own checks; configure's: at least one MoE layer)
-    refuse((cfg.n_expert == 0, "n_expert=0: a dense model has no experts to split over ep ranks; pass "
-            "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model with "
-            "train_ddp.py"), resumed=resumed)
-    data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world (the next checks divide by it)
-    refuse((cfg.n_expert % cfg.ep, f"n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep "
-            "rank holds n_expert/ep whole experts of every layer"),
-           *shared_refusals(cfg, 'expert_parallel.py', world_size, world_size),  # (every rank is a dp rank)
-           resumed=resumed)
-    check_resume_grid(cfg, {'ep': cfg.ep, 'ranks': world_size}, rank_path(cfg.out_dir, RANK_FILE, 0))
-
-
 def main(argv):
     cfg = configure(config, argv)
-    check_config(cfg, world_size_from_env())
+    check_expert_parallel(cfg, world_size_from_env(), RANK_FILE)
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
     comms = ep_comms(world_size, rank, cfg.ep)

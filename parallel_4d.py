@@ -22,27 +22,25 @@ For the same config and seed the loss curve is train.py's. Rank 0 prints the gri
 after the first iteration, what each rank holds and sent along each dimension, beside the formulas.
 """
 
-import os
 from functools import partial
 from types import SimpleNamespace
 
 import torch
 
 from context_parallel import ContextParallel, shard_sequence, zigzag_positions
-from common.checkpoints import (CheckpointWriter, buffer_pieces, check_resume_grid, checkpoint_of, init_model,
-                                init_params, materialize, rank_path, resumed_config, seed_dropout,
-                                set_rng_state)
+from common.checkpoints import (CheckpointWriter, buffer_pieces, checkpoint_of, init_model, init_params,
+                                materialize, rank_path, seed_dropout, set_rng_state)
 from common.distributed import finish_distributed, world_size_from_env
-from pipeline import Stage, check_schedule, embed_comm, forward_loss, keep_stage, run_schedule
+from pipeline import SCHEDULES, Stage, forward_loss, keep_stage, run_schedule
 from tensor_parallel import (TensorParallel, give_tp_ranks_their_dropout, shard_gpt, sync_tp_grads, tp_embed,
                              tp_head)
-from common.config import config_defaults, configure, refuse, shared_refusals
+from common.config import config_defaults, configure
 from common.data import load_dataset, micro_batches
 from common.training import (autocast_context, get_lr, outputs_line, profiled, run_main, run_shape, start_run,
                              training_loop)
 from zero import Zero
-from common.model_parallel import (along, data_parallel_size, expert_groups, group_comm, keep_slices,
-                                   print_grid, process_grid, slice_places)
+from common.model_parallel import (along, check_parallel_4d, embed_comm, expert_groups, group_comm,
+                                   keep_slices, print_grid, process_grid, slice_places)
 from expert_parallel import cut_experts
 from model import balance_routers
 
@@ -193,7 +191,7 @@ def weight_groups(grid, rank, ep_size, tied):
 
 def main(argv):
     cfg = configure(config, argv)
-    dp_size = check_config(cfg, world_size_from_env())
+    dp_size = check_parallel_4d(cfg, world_size_from_env(), RANK_FILE, run_grid, SCHEDULES)
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     data, vocab_size = load_dataset(cfg.dataset)
@@ -227,43 +225,6 @@ def main(argv):
         print(outputs_line(cfg.out_dir, "ckpt_4d_rank*.pt (each rank's part: resume on the same grid; python "
                                         f"consolidate.py {cfg.out_dir} makes one ckpt.pt)", *profiled(cfg)))
     finish_distributed(cfg)
-
-
-def check_config(cfg, world_size):
-    """Every bad combination, before any work (a resume's model: the checkpoint's): one line. Returns dp."""
-    path = rank_path(cfg.out_dir, RANK_FILE, 0)
-    cfg, resumed = resumed_config(cfg, path, gpt2=False)
-    check_schedule(cfg, resumed)  # first: the checks below divide by n_microbatches and virtual_stages
-    dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
-    m, n_kv_head = cfg.n_microbatches, cfg.n_kv_head or cfg.n_head
-    heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
-    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
-            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
-           *shared_refusals(cfg, 'parallel_4d.py', dp, world_size),
-           (cfg.ep > 1 and not cfg.n_expert, f"--ep={cfg.ep} needs a mixture of experts: pass --n_expert=4 "
-            "--n_expert_active=2"),
-           (cfg.ep < 1 or (dp * cfg.cp) % cfg.ep, f"ep ({cfg.ep}) must divide dp x cp = {dp * cfg.cp}: the "
-            "ep groups are taken from the ranks that hold the same weights"),
-           (cfg.n_expert % (cfg.ep * cfg.tp), f"n_expert ({cfg.n_expert}) must be divisible by ep x tp = "
-            f"{cfg.ep * cfg.tp}: each rank holds n_expert/(ep·tp) whole experts of every MoE layer"),
-           (cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
-            f"must be divisible by tp{' x cp' * (heads != cfg.tp)} = {heads}: each rank holds whole heads"),
-           (cfg.n_layer % (cfg.pp * cfg.virtual_stages), f"n_layer ({cfg.n_layer}) must be divisible by pp x "
-            f"virtual_stages = {cfg.pp * cfg.virtual_stages}"),
-           (cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp)
-            or (cfg.schedule == 'interleaved' and m % cfg.pp),
-            f"batch_size ({cfg.batch_size}) must split into n_microbatches ({m}), at least pp ({cfg.pp}) of "
-            "them for 1f1b and zb1 (a multiple: interleaved)"),
-           (cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)),
-            f"block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with sequence_parallel)"),
-           (cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel), "with cp > 1, dropout must be 0.0 "
-            "and sequence_parallel False (the ring cannot replay dropout; sequence parallelism inside a cp "
-            "chunk is not composed here)"),
-           (cfg.init_from == 'resume' and not os.path.exists(path),
-            f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"),
-           resumed=resumed)
-    check_resume_grid(cfg, run_grid(cfg, world_size), path)
-    return dp
 
 
 # -----------------------------------------------------------------------------

@@ -15,15 +15,14 @@ from types import SimpleNamespace
 
 import torch
 
-from common.config import config_defaults, configure, refuse, shared_refusals
+from common.config import config_defaults, configure
 from common.data import load_dataset, micro_batches
 from common.training import (autocast_context, outputs_line, profiled, run_main, run_shape, start_run,
                              training_loop)
-from common.checkpoints import (CheckpointWriter, check_resume_grid, gather_rng_states, init_model,
-                                init_params, materialize, rank_path, restore_rng, resumed_config,
-                                seed_dropout, train_checkpoint)
+from common.checkpoints import (CheckpointWriter, gather_rng_states, init_model, init_params, materialize,
+                                rank_path, restore_rng, seed_dropout, train_checkpoint)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
-from common.model_parallel import (along, average_gradients, configure_adamw, data_parallel_size, group_comm,
+from common.model_parallel import (average_gradients, check_pipeline, configure_adamw, embed_comm,
                                    held_pieces, keep_own, print_grid, process_grid)
 from model import MoE, balance_routers, moe_loss
 
@@ -40,50 +39,6 @@ virtual_stages = 1              # interleaved: model chunks per rank (v non-adja
 n_microbatches = 4              # microbatches per micro-step: batch_size sequences cut into this many
 config = config_defaults(globals())
 # -----------------------------------------------------------------------------
-
-
-def validate(cfg, world_size):
-    """Every bad combination, before any work (the same on every rank; a resume's model: the checkpoint's)."""
-    cfg, resumed = resumed_config(cfg, rank_path(cfg.out_dir, STAGE_FILE, 0), gpt2=False)
-    check_schedule(cfg, resumed)  # first: the checks below divide by its keys
-    m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
-    refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),
-           (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
-                                   f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
-           (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
-           (cfg.schedule in ('1f1b', 'zb1') and m < p,
-            f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
-           (cfg.schedule == 'interleaved' and m % p,
-            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
-           resumed=resumed)
-    check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, rank_path(cfg.out_dir, STAGE_FILE, 0))
-
-
-def check_schedule(cfg, resumed=None):
-    """The schedule's keys, checked first (the others divide by them), and what no pipeline can run;
-    parallel_4d.py checks them too. resumed: as refuse takes it."""
-    s, v, m = cfg.schedule, cfg.virtual_stages, cfg.n_microbatches
-    refuse((cfg.n_expert and cfg.aux_loss_style == 'hf' and cfg.pp > 1, "aux_loss_style='hf' (a converted "
-            "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "
-            "--aux_loss_style=switch"),
-           (s not in SCHEDULES, f"--schedule={s} is not one of {', '.join(SCHEDULES)}"),
-           (v < 1 or (v > 1 and s != 'interleaved'),
-            f"--virtual_stages={v} must be 1, or more with --schedule=interleaved (got --schedule={s})"),
-           (cfg.pp == 1 and (v > 1 or s == 'zb1'),  # (pp < 1: the world size's check)
-            f"--schedule={s} --virtual_stages={v} needs pp >= 2 (with chunks a stage is its own neighbour; "
-            "zb1 has no bubble to fill)"),
-           (m < 1, f"--n_microbatches={m} must be at least 1"),
-           (s == 'zb1' and cfg.activation_checkpointing, "zb1 with --activation_checkpointing=True "
-            "would re-run each block's forward once per weight module (W is one short backward per module, "
-            "and each recomputes the checkpointed block): drop one of them"), resumed=resumed)
-
-
-def embed_comm(grid, rank, tied):
-    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline (else None), the
-    two that hold the one weight (the embedding, the head)."""
-    if not tied or grid.size(1) == 1:
-        return None
-    return group_comm('embed', [[pipe[0], pipe[-1]] for pipe in along(grid, 'pp')], rank)
 
 
 def keep_stage(model, stage, pp_size, virtual_stages=1):
@@ -303,7 +258,7 @@ def zero_bubble_h1(stage, m, idx, targets, loss_scale):
     The bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W); a microbatch is held until its W, so each stage
     holds p microbatches at most: 1F1B's most, on stage 0."""
     r = stage.index
-    warmup = stage.pp - r - 1  # (m >= p: validate)
+    warmup = stage.pp - r - 1  # (m >= p: check_pipeline)
     for i in range(warmup):  # warm-up: forwards only, as 1F1B
         send_forward(stage, forward_step(stage, i, recv_forward(stage), idx, targets, loss_scale, split=True))
     for k in range(m):  # B of microbatch k, after the forward of microbatch warmup + k if any is left
@@ -513,7 +468,7 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
 
 def main(argv):
     cfg = configure(config, argv)
-    validate(cfg, world_size_from_env())
+    check_pipeline(cfg, world_size_from_env(), STAGE_FILE, SCHEDULES)
     rank, world_size = start_run(cfg)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)

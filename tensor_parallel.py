@@ -16,7 +16,6 @@ why). Each rank keeps its slice of train.py's seeded GPT: train.py's loss curve.
 
 import contextlib
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
@@ -24,15 +23,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common.checkpoints import (CheckpointWriter, check_resume_grid, checkpoint_of, init_model, init_values,
-                                materialize, rank_path, resumed_config, seed_dropout, set_rng_state)
+from common.checkpoints import (CheckpointWriter, checkpoint_of, init_model, init_values, materialize,
+                                rank_path, seed_dropout, set_rng_state)
 from common.distributed import clip_grad_norm, finish_distributed, world_size_from_env
-from common.config import config_defaults, configure, refuse, shared_refusals
+from common.config import config_defaults, configure
 from common.data import load_dataset, micro_batches
 from common.training import (autocast_context, outputs_line, profiled, run_main, run_shape, start_run,
                              training_loop)
-from common.model_parallel import (average_gradients, configure_adamw, data_parallel_size, held_pieces,
-                                   keep_slices, print_grid, process_grid, qkv_split, slice_places, take_slice)
+from common.model_parallel import (all_gather_seq, average_gradients, check_tensor_parallel, configure_adamw,
+                                   held_pieces, keep_slices, print_grid, process_grid, qkv_split,
+                                   reduce_scatter_seq, slice_places, take_slice)
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
@@ -47,24 +47,8 @@ config = config_defaults(globals())
 
 
 # -----------------------------------------------------------------------------
-# Megatron's communication operators, one autograd.Function each: each one's backward is its forward's dual;
-# first the two collectives along the sequence (dim 1) that sequence parallelism's make.
-
-def all_gather_seq(x, comm):
-    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
-    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
-    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
-    comm.all_gather(out, chunk)
-    return out.transpose(0, 1).contiguous()
-
-
-def reduce_scatter_seq(x, comm):
-    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
-    full = x.transpose(0, 1).contiguous()
-    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
-    comm.reduce_scatter(out, full)
-    return out.transpose(0, 1).contiguous()
-
+# Megatron's communication operators, one autograd.Function each: each one's backward is its forward's dual
+# (sequence parallelism's all-gather and reduce-scatter along the sequence: common/model_parallel.py)
 
 class CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. It enters the tensor-parallel region: each rank
@@ -450,7 +434,7 @@ def build_sharded(cfg, vocab_size, tp, dp_rank, world_size, rank):
     give_tp_ranks_their_dropout(model, tp)
     materialize(model, cfg.device)  # storage for the slices; their values come below
     optimizer = configure_adamw(model, cfg, checkpoint)  # (its saved state when resuming)
-    if checkpoint is not None:  # (check_config has checked its tp and world size)
+    if checkpoint is not None:  # (check_tensor_parallel has checked its grid)
         model.load_state_dict(checkpoint['model'])
         set_rng_state(checkpoint['rng'])  # this rank's own streams
     else:  # train.py's (or GPT-2's) values, one dense tensor at a time, of which this rank keeps its slice
@@ -478,28 +462,9 @@ def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter
                          vars(model.config), iter_num, best_val_loss, vars(cfg))
 
 
-def check_config(cfg, world_size):
-    """Every bad combination, before any work: one line, the same on every rank (a resume's model: the
-    checkpoint's)."""
-    dp = data_parallel_size(world_size, tp=cfg.tp)  # (names the flag to change)
-    path = rank_path(cfg.out_dir, RANK_FILE, 0)
-    cfg, resumed = resumed_config(cfg, path)
-    n_kv_head = cfg.n_kv_head or cfg.n_head
-    refuse(*shared_refusals(cfg, 'tensor_parallel.py', dp, world_size),
-           (cfg.n_expert % cfg.tp, f"n_expert ({cfg.n_expert}) must be divisible by tp={cfg.tp}: each tp "
-            "rank holds n_expert/tp whole experts of every MoE layer"),
-           (cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
-            f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),
-           (cfg.sequence_parallel and cfg.block_size % cfg.tp,
-            f"sequence_parallel needs block_size ({cfg.block_size}) divisible by tp={cfg.tp}"),
-           (cfg.init_from == 'resume' and not os.path.exists(path),  # (every rank's file: init_model checks)
-            f"init_from=resume but there is no checkpoint at {path}"), resumed=resumed)
-    check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py
-
-
 def main(argv):
     cfg = configure(config, argv)
-    check_config(cfg, world_size_from_env())
+    check_tensor_parallel(cfg, world_size_from_env(), RANK_FILE)
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.tp, tp=cfg.tp)
     tp, dp = TensorParallel(comms['tp'], cfg.sequence_parallel), comms['dp']
@@ -514,13 +479,11 @@ def main(argv):
         with ctx:
             return tp_forward(model, x, y, tp)[1]
 
-    def step(it):  # one iteration
-        batches = micro_batches(data, cfg, it, dp.rank, dp.size)
-        return train_step(model, optimizer, batches, ctx, cfg.grad_clip, tp, dp, layout)
-
     def save(it, best):
         writer.save(rank_checkpoint(model, layout, optimizer, tp, dp.rank, cfg, world_size, it, best),
                     rank_path(cfg.out_dir, RANK_FILE, rank), it)
+    step = lambda it: train_step(model, optimizer, micro_batches(data, cfg, it, dp.rank, dp.size), ctx,
+                                 cfg.grad_clip, tp, dp, layout)
     training_loop(cfg, SimpleNamespace(model=model, optimizer=optimizer, loss_of=loss_of, dp=dp, data=data,
                                        step=step, save=save, flops_per_token=flops, n_devices=world_size,
                                        rank=rank, kind='tensor_parallel', tp=tp, comms=[tp.group, dp]),

@@ -206,7 +206,7 @@ def check_resume_run(cfg, vocab_size, checkpoint, ckpt_path):
 
 
 def resumed_config(cfg, ckpt_path, gpt2=True):
-    """What a script's check_config judges on a resume: this command's config with the model's shape the
+    """What a script's table of refusals judges on a resume: this command's config with the model's shape the
     checkpoint's (init_model builds it so, whatever the command's flags say, and a resume without the run's
     config file leaves them at their defaults), so that a refusal is about the model that would run, and
     none refuses a model that would; a GPT-2's shape where init_from names one (hf.gpt2_start_config). Returns
@@ -218,7 +218,7 @@ def resumed_config(cfg, ckpt_path, gpt2=True):
         from common.hf import gpt2_start_config  # (its config.json, or the hub's four sizes: no weights read)
         return gpt2_start_config(cfg)
     if cfg.init_from != 'resume' or not os.path.exists(ckpt_path):
-        return cfg, None  # (a missing file is check_config's or init_model's to report)
+        return cfg, None  # (a missing file is the refusals' or init_model's to report)
     checkpoint = load_mmap(ckpt_path)
     if 'model_args' not in checkpoint:
         return cfg, None  # (not a checkpoint of ours: init_model's to report)

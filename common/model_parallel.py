@@ -1,18 +1,22 @@
 """
 What the model-parallel scripts share (tensor, pipeline, context and expert parallelism, the 4-D grid), which
 the data-parallel ones never import: the process grid torch.arange(world).view(dp, pp, cp, tp), its groups
-(made in one place: group_comm) and its printout, and the all-to-all with a backward (expert parallelism's
-dispatch and combine, Ulysses' sequence <-> heads); and a model cut by layers or slices: the values each rank
-keeps (a tp rank's slices: slice_boxes), the pieces it declares for consolidate.py.
+(made in one place: group_comm) and its printout; sequence parallelism's collectives along the sequence and
+the all-to-all with a backward (expert parallelism's dispatch and combine, Ulysses' sequence <-> heads); a
+model cut by layers or slices: the values each rank keeps (a tp rank's slices: slice_boxes), the pieces it
+declares for consolidate.py; and what each cut needs of the model and the world (check_tensor_parallel,
+check_pipeline, ...: each model-parallel script's table of refusals).
 """
 
 import math
+import os
 from itertools import accumulate
 
 import torch
 import torch.distributed as dist
 
-from common.checkpoints import buffer_pieces, pieces_of
+from common.checkpoints import buffer_pieces, check_resume_grid, pieces_of, rank_path, resumed_config
+from common.config import model_config, refuse, shared_refusals
 from common.distributed import Comm
 from common.training import log_rank_rows
 from model import GPT, GPTConfig
@@ -80,6 +84,14 @@ def group_comm(name, groups, rank):
     return comm
 
 
+def embed_comm(grid, rank, tied):
+    """Tied embeddings, pp > 1: the group {first stage, last stage} of this rank's pipeline (else None), the
+    two that hold the one weight (the embedding, the head)."""
+    if not tied or grid.size(1) == 1:
+        return None
+    return group_comm('embed', [[pipe[0], pipe[-1]] for pipe in along(grid, 'pp')], rank)
+
+
 def print_grid(grid, coords, comms, rank, dims=GRID_DIMS, out_dir=None):
     """The process grid along dims (the script's), printed once by rank 0, then each rank's coordinates and
     the global ranks of each of its groups (comms: name -> Comm, or None where the rank has no such group),
@@ -95,7 +107,24 @@ def print_grid(grid, coords, comms, rank, dims=GRID_DIMS, out_dir=None):
         log_rank_rows(out_dir, {'rank': rank, 'coords': coords, 'groups': groups})
 
 
-# The all-to-all with its backward: expert parallelism's dispatch and combine, Ulysses' sequence <-> heads
+# The collectives along the sequence of sequence parallelism (tensor_parallel.py), and the all-to-all with its
+# backward: expert parallelism's dispatch and combine, Ulysses' sequence <-> heads
+
+def all_gather_seq(x, comm):
+    """(B, T/n, ...) on each rank -> (B, T, ...), the ranks' chunks in rank order along the sequence."""
+    chunk = x.transpose(0, 1).contiguous()  # sequence first, so that each rank's chunk is contiguous
+    out = chunk.new_empty((comm.size * chunk.size(0),) + chunk.shape[1:])
+    comm.all_gather(out, chunk)
+    return out.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_seq(x, comm):
+    """(B, T, ...) partial sums on each rank -> (B, T/n, ...): this rank's chunk of the sum over ranks."""
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((full.size(0) // comm.size,) + full.shape[1:])
+    comm.reduce_scatter(out, full)
+    return out.transpose(0, 1).contiguous()
+
 
 def all_to_all_rows(x, comm, send, recv, kind):
     """send[i] rows of x to rank i of comm; returns the recv[i] rows from each rank i, in rank order."""
@@ -242,3 +271,140 @@ def slice_places(model, layout, tp):
         dense, kind = dense_of[id(p)]
         return dense, shapes[dense], slice_boxes(shapes[dense], kind, tp.group, qkv)
     return where
+
+
+# -----------------------------------------------------------------------------
+# What each cut of the model needs: a model-parallel script's table of refusals, judged before any work, one
+# line on every rank (refuse), on the model that would run (a resume's: the checkpoint's; resumed_config).
+# The data-parallel scripts never cut the model, and keep their few rules in their own files.
+
+def check_tensor_parallel(cfg, world_size, rank_file):
+    """tensor_parallel.py: whole heads and whole experts on every tp rank, whole sequence chunks under
+    sequence parallelism; a resume on its own grid (rank_file: the scripts' rank files, rank 0's read)."""
+    dp = data_parallel_size(world_size, tp=cfg.tp)  # (names the flag to change)
+    path = rank_path(cfg.out_dir, rank_file, 0)
+    cfg, resumed = resumed_config(cfg, path)
+    n_kv_head = cfg.n_kv_head or cfg.n_head
+    refuse(*shared_refusals(cfg, 'tensor_parallel.py', dp, world_size),
+           (cfg.n_expert % cfg.tp, f"n_expert ({cfg.n_expert}) must be divisible by tp={cfg.tp}: each tp "
+            "rank holds n_expert/tp whole experts of every MoE layer"),
+           (cfg.n_head % cfg.tp or n_kv_head % cfg.tp, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
+            f"must both be divisible by tp={cfg.tp}: each rank holds whole query and key/value heads"),
+           (cfg.sequence_parallel and cfg.block_size % cfg.tp,
+            f"sequence_parallel needs block_size ({cfg.block_size}) divisible by tp={cfg.tp}"),
+           (cfg.init_from == 'resume' and not os.path.exists(path),  # (every rank's file: init_model checks)
+            f"init_from=resume but there is no checkpoint at {path}"), resumed=resumed)
+    check_resume_grid(cfg, {'tp': cfg.tp, 'ranks': world_size}, path)  # the saved one, or consolidate.py
+
+
+def check_pipeline(cfg, world_size, stage_file, schedules):
+    """pipeline.py: n_layer cut into pp stages (of virtual_stages chunks each), the batch into microbatches,
+    enough of them to fill the schedule's pipeline (schedules: pipeline.py's, by name); a resume on its own
+    grid."""
+    path = rank_path(cfg.out_dir, stage_file, 0)
+    cfg, resumed = resumed_config(cfg, path, gpt2=False)
+    check_schedule(cfg, schedules, resumed)  # first: the checks below divide by its keys
+    m, p, v = cfg.n_microbatches, cfg.pp, cfg.virtual_stages
+    refuse(*shared_refusals(cfg, 'pipeline.py', data_parallel_size(world_size, pp=p), world_size),
+           (cfg.n_layer % (p * v), f"n_layer ({cfg.n_layer}) must be divisible by pp ({p}) x virtual_stages "
+                                   f"({v}): each stage gets n_layer/pp blocks, in virtual_stages chunks"),
+           (cfg.batch_size % m, f"batch_size ({cfg.batch_size}) must be divisible into n_microbatches ({m})"),
+           (cfg.schedule in ('1f1b', 'zb1') and m < p,
+            f"{cfg.schedule} needs n_microbatches ({m}) >= pp ({p}) to fill the pipeline"),
+           (cfg.schedule == 'interleaved' and m % p,
+            f"interleaved needs n_microbatches ({m}) to be a multiple of pp ({p}): groups of pp per chunk"),
+           resumed=resumed)
+    check_resume_grid(cfg, {'pp': p, 'virtual_stages': v}, path)
+
+
+def check_schedule(cfg, schedules, resumed=None):
+    """The schedule's keys, checked first (the others divide by them), and what no pipeline can run;
+    parallel_4d's check too. resumed: as refuse takes it."""
+    s, v, m = cfg.schedule, cfg.virtual_stages, cfg.n_microbatches
+    refuse((cfg.n_expert and cfg.aux_loss_style == 'hf' and cfg.pp > 1, "aux_loss_style='hf' (a converted "
+            "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "
+            "--aux_loss_style=switch"),
+           (s not in schedules, f"--schedule={s} is not one of {', '.join(schedules)}"),
+           (v < 1 or (v > 1 and s != 'interleaved'),
+            f"--virtual_stages={v} must be 1, or more with --schedule=interleaved (got --schedule={s})"),
+           (cfg.pp == 1 and (v > 1 or s == 'zb1'),  # (pp < 1: the world size's check)
+            f"--schedule={s} --virtual_stages={v} needs pp >= 2 (with chunks a stage is its own neighbour; "
+            "zb1 has no bubble to fill)"),
+           (m < 1, f"--n_microbatches={m} must be at least 1"),
+           (s == 'zb1' and cfg.activation_checkpointing, "zb1 with --activation_checkpointing=True "
+            "would re-run each block's forward once per weight module (W is one short backward per module, "
+            "and each recomputes the checkpointed block): drop one of them"), resumed=resumed)
+
+
+def check_context_parallel(cfg, world_size):
+    """context_parallel.py: every sequence in 2 x cp equal chunks, whole heads for Ulysses' all-to-all, no
+    dropout (a resume: train.py's ckpt.pt, which every rank holds whole)."""
+    dp = data_parallel_size(world_size, cp=cfg.cp)  # (names the flag to change)
+    cfg, resumed = resumed_config(cfg, os.path.join(cfg.out_dir, 'ckpt.pt'))
+    n_kv_head = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    refuse(*shared_refusals(cfg, 'context_parallel.py', dp, world_size),
+           (cfg.cp_attention not in ('ring', 'ulysses'),
+            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
+           (cfg.block_size % (2 * cfg.cp), f"block_size ({cfg.block_size}) must be divisible by 2 x cp = "
+            f"{2 * cfg.cp}: each rank holds two equal chunks of every sequence (zig-zag)"),
+           (cfg.cp_attention == 'ulysses' and (cfg.n_head % cfg.cp or n_kv_head % cfg.cp),
+            f"ulysses needs n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) divisible by cp={cfg.cp}: its "
+            f"all-to-all gives each rank whole heads"),
+           (cfg.dropout != 0.0, f"context_parallel.py needs dropout=0.0, got {cfg.dropout}: attention's "
+            f"dropout would have to be replayed block by block in the ring's backward"), resumed=resumed)
+
+
+def check_expert_parallel(cfg, world_size, rank_file):
+    """expert_parallel.py: a mixture of experts, n_expert/ep whole experts on each ep rank; a resume on its
+    own grid."""
+    path = rank_path(cfg.out_dir, rank_file, 0)
+    cfg, resumed = resumed_config(cfg, path, gpt2=False)  # (GPT-2: dense)
+    model_config(cfg, 256)  # (the model's own checks; configure's: at least one MoE layer)
+    refuse((cfg.n_expert == 0, "n_expert=0: a dense model has no experts to split over ep ranks; pass "
+            "--n_expert=4 --n_expert_active=2 (a mixture of experts), or train a dense model with "
+            "train_ddp.py"), resumed=resumed)
+    data_parallel_size(world_size, ep=cfg.ep)  # ep divides the world (the next checks divide by it)
+    refuse((cfg.n_expert % cfg.ep, f"n_expert ({cfg.n_expert}) must be divisible by ep={cfg.ep}: each ep "
+            "rank holds n_expert/ep whole experts of every layer"),
+           *shared_refusals(cfg, 'expert_parallel.py', world_size, world_size),  # (every rank is a dp rank)
+           resumed=resumed)
+    check_resume_grid(cfg, {'ep': cfg.ep, 'ranks': world_size}, path)
+
+
+def check_parallel_4d(cfg, world_size, rank_file, grid_of, schedules):
+    """parallel_4d.py: every cut above on one grid (grid_of(cfg, world_size): how this run cuts the model,
+    which a resume must match). Returns dp."""
+    path = rank_path(cfg.out_dir, rank_file, 0)
+    cfg, resumed = resumed_config(cfg, path, gpt2=False)
+    check_schedule(cfg, schedules, resumed)  # first: the checks below divide by its keys
+    dp = data_parallel_size(world_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
+    m, n_kv_head = cfg.n_microbatches, cfg.n_kv_head or cfg.n_head
+    heads = cfg.tp * (cfg.cp if cfg.cp_attention == 'ulysses' else 1)
+    refuse((cfg.cp_attention not in ('ring', 'ulysses'),
+            f"--cp_attention={cfg.cp_attention} is not one of ring, ulysses"),
+           *shared_refusals(cfg, 'parallel_4d.py', dp, world_size),
+           (cfg.ep > 1 and not cfg.n_expert, f"--ep={cfg.ep} needs a mixture of experts: pass --n_expert=4 "
+            "--n_expert_active=2"),
+           (cfg.ep < 1 or (dp * cfg.cp) % cfg.ep, f"ep ({cfg.ep}) must divide dp x cp = {dp * cfg.cp}: the "
+            "ep groups are taken from the ranks that hold the same weights"),
+           (cfg.n_expert % (cfg.ep * cfg.tp), f"n_expert ({cfg.n_expert}) must be divisible by ep x tp = "
+            f"{cfg.ep * cfg.tp}: each rank holds n_expert/(ep·tp) whole experts of every MoE layer"),
+           (cfg.n_head % heads or n_kv_head % heads, f"n_head ({cfg.n_head}) and n_kv_head ({n_kv_head}) "
+            f"must be divisible by tp{' x cp' if heads != cfg.tp else ''} = {heads}: each rank holds whole "
+            "heads"),
+           (cfg.n_layer % (cfg.pp * cfg.virtual_stages), f"n_layer ({cfg.n_layer}) must be divisible by pp x "
+            f"virtual_stages = {cfg.pp * cfg.virtual_stages}"),
+           (cfg.batch_size % m or (cfg.schedule != 'gpipe' and m < cfg.pp)
+            or (cfg.schedule == 'interleaved' and m % cfg.pp),
+            f"batch_size ({cfg.batch_size}) must split into n_microbatches ({m}), at least pp ({cfg.pp}) of "
+            "them for 1f1b and zb1 (a multiple: interleaved)"),
+           (cfg.block_size % (2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)),
+            f"block_size ({cfg.block_size}) must be divisible by 2 x cp (x tp with sequence_parallel)"),
+           (cfg.cp > 1 and (cfg.dropout != 0.0 or cfg.sequence_parallel), "with cp > 1, dropout must be 0.0 "
+            "and sequence_parallel False (the ring cannot replay dropout; sequence parallelism inside a cp "
+            "chunk is not composed here)"),
+           (cfg.init_from == 'resume' and not os.path.exists(path),
+            f"init_from=resume but there is no checkpoint at {path} (resume needs the same grid)"),
+           resumed=resumed)
+    check_resume_grid(cfg, grid_of(cfg, world_size), path)
+    return dp

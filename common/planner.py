@@ -280,7 +280,7 @@ def comm_per_step(gptconf, k, s, b, m, numel, mixed_precision):
         parts['tp'] = ((per_layer * L + edges) * m, (4 * L + 5) * m * (2 if k['sp'] else 1))
     # the busiest stage: a middle one, or the first, which with tied embeddings also all-reduces the
     if p > 1:
-        # tied weight's gradient with the last stage once a step (pipeline.py's embed_comm, as Megatron does);
+        # tied weight's gradient with the last stage once a step (embed_comm, as Megatron does);
         # it and the stream are fp32 under autocast, bf16 where the grid's ZeRO-1 keeps bf16 weights
         stream = stream_bytes(mixed_precision, stage)
         tied = formulas.comm_bytes_formula(gptconf.vocab_size * h, 2, 0, stream) * gptconf.tie_embeddings

@@ -135,6 +135,21 @@ def assert_config_error(main, argv, world_size, message, monkeypatch):
     assert isinstance(code, str) and code.startswith('error:') and message in code and '\n' not in code, code
 
 
+def refusals_of(script):
+    """A script's table of refusals as check(cfg, world_size), given what the script's main gives it: a
+    model-parallel script's is in common/model_parallel.py (with the script's rank files and schedules), the
+    others' in the script (check_config)."""
+    import importlib
+    from common import model_parallel as mp
+    s = importlib.import_module(script)
+    return {'tensor_parallel': lambda cfg, world: mp.check_tensor_parallel(cfg, world, s.RANK_FILE),
+            'pipeline': lambda cfg, world: mp.check_pipeline(cfg, world, s.STAGE_FILE, s.SCHEDULES),
+            'context_parallel': mp.check_context_parallel,
+            'expert_parallel': lambda cfg, world: mp.check_expert_parallel(cfg, world, s.RANK_FILE),
+            'parallel_4d': lambda cfg, world: mp.check_parallel_4d(cfg, world, s.RANK_FILE, s.run_grid, s.SCHEDULES),
+            }.get(script) or s.check_config
+
+
 _TRAIN_PY_RUNS = {}
 
 

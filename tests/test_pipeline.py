@@ -14,6 +14,7 @@ from helpers import (LoopbackFlood, TINY, assert_config_error, assert_same_losse
                      train_losses, stdlib_vocab, train_py_reference)
 
 from common import formulas
+from common.model_parallel import embed_comm
 
 LAYOUTS = {
     'gpt2': dict(),  # tied embeddings: the first stage's wte and the last stage's lm_head are kept equal
@@ -83,7 +84,7 @@ def _one_case(rank, world_size, p, schedule, layout):
 
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // p, pp=p)
     dp_rank, stage = coords['dp'], coords['pp']
-    embed = pipeline.embed_comm(grid, rank, config.tie_embeddings)
+    embed = embed_comm(grid, rank, config.tie_embeddings)
     pp_group, embed_group = comms['pp'].group, embed.group if embed is not None else None
     out = {}
 
@@ -298,7 +299,7 @@ def _step_calls(rank, world_size):
     torch.manual_seed(1337)
     model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0, bias=False))
     grid, coords, comms = process_grid(world_size, rank, dp=1, pp=2)
-    embed = pipeline.embed_comm(grid, rank, True)
+    embed = embed_comm(grid, rank, True)
     st = pipeline.Stage(model, pipeline.keep_stage(model, coords['pp'], 2), coords['pp'], 2, grid[0, :, 0, 0],
                         (2, 16, 16), 'cpu', torch.autocast('cpu', enabled=False), comms['pp'])
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
@@ -342,7 +343,7 @@ def _clipped_grads(rank, world_size, layout):
         {n: p.grad.clone() for n, p in full.named_parameters() if p.grad is not None}))
     cfg = SimpleNamespace(batch_size=4, n_microbatches=2, block_size=16, schedule='1f1b', device='cpu', grad_clip=0.05)
     pipeline.train_step(st, optimizer, [(x, y)], cfg, Comm(None, 'dp', alone=True),
-                        pipeline.embed_comm(grid, rank, full.config.tie_embeddings))
+                        embed_comm(grid, rank, full.config.tie_embeddings))
     return norm, max(_rel_err(g, want[n]) for n, g in got.items()), sorted(got)
 
 

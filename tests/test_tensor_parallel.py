@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from consolidate import consolidate
-from helpers import (LoopbackFlood, TINY, assert_same_losses, check, read_log, run_script, run_train_py_here,
+from helpers import (LoopbackFlood, TINY, assert_same_losses, check, read_log, refusals_of, run_script, run_train_py_here,
                      spawn, train_losses, train_py_reference)
 
 from common import formulas, model_parallel
@@ -476,23 +476,23 @@ def _cfg(**over):
     (dict(tp=4, n_expert=6), 4, 'n_expert (6) must be divisible by tp=4'),
 ])
 def test_bad_config_is_one_clear_error(over, world, message):
-    import tensor_parallel as tpm
+    check = refusals_of('tensor_parallel')
     with pytest.raises(SystemExit) as e:
-        tpm.check_config(_cfg(**over), world)
+        check(_cfg(**over), world)
     assert isinstance(e.value.code, str) and e.value.code.startswith('error: ') and message in e.value.code
-    tpm.check_config(_cfg(), 2)  # and the good one passes
+    check(_cfg(), 2)  # and the good one passes
 
 
 @pytest.mark.parametrize('saved_tp, saved_world', [(1, 2), (2, 4)])
 def test_resume_with_another_tp_or_world_says_what_to_do(tmp_path, saved_tp, saved_world):
     """Rank checkpoints saved with another tp or world size: one line naming the saved ones and consolidate.py,
-    before any work (check_config reads rank 0's file), instead of a load_state_dict traceback."""
+    before any work (the check reads rank 0's file), instead of a load_state_dict traceback."""
     import tensor_parallel as tpm
     for r in range(saved_world):  # the keys tensor_parallel.py saves that say how the model was cut
         torch.save({'grid': {'tp': saved_tp, 'ranks': saved_world}, 'config': {}, 'iter_num': 2},
                    os.path.join(tmp_path, tpm.RANK_FILE.format(r)))
     with pytest.raises(SystemExit) as e:
-        tpm.check_config(_cfg(tp=2, init_from='resume', out_dir=str(tmp_path)), 2)
+        refusals_of('tensor_parallel')(_cfg(tp=2, init_from='resume', out_dir=str(tmp_path)), 2)
     assert e.value.code.startswith(f"error: init_from=resume: {os.path.join(tmp_path, tpm.RANK_FILE.format(0))} was saved with "
                                    f"--tp={saved_tp} on {saved_world} ranks, this run has --tp=2 on 2 ranks"), \
         e.value.code

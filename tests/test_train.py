@@ -17,7 +17,8 @@ from common import checkpoints
 from common import training
 from common.config import TRAIN_DEFAULTS, configure, model_config
 from common.data import EVAL_STREAM, TRAIN_STREAM, get_batch, load_dataset
-from helpers import REPO, TINY, assert_same_losses, check, eval_losses, read_log, run_script, train_losses
+from helpers import (REPO, TINY, assert_same_losses, check, eval_losses, read_log, refusals_of, run_script,
+                     train_losses)
 
 TRAIN = 'train.py'
 
@@ -388,7 +389,7 @@ def test_a_resume_says_where_its_command_describes_another_model(tmp_path, capsy
         "--batch_size=4 --gradient_accumulation_steps=2)\n")
 
 
-# A resume's model is the checkpoint's whatever the command's flags say: each script's check_config judges that
+# A resume's model is the checkpoint's whatever the command's flags say: each script's refusals judge that
 # model. (script, the grid its rank 0's file says it was cut on, flags, the model key, a value the flags' model
 # cannot run, one it can)
 RESUMES = [('tensor_parallel', {'tp': 2, 'ranks': 2}, ['--tp=2'], 'n_head', 3, 4),
@@ -405,7 +406,7 @@ def test_a_resume_is_checked_against_the_model_it_resumes(tmp_path, script, grid
     and where it comes from, before any work (context_parallel.py's ulysses had run into a reshape traceback)."""
     import importlib
     module = importlib.import_module(script)
-    check = getattr(module, 'validate', None) or module.check_config
+    check = refusals_of(script)
     file = getattr(module, 'STAGE_FILE', getattr(module, 'RANK_FILE', 'ckpt.pt')).format(0)  # rank 0's
 
     def resume(saved, says):
@@ -438,7 +439,7 @@ def test_a_gpt2_start_is_checked_against_the_gpt2(tmp_path, script, flags):
             model_type='gpt2', n_positions=32, vocab_size=96, n_layer=2, n_head=n_head_saved, n_embd=12,
             layer_norm_epsilon=1e-5, activation_function='gelu_new')))
         argv = TINY + flags + [f'--n_head={n_head_flag}', f'--init_from={init_from}', f'--out_dir={tmp_path}']
-        return module.check_config(configure(module.config, argv), 2)
+        return refusals_of(script)(configure(module.config, argv), 2)
     start(gpt2, 4, 3)  # the command's 3 heads are not what runs: passes
     for init_from, says in ((gpt2, 'n_head=3'), ('gpt2-xl', 'n_head=25')):
         with pytest.raises(SystemExit) as e:
@@ -464,7 +465,7 @@ def test_a_script_that_starts_no_gpt2_says_so_first(script, flags):
     before a check judges the GPT-2's shape (pp=5 or tp=8 would not divide its 12 layers or heads)."""
     import importlib
     module = importlib.import_module(script)
-    check = getattr(module, 'validate', None) or module.check_config
+    check = refusals_of(script)
     with pytest.raises(SystemExit) as e:
         check(configure(module.config, TINY + flags + ['--init_from=gpt2']), 8)
     assert e.value.code.startswith("error: init_from must be 'scratch' or 'resume' here, got 'gpt2'"), e.value.code
