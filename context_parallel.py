@@ -38,7 +38,7 @@ from common.model_parallel import (AllToAll, along, average_gradients, check_con
                                    configure_adamw, group_comm, process_grid)
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-cp'              # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits for the others before failing
 cp = 2                          # context-parallel degree: ranks that split each sequence; world = dp * cp
@@ -383,7 +383,7 @@ def save(writer, model, optimizer, dp_cp, cfg, iter_num, best_val_loss, ckpt_pat
 
 def main(argv):
     cfg = configure(config, argv)
-    check_context_parallel(cfg, world_size_from_env())
+    check_context_parallel(cfg, world_size_from_env())  # what it refuses, and why: common/model_parallel.py
     rank, world_size = start_run(cfg)
     ctx = autocast_context('cuda' if cfg.device.startswith('cuda') else 'cpu', cfg.dtype)
     data, vocab_size = load_dataset(cfg.dataset)

@@ -34,7 +34,7 @@ from common.model_parallel import (AllToAll, along, average_gradients, check_exp
                                    group_comm, held_pieces, keep_own, process_grid)
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-ep'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_ep_rank<r>.pt, the same ep and world)
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
@@ -204,7 +204,7 @@ def rank_checkpoint(model, optimizer, ep, rank, cfg, world_size, iter_num, best_
 
 def main(argv):
     cfg = configure(config, argv)
-    check_expert_parallel(cfg, world_size_from_env(), RANK_FILE)
+    check_expert_parallel(cfg, world_size_from_env(), RANK_FILE)  # its refusals: common/model_parallel.py
     rank, _, world_size, device = init_distributed(cfg.dist_timeout)
     cfg.device = device if world_size > 1 else cfg.device
     comms = ep_comms(world_size, rank, cfg.ep)

@@ -45,7 +45,7 @@ from expert_parallel import cut_experts
 from model import balance_routers
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-4d'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_4d_rank{r}.pt, the same grid)
 sample_at_end = False           # (no sampling here: the model is in pieces)
@@ -191,6 +191,7 @@ def weight_groups(grid, rank, ep_size, tied):
 
 def main(argv):
     cfg = configure(config, argv)
+    # what the grid refuses, and why (one line, before any work): common/model_parallel.py
     dp_size = check_parallel_4d(cfg, world_size_from_env(), RANK_FILE, run_grid, SCHEDULES)
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=dp_size, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)

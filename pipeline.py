@@ -27,7 +27,7 @@ from common.model_parallel import (average_gradients, check_pipeline, configure_
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-pp'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch' or 'resume' (out_dir/ckpt_stage{r}.pt)
 sample_at_end = False           # (no sampling here: consolidate, then python sample.py)
@@ -468,7 +468,7 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
 
 def main(argv):
     cfg = configure(config, argv)
-    check_pipeline(cfg, world_size_from_env(), STAGE_FILE, SCHEDULES)
+    check_pipeline(cfg, world_size_from_env(), STAGE_FILE, SCHEDULES)  # (its refusals: model_parallel.py)
     rank, world_size = start_run(cfg)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)

@@ -36,7 +36,7 @@ from common.model_parallel import (all_gather_seq, average_gradients, check_tens
 from model import MoE, balance_routers, moe_loss
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-tp'              # each script its own folder: runs never overwrite one another
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt_rank<r>.pt) or a GPT-2 name: 'gpt2', ...
 dist_timeout = 60               # seconds a rank waits for the others before failing
@@ -464,7 +464,7 @@ def rank_checkpoint(model, layout, optimizer, tp, dp_rank, cfg, world_size, iter
 
 def main(argv):
     cfg = configure(config, argv)
-    check_tensor_parallel(cfg, world_size_from_env(), RANK_FILE)
+    check_tensor_parallel(cfg, world_size_from_env(), RANK_FILE)  # its refusals: common/model_parallel.py
     rank, world_size = start_run(cfg)
     grid, coords, comms = process_grid(world_size, rank, dp=world_size // cfg.tp, tp=cfg.tp)
     tp, dp = TensorParallel(comms['tp'], cfg.sequence_parallel), comms['dp']

@@ -30,7 +30,7 @@ from common.distributed import Comm, finish_distributed, init_distributed, world
 from model import balance_routers
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-ddp'             # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 config = config_defaults(globals())

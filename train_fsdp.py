@@ -39,7 +39,7 @@ from model import balance_routers
 
 SHARDED = 'ckpt_dcp'  # the checkpoint: a folder of torch.distributed.checkpoint's shards in out_dir
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-fsdp'            # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds a rank waits in a collective for the others before it fails
 measure_every = 0               # measure and report every this many steps too; 0: the first step only

@@ -35,7 +35,7 @@ from common.distributed import (Comm, clip_grad_norm, default_bucket_size, finis
 from zero3 import block_groups, end_backward, free, install_stage_3_hooks, start_sharded
 
 # -----------------------------------------------------------------------------
-# config: train.py's keys (config.TRAIN_DEFAULTS; `--help` lists them all), and these
+# config: train.py's keys (common/config.py's TRAIN_DEFAULTS; `--help` lists them all), and these
 out_dir = 'out-zero'            # each script its own folder: runs never overwrite one another
 dist_timeout = 60               # seconds before a rank gives up on a dead peer
 measure_every = 0               # measure and report every this many steps too; 0: the first step only

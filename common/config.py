@@ -2,7 +2,8 @@
 A run's config, nanoGPT's way: the keys every training script shares (TRAIN_DEFAULTS) and each script's own,
 overridden by `python X.py [config/file.py ...] [--key=value ...]` in order (configure); `--help` lists them.
 An unknown key, a wrong type or a value no script can run is one line before any work, and so is each
-script's table of refusals (refuse, with the rows every parallel script's table starts with).
+script's table of refusals (refuse, with the rows every parallel script's table starts with; the
+model-parallel scripts' tables are in common/model_parallel.py).
 """
 
 import ast

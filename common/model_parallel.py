@@ -318,8 +318,9 @@ def check_pipeline(cfg, world_size, stage_file, schedules):
 
 
 def check_schedule(cfg, schedules, resumed=None):
-    """The schedule's keys, checked first (the others divide by them), and what no pipeline can run;
-    parallel_4d's check too. resumed: as refuse takes it."""
+    """The schedule's keys, checked first (the others divide by them), and what no pipeline can run:
+    check_pipeline and check_parallel_4d run it first. schedules: pipeline.SCHEDULES (by name); resumed: as
+    refuse takes it."""
     s, v, m = cfg.schedule, cfg.virtual_stages, cfg.n_microbatches
     refuse((cfg.n_expert and cfg.aux_loss_style == 'hf' and cfg.pp > 1, "aux_loss_style='hf' (a converted "
             "Mixtral's loss) pools the routing of every MoE layer, which the stages split: pass "

@@ -1,8 +1,8 @@
 """
-What every training loop shares, named once so that each script's main() reads like train.py's: the LR
-schedule, evaluation, MFU, the log line and log.jsonl, the loop itself (training_loop, with its one seam for
-a measured step) and run_main (a bad input is one line on every rank). The config is common/config.py's, the
-data common/data.py's.
+What every training loop shares, named once so that each script's main() reads like train.py's: the run's
+start (start_run), the LR schedule, autocast, evaluation, MFU, the log line and log.jsonl, the loop itself
+(training_loop, with its one seam for a measured step), the closing sample and run_main (a bad input is one
+line on every rank). The config is common/config.py's, the data common/data.py's.
 """
 
 import contextlib

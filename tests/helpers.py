@@ -136,9 +136,8 @@ def assert_config_error(main, argv, world_size, message, monkeypatch):
 
 
 def refusals_of(script):
-    """A script's table of refusals as check(cfg, world_size), given what the script's main gives it: a
-    model-parallel script's is in common/model_parallel.py (with the script's rank files and schedules), the
-    others' in the script (check_config)."""
+    """A model-parallel script's table of refusals (common/model_parallel.py) as check(cfg, world_size), given
+    what the script's main gives it: its rank files, its schedules."""
     import importlib
     from common import model_parallel as mp
     s = importlib.import_module(script)
@@ -146,8 +145,8 @@ def refusals_of(script):
             'pipeline': lambda cfg, world: mp.check_pipeline(cfg, world, s.STAGE_FILE, s.SCHEDULES),
             'context_parallel': mp.check_context_parallel,
             'expert_parallel': lambda cfg, world: mp.check_expert_parallel(cfg, world, s.RANK_FILE),
-            'parallel_4d': lambda cfg, world: mp.check_parallel_4d(cfg, world, s.RANK_FILE, s.run_grid, s.SCHEDULES),
-            }.get(script) or s.check_config
+            'parallel_4d': lambda cfg, world: mp.check_parallel_4d(cfg, world, s.RANK_FILE, s.run_grid,
+                                                                   s.SCHEDULES)}[script]
 
 
 _TRAIN_PY_RUNS = {}

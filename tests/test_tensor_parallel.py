@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from consolidate import consolidate
-from helpers import (LoopbackFlood, TINY, assert_same_losses, check, read_log, refusals_of, run_script, run_train_py_here,
-                     spawn, train_losses, train_py_reference)
+from helpers import (LoopbackFlood, TINY, assert_same_losses, check, read_log, refusals_of, run_script,
+                     run_train_py_here, spawn, train_losses, train_py_reference)
 
 from common import formulas, model_parallel
 
@@ -476,11 +476,11 @@ def _cfg(**over):
     (dict(tp=4, n_expert=6), 4, 'n_expert (6) must be divisible by tp=4'),
 ])
 def test_bad_config_is_one_clear_error(over, world, message):
-    check = refusals_of('tensor_parallel')
+    refusals = refusals_of('tensor_parallel')
     with pytest.raises(SystemExit) as e:
-        check(_cfg(**over), world)
+        refusals(_cfg(**over), world)
     assert isinstance(e.value.code, str) and e.value.code.startswith('error: ') and message in e.value.code
-    check(_cfg(), 2)  # and the good one passes
+    refusals(_cfg(), 2)  # and the good one passes
 
 
 @pytest.mark.parametrize('saved_tp, saved_world', [(1, 2), (2, 4)])
