@@ -30,6 +30,7 @@ import time
 
 import torch
 
+import context_parallel  # (its ring attention, timed alone for the predicted step: machine_rates)
 from common.plots import plot
 from common import plan_tables, planner, step_time
 from common.data import load_dataset
@@ -139,8 +140,7 @@ def bench_rows(world_size, n_microbatches, max_iters=12):
         'train_moe': ('train.py', MOE, 1),
         'ep': ('expert_parallel.py', [f'--ep={w}'] + MOE, w),
         'tp_moe': ('tensor_parallel.py', [f'--tp={w}'] + MOE, w),  # whole experts spread over the tp ranks
-        # the grid with experts: ep 2 folded into dp; one microbatch a micro-step, so that the routing (and
-        # the auxiliary loss) sees the tokens train.py's forward does
+        # the grid with experts (ep 2 folded into dp), a microbatch a micro-step: routed as train.py's
         'grid_pp_tp_ep': ('parallel_4d.py', ['--pp=2', '--tp=2', '--ep=2', '--schedule=gpipe',
                                              '--n_microbatches=1'] + MOE, 4 * w),
         # the grid: dp = world_size again, times 2 x 2 more processes (8 for the default world_size of 2)
@@ -399,7 +399,7 @@ def run_bench(args):
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
     moe = planner.gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows)
-    predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe)
+    predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe, context_parallel)
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)

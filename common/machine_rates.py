@@ -2,17 +2,19 @@
 This machine's measured rates, at which common/step_time.py prices a bench row's step: one process's compute
 on the model (measure_compute; with its buffers mapped afresh, as zero.py's stage 3 and train_fsdp.py run:
 measure_mapped; the MoE model's: moe_rates), each kind of collective's time on gloo at each size (a short
-sweep: sweep_rounds, each call posted after some compute as in training), the wait for the slower rank that
-a call adds after more compute (waits_after_compute), and both again with a grid's processes all computing
-and calling at once (crowded_rates). They are kept in the bench's out folder
-(machine.json; the sweep's in sweep.json) and measured again when the model, the processes, the cores or torch
-change, or with --remeasure.
+sweep: sweep_rounds, each call posted after some compute as in training), the wait for the slower rank that a
+call adds after more compute (waits_after_compute), both again with a grid's processes all computing and
+calling at once (crowded_rates), and context_parallel.py's ring attention of one layer timed alone
+(ring_attention_seconds: its blocks' attention in small ops of its own, which the FLOPs rate does not price).
+They are kept in the bench's out folder (machine.json; the sweep's in sweep.json) and measured again when the
+model, the processes, the cores or torch change, or with --remeasure.
 """
 
 import json
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ import torch.multiprocessing as mp
 from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from model import GPT
 
-VERSION = 7  # of machine.json: a file from another version is measured again
+VERSION = 8  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
@@ -224,12 +226,44 @@ def crowded_rates(folder, rates, n, configs, batch_size):
     return rates['crowded']
 
 
-def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False):
-    """The measured rates (measure_compute's, each kind of collective's times), from folder/machine.json when
-    it was measured for this model, these processes and this torch; else measured now (seconds) and kept."""
+class CopyRing:
+    """A ring of one process, for timing a ring's own compute: what rank 0 sends comes straight back as the
+    block it receives (a Comm's rank, size, global_rank and send_recv, without the network)."""
+
+    def __init__(self, size):
+        self.rank, self.size = 0, size
+
+    def global_rank(self, rank):
+        return rank
+
+    def send_recv(self, sends, recvs, kind=None):
+        for (tensor, _), (buffer, _) in zip(sends, recvs):
+            buffer.copy_(tensor)
+        return [], []
+
+
+def ring_attention_seconds(cp_script, config, batch_size, world_size, threads):
+    """The seconds of one layer's ring attention on rank 0 of world_size ranks, forward and backward, on a
+    bench micro-batch (batch_size sequences, the rank's two chunks of each): the ring's blocks and merges as
+    context_parallel.py computes them (cp_script: that module, handed in by bench.py, as a helper imports no
+    script), its exchanges replaced by copies (CopyRing): its compute alone."""
+    torch.set_num_threads(threads)
+    head, tokens = config.n_embd // config.n_head, config.block_size // world_size
+    cp = SimpleNamespace(group=CopyRing(world_size),
+                         positions=cp_script.zigzag_positions(config.block_size, world_size, 0))
+    q, k, v = (torch.randn(batch_size, n, tokens, head, requires_grad=True)
+               for n in (config.n_head, config.n_kv_head or config.n_head, config.n_kv_head or config.n_head))
+    return timed(lambda: cp_script.RingAttention.apply(q, k, v, cp).sum().backward(), 10)
+
+
+def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, cp_script=None):
+    """The measured rates (measure_compute's, each kind of collective's times; with cp_script, the ring
+    attention's), from folder/machine.json when it was measured for this model, these processes and this
+    torch; else measured now (seconds) and kept."""
     key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
                                          batch_size, config.n_expert, config.n_expert_active],
-           'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count()}
+           'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count(),
+           'ring': cp_script is not None}
     path = os.path.join(folder, 'machine.json')
     if not remeasure and os.path.exists(path):
         kept = json.load(open(path))
@@ -239,6 +273,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
     collectives, waits = measure_collectives(world_size, threads, folder) if world_size > 1 else ({}, [])
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives, waits=waits,
                  mapped=measure_mapped(config, batch_size, threads, folder))
+    if cp_script is not None and world_size > 1:
+        rates['ring_attention_s'] = ring_attention_seconds(cp_script, config, batch_size, world_size, threads)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates

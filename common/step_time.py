@@ -9,7 +9,8 @@ kept by common/machine_rates.py (its functions named below).
   update (clip, AdamW) of its share of the model. zero.py's stage 3 and train_fsdp.py map each buffer of 1 MB
   or more afresh (distributed.return_freed_buffers_to_the_os), so its pages fault in again: they are priced
   at rates measured so (machine_rates.measure_mapped), plus the fresh buffers their own code fills. ep,
-  tp_moe: their busiest rank's experts;
+  tp_moe: their busiest rank's experts. cp_ring's attention: the ring's own blocks and merges, timed alone on
+  a layer (machine_rates.ring_attention_seconds), in place of its FLOPs at the model's rate;
 - communication: each collective the strategy makes in a step, counted from the scripts (row_work), at the
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
@@ -109,8 +110,11 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
         sends = 2 * (3 * (w - 1) + 1)  # (k and v, or their gradients: two sends each time)
         attention = (('send', ring / sends, sends * L * w) if name == 'cp_ring' else
                      ('all_to_all', act // w, 8 * L * w))
-        return work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),
-                                  scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
+        priced = work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),
+                                    scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
+        # the ring's attention: a layer of each of the rank's w micro-batches, and their attention FLOPs
+        # (12·L·d·s a token: model.flops_per_token's), to price at its own measured time (predict_ms)
+        return dict(priced, ring=(L * w, 12 * L * h * s * batch_size * s)) if name == 'cp_ring' else priced
     return None
 
 
@@ -271,13 +275,17 @@ def wait_seconds(waits, gap):
 def predict_ms(work, rates):
     """(ms, its compute, its communication, of which waiting) of a step: work from row_work, rates from
     machine_rates (a row that maps its buffers afresh at the rates measure_mapped measured, and its fresh
-    buffers filled). The calls inside the step (not the bursts) each wait for the slower rank (wait_seconds)
-    after the step's compute spread evenly over them."""
+    buffers filled; cp_ring's attention at the ring's measured seconds a layer, where they were measured). The
+    calls inside the step (not the bursts) each wait for the slower rank (wait_seconds) after the step's
+    compute spread evenly over them."""
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
     compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
                work['update'] * rates['update_s'] + fresh)
+    layers, flops = work.get('ring', (0, 0))
+    if 'ring_attention_s' in rates:  # the ring's attention at its measured seconds, not its FLOPs at the rate
+        compute += layers * rates['ring_attention_s'] - flops / rates['flops_per_s']
     # the gap before each call inside the step: the compute the rank does (not a pipeline's idle bubble),
     # spread evenly over those calls. A simplification: DDP's and ZeRO's buckets come close together in
     # backward, a pipeline's sends one a slot; each kind of call is assumed to wait as the all-reduce does
@@ -298,6 +306,8 @@ def rates_line(rates, folder):
         text += f", an all-reduce {1e3 * t0:.2f} ms at {n0 >> 10} KiB and {1e3 * t1:.1f} ms at {n1 >> 20} MiB"
         text += ", a call's wait for the slower rank " + ', '.join(
             f"+{1e3 * w:.1f} ms after {1e3 * g:.0f} ms of compute" for g, w in rates['waits'][1:])
+    if 'ring_attention_s' in rates:
+        text += f", the ring's attention {1e3 * rates['ring_attention_s']:.1f} ms a layer (cp_ring)"
     return f"predicted ms/step (modelled, from rates measured on this machine: {text}; " \
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 
@@ -345,10 +355,11 @@ def grid_note(crowded, n):
             "512 KiB; their bubble unpriced: a rank waiting in it gives its core to another)"]
 
 
-def predicted_lines(results, args, vocab_size, moe_config=None):
+def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
     that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
-    (MOE_ROWS) on moe_config, with its own compute rates (moe_rates)."""
+    (MOE_ROWS) on moe_config, with its own compute rates (moe_rates). cp_script: context_parallel.py, whose
+    ring attention is timed (machine_rates.ring_attention_seconds)."""
     if torch.cuda.is_available() or args.dtype != 'float32':
         return ["(predicted step time: priced for float32 on a CPU's gloo processes only, not yet for "
                 f"{'GPUs' if torch.cuda.is_available() else args.dtype})"]
@@ -358,7 +369,7 @@ def predicted_lines(results, args, vocab_size, moe_config=None):
     grids = [n for n in GRIDS if results.get(n, {}).get('status') == 'ok']
     try:
         rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
-                              args.remeasure)
+                              args.remeasure, cp_script)
         on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
         crowded = grid_rates(args, rates, config, moe_config, grids) if grids else {}
     except Exception as e:  # (a broken sweep must not lose the bench's results)

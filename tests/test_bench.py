@@ -185,7 +185,35 @@ def test_the_predicted_step_is_compute_plus_every_call_at_its_latency_and_bandwi
     assert step_time.ddp_buckets(60 << 20) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]  # DDP's: 1 MiB first
 
 
-def test_each_call_inside_the_step_waits_for_the_slower_rank_as_the_sweep_measured_after_that_compute():
+def test_the_ring_attention_is_priced_at_its_measured_time_in_place_of_its_flops():
+    """cp_ring's attention, given by hand: 4 layers of 5 ms each measured, in place of its 1e8 FLOPs at 1e9
+    FLOP/s (100 ms): 200 + 20 - 100 ms of compute. Rates measured without the ring (no ring_attention_s) price
+    its FLOPs as before."""
+    from common import step_time
+    rates = {'flops_per_s': 1e9, 'pass_fixed_s': 0.0, 'update_s': 0.0, 'collectives': {}, 'waits': [],
+             'ring_attention_s': 5e-3}
+    work = {'flops': 2e8, 'pieces': 0, 'update': 0, 'calls': [], 'ring': (4, 1e8)}
+    assert step_time.predict_ms(work, rates) == pytest.approx((120.0, 120.0, 0.0, 0.0))
+    assert step_time.predict_ms(work, {k: v for k, v in rates.items() if k != 'ring_attention_s'}) == \
+        pytest.approx((200.0, 200.0, 0.0, 0.0))
+    assert "the ring's attention 5.0 ms a layer (cp_ring)" in step_time.rates_line(rates, 'out')
+
+
+def test_the_ring_attention_is_timed_on_context_parallel_py_s_own_blocks():
+    """machine_rates.ring_attention_seconds runs context_parallel.py's RingAttention itself (its exchanges
+    copies): the blocks rank 0 of the ring computes, forward and backward, each time it is timed."""
+    import context_parallel
+    from common import machine_rates
+    from model import GPTConfig
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
+    calls = []
+    ring = context_parallel.RingAttention.apply
+    script = type('script', (), {'zigzag_positions': staticmethod(context_parallel.zigzag_positions),
+                                 'RingAttention': type('ring', (), {'apply': staticmethod(
+                                     lambda q, k, v, cp: calls.append(q.shape) or ring(q, k, v, cp))})})
+    seconds = machine_rates.ring_attention_seconds(script, config, 3, 2, 1)
+    assert seconds > 0 and calls == [(3, 2, 8, 8)] * 11  # one warm-up, 10 timed; 8 of the 16 tokens a rank
+
     """Rates given by hand: a call waits 2 ms more after 10 ms of compute than after 1 ms (the sweep's own
     gap), 4 ms after 30 ms. A step of 40 ms of compute and 4 calls inside it has 10 ms before each: 4 x 2 ms
     of waiting; a burst (posted back to back) waits for nothing; between the gaps linear, beyond the last
@@ -227,8 +255,9 @@ def test_each_row_sends_what_its_script_sends():
     """row_work's collectives for a 2-layer model on 2 ranks, counted by hand from the scripts: ZeRO-3 gathers
     each block and the root twice and reduces each once; tp all-reduces 4 times a layer and twice more
     (embedding, head) per micro-batch, plus the loss's 3 small ones."""
+    import torch
     from common import step_time
-    from model import GPTConfig
+    from model import GPT, GPTConfig
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
     block = 12 * 32 * 32 + 2 * 32  # c_attn, c_proj, c_fc, c_proj (no biases), two norms' weights
     numel = 2 * block + 64 * 32 + 16 * 32 + 32  # the blocks, wte (tied to the head), wpe, ln_f
@@ -255,6 +284,13 @@ def test_each_row_sends_what_its_script_sends():
     ring = step_time.row_work('cp_ring', config, 4, 2, 2)  # k and v sent on (2 calls), and back with their
     # gradients (2 steps, 2 calls each): a layer, a micro-batch (4 sequences x 8 tokens x 2 heads x 16, fp32)
     assert ring['calls'][0] == ('send', 4 * 8 * 32 * 4, (2 + 2 + 4) * 2 * 2)
+    # and its attention, priced at the ring's own measured time: a layer of each of its 2 micro-batches, whose
+    # attention FLOPs are model.flops_per_token's part that grows with the sequence (linearly: twice its growth
+    # from 8 tokens to 16), for 4 sequences x 16 tokens a rank
+    with torch.device('meta'):
+        gpt = GPT(config)
+    assert ring['ring'] == (2 * 2, 2 * (gpt.flops_per_token(16) - gpt.flops_per_token(8)) * 4 * 16)
+    assert 'ring' not in ulysses
     zb1 = step_time.row_work('pp_zb1', config, 4, 2, 2)  # ZB-H1's cool-down: W fills two thirds of the bubble
     assert zb1['pieces'] == pytest.approx(2 + 1 / 3) and zb1['calls'][0] == pp['calls'][0]
     moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,
