@@ -386,8 +386,9 @@ def record_for_torchrun(message, callstack):
 
 
 def first_sentence(error):
-    """An exception's first sentence, for a one-line error (a library's messages run to paragraphs)."""
-    return (str(error).splitlines() or [''])[0].split('. ')[0]
+    """An exception's first sentence, for a one-line error (a library's messages run to paragraphs): its first
+    line up to a full stop before a capital (not a '. ' inside a path: 'runs. old/ckpt.pt')."""
+    return re.split(r'\.\s+(?=[A-Z])', (str(error).splitlines() or [''])[0])[0]
 
 
 def run_main(main):

@@ -657,3 +657,13 @@ def test_a_busy_cpu_gets_one_line_on_what_to_expect(monkeypatch):
     assert 'OMP_NUM_THREADS=1' in note and note.count('\n') == 1 and training.busy_cpu_note('cuda') is None
     monkeypatch.setattr(training, 'cpu_busy_elsewhere', lambda: 0.1)
     assert training.busy_cpu_note('cpu') is None
+
+
+def test_an_errors_first_sentence_keeps_a_path_whole():
+    """training.first_sentence, the one-line errors of sample.py, consolidate.py and the GPT-2 readers: an
+    exception's first line up to a full stop before a capital; a '. ' inside a path is not one (it had cut
+    "No such file or directory: 'runs. old/ckpt.pt'" to "... 'runs")."""
+    missing = "[Errno 2] No such file or directory: 'runs. old/ckpt.pt'"
+    assert training.first_sentence(OSError(missing)) == missing
+    assert training.first_sentence(OSError("Not in the cache. Check your connection.\nMore")) == "Not in the cache"
+    assert training.first_sentence(ValueError('')) == ''
