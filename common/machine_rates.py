@@ -273,7 +273,7 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
     collectives, waits = measure_collectives(world_size, threads, folder) if world_size > 1 else ({}, [])
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives, waits=waits,
                  mapped=measure_mapped(config, batch_size, threads, folder))
-    if cp_script is not None and world_size > 1:
+    if cp_script is not None and world_size > 1 and config.block_size % (2 * world_size) == 0:  # (cp's rule)
         rates['ring_attention_s'] = ring_attention_seconds(cp_script, config, batch_size, world_size, threads)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)

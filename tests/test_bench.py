@@ -291,6 +291,8 @@ def test_each_row_sends_what_its_script_sends():
         gpt = GPT(config)
     assert ring['ring'] == (2 * 2, 2 * (gpt.flops_per_token(16) - gpt.flops_per_token(8)) * 4 * 16)
     assert 'ring' not in ulysses
+    deeper = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)  # on 4 ranks:
+    assert step_time.row_work('cp_ring', deeper, 4, 4, 2)['ring'][0] == 3 * 4  # a layer of each of 4 micro-batches
     zb1 = step_time.row_work('pp_zb1', config, 4, 2, 2)  # ZB-H1's cool-down: W fills two thirds of the bubble
     assert zb1['pieces'] == pytest.approx(2 + 1 / 3) and zb1['calls'][0] == pp['calls'][0]
     moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,
