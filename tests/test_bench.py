@@ -201,19 +201,32 @@ def test_the_ring_attention_is_priced_at_its_measured_time_in_place_of_its_flops
 
 def test_the_ring_attention_is_timed_on_context_parallel_py_s_own_blocks():
     """machine_rates.ring_attention_seconds runs context_parallel.py's RingAttention itself (its exchanges
-    copies): the blocks rank 0 of the ring computes, forward and backward, each time it is timed."""
+    copies): rank 0's queries, keys and values (grouped-query: 1 kv head for 2) and positions, forward and
+    backward, each time it is timed."""
     import context_parallel
+    from types import SimpleNamespace
     from common import machine_rates
     from model import GPTConfig
-    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
-    calls = []
-    ring = context_parallel.RingAttention.apply
-    script = type('script', (), {'zigzag_positions': staticmethod(context_parallel.zigzag_positions),
-                                 'RingAttention': type('ring', (), {'apply': staticmethod(
-                                     lambda q, k, v, cp: calls.append(q.shape) or ring(q, k, v, cp))})})
-    seconds = machine_rates.ring_attention_seconds(script, config, 3, 2, 1)
-    assert seconds > 0 and calls == [(3, 2, 8, 8)] * 11  # one warm-up, 10 timed; 8 of the 16 tokens a rank
+    config = GPTConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, block_size=16, vocab_size=32, bias=False)
+    calls, ring = [], context_parallel.RingAttention
 
+    class Counted(ring):
+        @staticmethod
+        def forward(ctx, q, k, v, cp):
+            calls.append(('F', tuple(q.shape), tuple(k.shape), cp.positions.tolist()))
+            return ring.forward(ctx, q, k, v, cp)
+
+        @staticmethod
+        def backward(ctx, dout):
+            calls.append('B')
+            return ring.backward(ctx, dout)
+    script = SimpleNamespace(zigzag_positions=context_parallel.zigzag_positions, RingAttention=Counted)
+    seconds = machine_rates.ring_attention_seconds(script, config, 3, 2, 1)
+    rank_0 = [0, 1, 2, 3, 12, 13, 14, 15]  # (the zig-zag: chunks 0 and 3 of 4)
+    assert seconds > 0 and calls == [('F', (3, 2, 8, 8), (3, 1, 8, 8), rank_0), 'B'] * 11  # a warm-up, 10 timed
+
+
+def test_each_call_inside_the_step_waits_for_the_slower_rank_as_the_sweep_measured_after_that_compute():
     """Rates given by hand: a call waits 2 ms more after 10 ms of compute than after 1 ms (the sweep's own
     gap), 4 ms after 30 ms. A step of 40 ms of compute and 4 calls inside it has 10 ms before each: 4 x 2 ms
     of waiting; a burst (posted back to back) waits for nothing; between the gaps linear, beyond the last
