@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.distributed import all_gather_single, return_freed_buffers_to_the_os
+from common.training import first_sentence
 from model import GPT
 
 VERSION = 8  # of machine.json: a file from another version is measured again
@@ -274,7 +275,11 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives, waits=waits,
                  mapped=measure_mapped(config, batch_size, threads, folder))
     if cp_script is not None and world_size > 1 and config.block_size % (2 * world_size) == 0:  # (cp's rule)
-        rates['ring_attention_s'] = ring_attention_seconds(cp_script, config, batch_size, world_size, threads)
+        try:  # (a failure loses the ring's price alone: cp_ring is then priced by its FLOPs, and says why)
+            rates['ring_attention_s'] = ring_attention_seconds(cp_script, config, batch_size, world_size,
+                                                               threads)
+        except Exception as e:
+            rates['ring_not_timed'] = f"{type(e).__name__}: {first_sentence(e)}"
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates

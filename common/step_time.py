@@ -112,9 +112,11 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
                      ('all_to_all', act // w, 8 * L * w))
         priced = work(1 / w, w, 1, [attention, ('all_reduce', 4 * numel, 1),
                                     scalars(w + 1)])  # (a loss per micro-batch, the step's; the clip: local)
-        # the ring's attention: a layer of each of the rank's w micro-batches, and their attention FLOPs
-        # (12·L·d·s a token: model.flops_per_token's), to price at its own measured time (predict_ms)
-        return dict(priced, ring=(L * w, 12 * L * h * s * batch_size * s)) if name == 'cp_ring' else priced
+        # the ring's attention: a layer of each of the rank's w micro-batches, and their attention FLOPs (the
+        # part of model.flops_per_token that grows with the sequence, linearly: s is even here), to price at
+        # its own measured time instead (predict_ms)
+        attention_flops = 2 * (model.flops_per_token(s) - model.flops_per_token(s // 2)) * batch_size * s
+        return dict(priced, ring=(L * w, attention_flops)) if name == 'cp_ring' else priced
     return None
 
 
@@ -307,7 +309,11 @@ def rates_line(rates, folder):
         text += ", a call's wait for the slower rank " + ', '.join(
             f"+{1e3 * w:.1f} ms after {1e3 * g:.0f} ms of compute" for g, w in rates['waits'][1:])
     if 'ring_attention_s' in rates:
-        text += f", the ring's attention {1e3 * rates['ring_attention_s']:.1f} ms a layer (cp_ring)"
+        ring_ms = 1e3 * rates['ring_attention_s']
+        text += f", the ring's attention {ring_ms:.1f} ms a layer (cp_ring; timed alone)"
+    elif 'ring_not_timed' in rates:
+        text += f", the ring's attention not timed ({rates['ring_not_timed']}: cp_ring's priced by its " \
+                "FLOPs)"
     return f"predicted ms/step (modelled, from rates measured on this machine: {text}; " \
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 
