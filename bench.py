@@ -30,7 +30,8 @@ import time
 
 import torch
 
-import context_parallel  # (its ring attention, timed alone for the predicted step: machine_rates)
+import context_parallel as cp_script  # (timed alone for the predicted step: the ring's attention,
+import tensor_parallel as tp_script  # a tp rank's pass)
 from common.plots import plot
 from common import plan_tables, planner, step_time
 from common.data import load_dataset
@@ -53,8 +54,7 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
     activations. Returns one dict per number."""
     by_name = {r['strategy']: r for r in rows}
     base = [args.estimate] + list(overrides) + CHECK_FLAGS + [f'--dtype={args.dtype}']
-    if args.seq_len:
-        base.append(f'--block_size={args.seq_len}')
+    base += [f'--block_size={args.seq_len}'] if args.seq_len else []
     runs = []
     # zero.py run with the DeepSpeed config of the cheapest strategy when that is a ZeRO stage, else of ZeRO-1
     # (the DDP row is priced as train_ddp.py holds it, which zero.py's stage 0 does not: it keeps bf16
@@ -399,7 +399,7 @@ def run_bench(args):
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
     moe = planner.gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows)
-    predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe, context_parallel)
+    predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe, cp_script, tp_script)
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)

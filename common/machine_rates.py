@@ -4,8 +4,10 @@ on the model (measure_compute; with its buffers mapped afresh, as zero.py's stag
 measure_mapped; the MoE model's: moe_rates), each kind of collective's time on gloo at each size (a short
 sweep: sweep_rounds, each call posted after some compute as in training), the wait for the slower rank that a
 call adds after more compute (waits_after_compute), both again with a grid's processes all computing and
-calling at once (crowded_rates), and context_parallel.py's ring attention of one layer timed alone
-(ring_attention_seconds: its blocks' attention in small ops of its own, which the FLOPs rate does not price).
+calling at once (crowded_rates), context_parallel.py's ring attention of one layer timed alone
+(ring_attention_seconds: its blocks' attention in small ops of its own, which the FLOPs rate does not price),
+and a tensor_parallel.py rank's pass timed alone on its slices (tp_pass_seconds: narrower matmuls, f's and g's
+copies).
 They are kept in the bench's out folder (machine.json; the sweep's in sweep.json) and measured again when the
 model, the processes, the cores or torch change, or with --remeasure.
 """
@@ -24,7 +26,7 @@ from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from common.training import first_sentence
 from model import GPT
 
-VERSION = 8  # of machine.json: a file from another version is measured again
+VERSION = 9  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
@@ -257,14 +259,57 @@ def ring_attention_seconds(cp_script, config, batch_size, world_size, threads):
     return timed(lambda: cp_script.RingAttention.apply(q, k, v, cp).sum().backward(), 10)
 
 
-def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, cp_script=None):
+class StillTP:
+    """A tp group of one process, for timing a tp rank's own compute: rank 0 of size ranks, whose collectives
+    leave its tensors as they are (an all-reduce does nothing; a gather repeats the rank's chunk, a
+    reduce-scatter keeps the first): a Comm's rank, size and calls, without the network."""
+
+    def __init__(self, size):
+        self.rank, self.size = 0, size
+
+    def all_reduce(self, x, *args, **kwargs):
+        return None
+
+    def all_gather(self, full, shard, async_op=False):
+        full.copy_(shard.repeat((self.size,) + (1,) * (shard.dim() - 1)))
+
+    def reduce_scatter(self, out, full, async_op=False):
+        out.copy_(full[:out.size(0)])
+
+
+def tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sequence_parallel=False):
+    """The seconds of a tp rank's forward and backward of one bench micro-batch on its slices of the model, as
+    tensor_parallel.py shards and runs it (tp_script: that module, handed in by bench.py), its collectives
+    replaced by StillTP's: its compute alone. Its matmuls are 1/world_size as wide as the whole model's, and
+    f and g copy the activations, so it runs below the rate measure_compute measured on the whole model."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = GPT(config)
+    tp = tp_script.TensorParallel(StillTP(world_size), sequence_parallel)
+    tp_script.shard_gpt(model, tp)
+    idx = torch.randint(config.vocab_size, (batch_size, config.block_size))
+    return timed(lambda: tp_script.tp_forward(model, idx, idx, tp)[1].backward(), 10)
+
+
+def time_alone(rates, key, measure):
+    """rates[key] = measure(), a part of a step timed alone; if it fails, that part alone loses its price (its
+    row is priced by its FLOPs) and rates['not_timed'][key] says why."""
+    try:
+        rates[key] = measure()
+    except Exception as e:
+        rates.setdefault('not_timed', {})[key] = f"{type(e).__name__}: {first_sentence(e)}"
+
+
+def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, cp_script=None,
+                  tp_script=None):
     """The measured rates (measure_compute's, each kind of collective's times; with cp_script, the ring
-    attention's), from folder/machine.json when it was measured for this model, these processes and this
-    torch; else measured now (seconds) and kept."""
+    attention's; with tp_script, a tp rank's pass, with and without sequence parallelism), from
+    folder/machine.json when it was measured for this model, these processes and this torch; else measured now
+    (seconds) and kept."""
     key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
                                          batch_size, config.n_expert, config.n_expert_active],
            'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count(),
-           'ring': cp_script is not None}
+           'ring': cp_script is not None, 'tp': tp_script is not None}
     path = os.path.join(folder, 'machine.json')
     if not remeasure and os.path.exists(path):
         kept = json.load(open(path))
@@ -275,11 +320,11 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives, waits=waits,
                  mapped=measure_mapped(config, batch_size, threads, folder))
     if cp_script is not None and world_size > 1 and config.block_size % (2 * world_size) == 0:  # (cp's rule)
-        try:  # (a failure loses the ring's price alone: cp_ring is then priced by its FLOPs, and says why)
-            rates['ring_attention_s'] = ring_attention_seconds(cp_script, config, batch_size, world_size,
-                                                               threads)
-        except Exception as e:
-            rates['ring_not_timed'] = f"{type(e).__name__}: {first_sentence(e)}"
+        time_alone(rates, 'ring_attention_s',
+                   lambda: ring_attention_seconds(cp_script, config, batch_size, world_size, threads))
+    for sp in (False, True) if tp_script is not None and world_size > 1 else ():
+        time_alone(rates, 'tp_sp_pass_s' if sp else 'tp_pass_s',
+                   lambda: tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sp))
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates

@@ -10,7 +10,9 @@ kept by common/machine_rates.py (its functions named below).
   or more afresh (distributed.return_freed_buffers_to_the_os), so its pages fault in again: they are priced
   at rates measured so (machine_rates.measure_mapped), plus the fresh buffers their own code fills. ep,
   tp_moe: their busiest rank's experts. cp_ring's attention: the ring's own blocks and merges, timed alone on
-  a layer (machine_rates.ring_attention_seconds), in place of its FLOPs at the model's rate;
+  a layer (machine_rates.ring_attention_seconds), in place of its FLOPs at the model's rate; tp's and tp_sp's
+  passes: a rank's pass on its slices timed alone (machine_rates.tp_pass_seconds), in place of the pass's
+  fixed cost and its FLOPs at the model's rate (its matmuls are narrower, f and g copy the activations);
 - communication: each collective the strategy makes in a step, counted from the scripts (row_work), at the
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
@@ -95,6 +97,8 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
             per_micro += [('all_reduce', batch_size * s * config.n_expert_active * 4,
                            sum(map(config.is_moe, range(L))))]
         even = work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
+        if name != 'tp_moe':  # its w passes, each at a tp rank's pass timed alone on its slices (predict_ms)
+            even['passes'] = ('tp_sp_pass_s' if name == 'tp_sp' else 'tp_pass_s', w)
         return dict(even, flops=even['flops'] + busiest)
     if name == 'ep':
         even = expert_parallel_work(model, batch_size, w, work, scalars)
@@ -277,14 +281,18 @@ def wait_seconds(waits, gap):
 def predict_ms(work, rates):
     """(ms, its compute, its communication, of which waiting) of a step: work from row_work, rates from
     machine_rates (a row that maps its buffers afresh at the rates measure_mapped measured, and its fresh
-    buffers filled; cp_ring's attention at the ring's measured seconds a layer, where they were measured). The
+    buffers filled; cp_ring's attention at the ring's measured seconds a layer, tp's and tp_sp's passes at a
+    rank's pass timed alone, where they were measured). The
     calls inside the step (not the bursts) each wait for the slower rank (wait_seconds) after the step's
     compute spread evenly over them."""
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
-    compute = (work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s'] +
-               work['update'] * rates['update_s'] + fresh)
+    passes = work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s']  # fwd + bwd
+    timed_pass, count = work.get('passes', (None, 0))
+    if timed_pass in rates:  # tp: each pass at a tp rank's pass timed alone on its slices (not the whole
+        passes = count * rates[timed_pass]  # model's rates: its matmuls are narrower, f and g copy)
+    compute = passes + work['update'] * rates['update_s'] + fresh
     layers, flops = work.get('ring', (0, 0))
     if 'ring_attention_s' in rates:  # the ring's attention at its measured seconds, not its FLOPs at the rate
         compute += layers * rates['ring_attention_s'] - flops / rates['flops_per_s']
@@ -299,8 +307,16 @@ def predict_ms(work, rates):
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm, 1000 * waiting
 
 
-def rates_line(rates, folder):
-    """What the prediction stands on, in one line: the rates measured on this machine, and where they are."""
+# the parts of a step timed alone (machine_rates.time_alone): (their key in the rates, what, of what, the row
+# they price)
+TIMED_ALONE = (('ring_attention_s', "the ring's attention", ' a layer', 'cp_ring'),
+               ('tp_pass_s', "a tp rank's pass", ' a micro-batch', 'tp'),
+               ('tp_sp_pass_s', "a tp_sp rank's pass", ' a micro-batch', 'tp_sp'))
+
+
+def rates_line(rates, folder, rows=None):
+    """What the prediction stands on, in one line: the rates measured on this machine (the parts timed alone
+    for the rows among `rows` only, where given), and where they are."""
     text = (f"a pass's fixed cost {1e3 * rates['pass_fixed_s']:.1f} ms, FLOPs at "
             f"{rates['flops_per_s'] / 1e9:.1f} GFLOP/s, the update {1e3 * rates['update_s']:.1f} ms")
     if rates['collectives']:
@@ -308,12 +324,13 @@ def rates_line(rates, folder):
         text += f", an all-reduce {1e3 * t0:.2f} ms at {n0 >> 10} KiB and {1e3 * t1:.1f} ms at {n1 >> 20} MiB"
         text += ", a call's wait for the slower rank " + ', '.join(
             f"+{1e3 * w:.1f} ms after {1e3 * g:.0f} ms of compute" for g, w in rates['waits'][1:])
-    if 'ring_attention_s' in rates:
-        ring_ms = 1e3 * rates['ring_attention_s']
-        text += f", the ring's attention {ring_ms:.1f} ms a layer (cp_ring; timed alone)"
-    elif 'ring_not_timed' in rates:
-        text += f", the ring's attention not timed ({rates['ring_not_timed']}: cp_ring's priced by its " \
-                "FLOPs)"
+    for key, what, of_what, row in TIMED_ALONE:
+        if rows is not None and row not in rows:
+            continue
+        if key in rates:
+            text += f", {what} {1e3 * rates[key]:.1f} ms{of_what} ({row}; timed alone)"
+        elif key in rates.get('not_timed', {}):
+            text += f", {what} not timed ({rates['not_timed'][key]}: {row} priced by its FLOPs)"
     return f"predicted ms/step (modelled, from rates measured on this machine: {text}; " \
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 
@@ -361,11 +378,12 @@ def grid_note(crowded, n):
             "512 KiB; their bubble unpriced: a rank waiting in it gives its core to another)"]
 
 
-def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None):
+def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None, tp_script=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
     that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
     (MOE_ROWS) on moe_config, with its own compute rates (moe_rates). cp_script: context_parallel.py, whose
-    ring attention is timed (machine_rates.ring_attention_seconds)."""
+    ring attention is timed (machine_rates.ring_attention_seconds); tp_script: tensor_parallel.py, whose
+    rank's pass is (machine_rates.tp_pass_seconds)."""
     if torch.cuda.is_available() or args.dtype != 'float32':
         return ["(predicted step time: priced for float32 on a CPU's gloo processes only, not yet for "
                 f"{'GPUs' if torch.cuda.is_available() else args.dtype})"]
@@ -375,13 +393,15 @@ def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None):
     grids = [n for n in GRIDS if results.get(n, {}).get('status') == 'ok']
     try:
         rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
-                              args.remeasure, cp_script)
+                              args.remeasure, cp_script, tp_script)
         on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
         crowded = grid_rates(args, rates, config, moe_config, grids) if grids else {}
     except Exception as e:  # (a broken sweep must not lose the bench's results)
         return [f"(predicted step time: not available here: {type(e).__name__}: {e})"]
     share = busiest_share(results.get('train_moe', {}).get('tokens_per_expert'), args.world_size)
-    lines = [rates_line(rates, args.out)] + rate_notes(results, rates, on_moe_model, share, args.world_size)
+    ran = [name for name, r in results.items() if r.get('status') == 'ok']
+    lines = [rates_line(rates, args.out, ran)]
+    lines += rate_notes(results, rates, on_moe_model, share, args.world_size)
     lines += grid_note(crowded, 4 * args.world_size)
     for name, r in results.items():
         if r.get('status') != 'ok':
