@@ -26,7 +26,7 @@ from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from common.training import first_sentence
 from model import GPT
 
-VERSION = 9  # of machine.json: a file from another version is measured again
+VERSION = 10  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
@@ -46,18 +46,20 @@ def timed(fn, reps, between=None, average=statistics.median):
     return average(times)
 
 
-def measure_compute(config, batch_size, threads):
+def measure_compute(config, batch_size, threads, reps=15):
     """One process with `threads` threads on the model, as a latency and a rate: a forward and backward timed
     on the whole micro-batch and on one short sequence, t = fixed + FLOPs / rate (the fixed part is the ops'
     own cost, which a strategy that cuts the work into pieces pays on every piece); and the seconds of the
-    update (clip, AdamW's step). model.flops_per_token counts the FLOPs."""
+    update (clip, AdamW's step), each the median of reps timings (15: in three quick benches on 2 idle cores
+    the train row was then predicted within 3% of its step; with 5, from -2% to +15%). model.flops_per_token
+    counts the FLOPs."""
     torch.set_num_threads(threads)
     model = GPT(config)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
     points = []
     for rows, tokens in ((batch_size, config.block_size), (1, max(1, config.block_size // 8))):
         x = torch.randint(0, config.vocab_size, (rows, tokens))
-        seconds = timed(lambda: model(x, x)[1].backward(), 5)
+        seconds = timed(lambda: model(x, x)[1].backward(), reps)
         points.append((model.flops_per_token(tokens) * rows * tokens, seconds))
     (f1, t1), (f0, t0) = points
     rate = (f1 - f0) / max(t1 - t0, 1e-9)
@@ -65,7 +67,7 @@ def measure_compute(config, batch_size, threads):
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, 5)}
+    return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, reps)}
 
 
 def _mapped(_, config, batch_size, threads, out):
@@ -194,7 +196,7 @@ def _crowded(rank, n, port, configs, batch_size, out):
     mine = {}
     for name, config in configs.items():
         dist.barrier()
-        mine[name] = measure_compute(config, batch_size, 1)
+        mine[name] = measure_compute(config, batch_size, 1, reps=5)  # (the median over n ranks besides)
     for size, kinds in ((2, KINDS), (4, ('all_reduce', 'all_gather'))):
         groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]  # (every rank: all)
         measured = tables(sweep_rounds(groups[rank // size], kinds)).items()
