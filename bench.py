@@ -30,8 +30,8 @@ import time
 
 import torch
 
-import context_parallel as cp_script  # (timed alone for the predicted step: the ring's attention,
-import tensor_parallel as tp_script  # a tp rank's pass)
+import context_parallel as cp_script  # (its ring's attention, timed alone for the predicted step)
+import tensor_parallel as tp_script  # (a tp rank's pass, timed alone for the predicted step)
 from common.plots import plot
 from common import plan_tables, planner, step_time
 from common.data import load_dataset

@@ -51,8 +51,8 @@ def measure_compute(config, batch_size, threads, reps=15):
     on the whole micro-batch and on one short sequence, t = fixed + FLOPs / rate (the fixed part is the ops'
     own cost, which a strategy that cuts the work into pieces pays on every piece); and the seconds of the
     update (clip, AdamW's step), each the median of reps timings (15: in three quick benches on 2 idle cores
-    the train row was then predicted within 3% of its step; with 5, from -2% to +15%). model.flops_per_token
-    counts the FLOPs."""
+    the train row was then predicted within 3% of its step; with 5, from -4% to +15% in seven).
+    model.flops_per_token counts the FLOPs."""
     torch.set_num_threads(threads)
     model = GPT(config)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
@@ -272,8 +272,8 @@ class StillTP:
     def all_reduce(self, x, *args, **kwargs):
         return None
 
-    def all_gather(self, full, shard, async_op=False):
-        full.copy_(shard.repeat((self.size,) + (1,) * (shard.dim() - 1)))
+    def all_gather(self, full, shard, async_op=False):  # (written once, as the real gather writes it)
+        full.view(self.size, *shard.shape).copy_(shard.expand(self.size, *shard.shape))
 
     def reduce_scatter(self, out, full, async_op=False):
         out.copy_(full[:out.size(0)])
@@ -282,8 +282,9 @@ class StillTP:
 def tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sequence_parallel=False):
     """The seconds of a tp rank's forward and backward of one bench micro-batch on its slices of the model, as
     tensor_parallel.py shards and runs it (tp_script: that module, handed in by bench.py), its collectives
-    replaced by StillTP's: its compute alone. Its matmuls are 1/world_size as wide as the whole model's, and
-    f and g copy the activations, so it runs below the rate measure_compute measured on the whole model."""
+    replaced by StillTP's: its compute alone. Its matmuls are 1/world_size as wide as the whole model's, g
+    copies the activations and f their gradients, so it may run below the rate measure_compute measured on the
+    whole model (on the quick model it does; on the 512-wide one hardly)."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = GPT(config)

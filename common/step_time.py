@@ -12,7 +12,7 @@ kept by common/machine_rates.py (its functions named below).
   tp_moe: their busiest rank's experts. cp_ring's attention: the ring's own blocks and merges, timed alone on
   a layer (machine_rates.ring_attention_seconds), in place of its FLOPs at the model's rate; tp's and tp_sp's
   passes: a rank's pass on its slices timed alone (machine_rates.tp_pass_seconds), in place of the pass's
-  fixed cost and its FLOPs at the model's rate (its matmuls are narrower, f and g copy the activations);
+  fixed cost and its FLOPs at the model's rate (narrower matmuls; g copies the activations, f their grads);
 - communication: each collective the strategy makes in a step, counted from the scripts (row_work), at the
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
@@ -69,7 +69,8 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
     calls)]; None for a row not priced here. The global batch is batch_size x world_size sequences in
     world_size micro-batches (bench.py's flags). A scalar all-reduce
     (the loss; the clip's norm where the gradients are spread over ranks) costs its latency; gloo's
-    reduce-scatter is an all-reduce of the whole tensor. expert_share: see busiest_expert_flops."""
+    reduce-scatter is an all-reduce of the whole tensor. expert_share: see busiest_expert_flops. timed_pass
+    (tp, tp_sp): the rates' key of a rank's pass timed alone, at which each of its pieces is priced."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
     with torch.device('meta'):
         model = GPT(config)
@@ -97,8 +98,8 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
             per_micro += [('all_reduce', batch_size * s * config.n_expert_active * 4,
                            sum(map(config.is_moe, range(L))))]
         even = work(1 / w, w, 1 / w, [(k, n, c * w) for k, n, c in per_micro] + [scalars(1)])
-        if name != 'tp_moe':  # its w passes, each at a tp rank's pass timed alone on its slices (predict_ms)
-            even['passes'] = ('tp_sp_pass_s' if name == 'tp_sp' else 'tp_pass_s', w)
+        if name != 'tp_moe':  # each of its passes at a tp rank's pass timed alone on its slices (predict_ms)
+            even['timed_pass'] = 'tp_sp_pass_s' if name == 'tp_sp' else 'tp_pass_s'
         return dict(even, flops=even['flops'] + busiest)
     if name == 'ep':
         even = expert_parallel_work(model, batch_size, w, work, scalars)
@@ -288,11 +289,10 @@ def predict_ms(work, rates):
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
-    passes = work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s']  # fwd + bwd
-    timed_pass, count = work.get('passes', (None, 0))
-    if timed_pass in rates:  # tp: each pass at a tp rank's pass timed alone on its slices (not the whole
-        passes = count * rates[timed_pass]  # model's rates: its matmuls are narrower, f and g copy)
-    compute = passes + work['update'] * rates['update_s'] + fresh
+    passes_s = work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s']  # fwd + bwd
+    if work.get('timed_pass') in rates:  # tp: each pass at a tp rank's pass timed alone on its slices (not at
+        passes_s = work['pieces'] * rates[work['timed_pass']]  # the whole model's rates: narrower matmuls)
+    compute = passes_s + work['update'] * rates['update_s'] + fresh
     layers, flops = work.get('ring', (0, 0))
     if 'ring_attention_s' in rates:  # the ring's attention at its measured seconds, not its FLOPs at the rate
         compute += layers * rates['ring_attention_s'] - flops / rates['flops_per_s']

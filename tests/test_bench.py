@@ -201,31 +201,33 @@ def test_the_ring_attention_is_priced_at_its_measured_time_in_place_of_its_flops
     del failed['ring_attention_s']
     assert "the ring's attention not timed (RuntimeError: shapes: cp_ring priced by its FLOPs)" in \
         step_time.rates_line(failed, 'out')
-    assert "ring" not in step_time.rates_line(rates, 'out', rows=['train', 'tp'])  # (cp_ring not run)
+    assert "cp_ring" not in step_time.rates_line(rates, 'out', rows=['train', 'tp'])  # (cp_ring not run)
 
 
 def test_a_tp_rank_s_passes_are_priced_at_its_pass_timed_alone():
-    """tp on 2 ranks, rates by hand: its 2 micro-batches' passes at 30 ms each timed alone, in place of their
-    fixed cost and FLOPs at the whole model's rate; its update and its calls as before. The row_work of the
-    bench's tp rows names the pass it is priced at (tp_moe's experts are priced by their FLOPs)."""
+    """tp, rates by hand: its 3 micro-batches' passes at 30 ms each timed alone, in place of their fixed cost
+    and FLOPs at the whole model's rate; its update and its calls as before. The row_work of the bench's tp
+    rows names the pass it is priced at (tp_moe's experts are priced by their FLOPs)."""
     from common import step_time
     from model import GPTConfig
     rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'waits': [],
              'collectives': {'all_reduce': [(0, 1e-3), (1 << 30, 2e-3)]}, 'tp_pass_s': 0.03}
-    work = {'flops': 1e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 0, 4)], 'passes': ('tp_pass_s', 2)}
-    assert step_time.predict_ms(work, rates) == pytest.approx((69.0, 65.0, 4.0, 0.0))  # 60 + 5; 4 x 1 ms
-    untimed = {k: v for k, v in rates.items() if k != 'tp_pass_s'}  # 2 x 2 + 100 + 5 ms: the FLOPs price
-    assert step_time.predict_ms(work, untimed) == pytest.approx((113.0, 109.0, 4.0, 0.0))
+    work = {'flops': 1e8, 'pieces': 3, 'update': 0.5, 'calls': [('all_reduce', 0, 4)],
+            'timed_pass': 'tp_pass_s'}
+    assert step_time.predict_ms(work, rates) == pytest.approx((99.0, 95.0, 4.0, 0.0))  # 90 + 5; 4 x 1 ms
+    untimed = {k: v for k, v in rates.items() if k != 'tp_pass_s'}  # 3 x 2 + 100 + 5 ms: the FLOPs price
+    assert step_time.predict_ms(work, untimed) == pytest.approx((115.0, 111.0, 4.0, 0.0))
     assert "a tp rank's pass 30.0 ms a micro-batch (tp; timed alone)" in step_time.rates_line(rates, 'out')
     config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
-    assert [step_time.row_work(n, config, 4, 2, 4).get('passes') for n in ('tp', 'tp_sp', 'ddp')] == \
-        [('tp_pass_s', 2), ('tp_sp_pass_s', 2), None]
+    works = [step_time.row_work(n, config, 4, 2, 4) for n in ('tp', 'tp_sp', 'ddp')]
+    assert [(w.get('timed_pass'), w['pieces']) for w in works] == \
+        [('tp_pass_s', 2), ('tp_sp_pass_s', 2), (None, 1)]  # (tp: both micro-batches on each rank; ddp: one)
 
 
 def test_a_tp_rank_s_pass_is_timed_on_tensor_parallel_py_s_own_slices():
-    """machine_rates.tp_pass_seconds shards the model as tensor_parallel.py does, rank 0's slices of 2 (half of
-    each layer's heads and hidden units, half the vocabulary), and runs its tp_forward and a backward each time
-    it is timed, with sequence parallelism where asked: its gathers and scatters give rank 0's shapes."""
+    """machine_rates.tp_pass_seconds shards the model as tensor_parallel.py does, rank 0's slices of 2 (half
+    of each layer's heads and hidden units, half the vocabulary), and runs its tp_forward and a backward each
+    time it is timed, with sequence parallelism where asked: its gathers and scatters give rank 0's shapes."""
     import tensor_parallel
     from types import SimpleNamespace
     from common import machine_rates
@@ -238,8 +240,8 @@ def test_a_tp_rank_s_pass_is_timed_on_tensor_parallel_py_s_own_slices():
         seen.append((tuple(idx.shape), attn.n_head, tuple(attn.c_attn.weight.shape),
                      tuple(model.transformer.wte.weight.shape), tp.sequence_parallel))
         return tensor_parallel.tp_forward(model, idx, targets, tp)
-    script = SimpleNamespace(TensorParallel=tensor_parallel.TensorParallel, shard_gpt=tensor_parallel.shard_gpt,
-                             tp_forward=tp_forward)
+    script = SimpleNamespace(TensorParallel=tensor_parallel.TensorParallel,
+                             shard_gpt=tensor_parallel.shard_gpt, tp_forward=tp_forward)
     for sp in (False, True):
         seen.clear()
         assert machine_rates.tp_pass_seconds(script, config, 3, 2, 1, sp) > 0
