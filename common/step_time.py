@@ -207,18 +207,21 @@ def expert_parallel_work(model, batch_size, w, work, scalars):
 def pipeline_work(name, config, batch_size, w, m, work, scalars):
     """A pipeline row of row_work: w schedules of m micro-batches on w stages, each schedule m + p - 1 slots
     of a micro-batch's forward and backward on one stage (1F1B's and GPipe's bubble are the same: 1F1B holds
-    fewer micro-batches); interleaved with v = 2 chunks a stage, m + (p - 1)/v slots, and v times the sends;
-    ZB-H1, m + (p - 1)/3 (its cool-down filled with W, a third of a slot); a stage sends and receives one
-    tensor per micro-batch and boundary. pp_1f1b_measured adds a barrier and a MAX all-reduce a schedule."""
+    fewer micro-batches); interleaved with v = 2 chunks a stage, m + (p - 1)/v slots; ZB-H1, m + (p - 1)/3
+    (its cool-down filled with W, a third of a slot). The busiest stage's sends: each of its v chunks sends
+    its output on and its input's gradient back, one tensor a micro-batch, but the model's first chunk sends
+    no gradient and its last no output (with 2 stages, each stage holds one of them). A stage pays for its own
+    sends; its receives wait on the schedule, priced as its slots (no call's wait for a drifting rank: the
+    stages are not in step). pp_1f1b_measured adds a barrier and a MAX all-reduce a schedule."""
     v = 2 if name == 'pp_interleaved' else 1
     slots = m + (w - 1) / (3 if name == 'pp_zb1' else v)
     act = batch_size * config.block_size * config.n_embd * 4
+    sends = m * (2 * v - (1 if w == 2 else 0))  # a schedule's, on the busiest stage
     tied = [('all_reduce', 4 * config.vocab_size * config.n_embd, 1)] if config.tie_embeddings else []
     measured = [scalars(2 * w)] if name == 'pp_1f1b_measured' else []
     # (the scalars: a loss a schedule, the clip's)
-    calls = [('send', act // m, 2 * m * v * w)] + tied + measured + [scalars(w + 2)]
-    # (busy: the share of its slots a stage computes; in the bubble it waits, which no call's gap counts)
-    return dict(work(slots / m / w, slots, 1 / w, calls), busy=m / slots)
+    calls = [('send', act // m, sends * w)] + tied + measured + [scalars(w + 2)]
+    return dict(work(slots / m / w, slots, 1 / w, calls), on_schedule=True)
 
 
 # bench.py's grid rows (parallel_4d.py on 4 x world_size processes, dp = world_size): their pp, cp, tp, ep
@@ -296,12 +299,12 @@ def predict_ms(work, rates):
     layers, flops = work.get('ring', (0, 0))
     if 'ring_attention_s' in rates:  # the ring's attention at its measured seconds, not its FLOPs at the rate
         compute += layers * rates['ring_attention_s'] - flops / rates['flops_per_s']
-    # the gap before each call inside the step: the compute the rank does (not a pipeline's idle bubble),
-    # spread evenly over those calls. A simplification: DDP's and ZeRO's buckets come close together in
-    # backward, a pipeline's sends one a slot; each kind of call is assumed to wait as the all-reduce does
+    # the gap before each call inside the step: the compute the rank does, spread evenly over those calls. A
+    # simplification: DDP's and ZeRO's buckets come close together in backward; each kind of call is assumed
+    # to wait as the all-reduce does. A pipeline's calls wait on its schedule instead (pipeline_work)
     calls_inside = sum(count for kind, _, count in work['calls'] if 'burst' not in kind)
-    gap = compute * work.get('busy', 1.0) / max(calls_inside, 1)
-    waiting = calls_inside * wait_seconds(rates['waits'], gap)
+    gap = compute / max(calls_inside, 1)
+    waiting = 0.0 if work.get('on_schedule') else calls_inside * wait_seconds(rates['waits'], gap)
     calls_s = sum(count * call_seconds(collectives[kind], nbytes) for kind, nbytes, count in work['calls'])
     comm = calls_s + waiting
     return 1000 * (compute + comm), 1000 * compute, 1000 * comm, 1000 * waiting
