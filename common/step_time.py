@@ -17,8 +17,9 @@ kept by common/machine_rates.py (its functions named below).
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
   measured: a latency, then a bandwidth; and each call inside the step (not a burst) waits for the slower
-  rank as long as the sweep measured after the compute that comes before it, the compute a rank does (not a
-  pipeline's bubble) spread evenly over those calls (machine_rates.waits_after_compute);
+  rank as long as the sweep measured after the compute that comes before it, the compute a rank does spread
+  evenly over those calls (machine_rates.waits_after_compute); a pipeline's calls wait on its schedule
+  instead, priced as its slots (pipeline_work);
 - a pipeline's bubble: each schedule takes m + p - 1 slots of one micro-batch's forward and backward.
 On a CPU whose cores all compute, gloo's threads need the same cores, so nothing overlaps: the times add.
 Priced: fp32 on a CPU (the MoE rows at the MoE model's own compute rates, machine_rates.moe_rates).
@@ -208,19 +209,23 @@ def pipeline_work(name, config, batch_size, w, m, work, scalars):
     """A pipeline row of row_work: w schedules of m micro-batches on w stages, each schedule m + p - 1 slots
     of a micro-batch's forward and backward on one stage (1F1B's and GPipe's bubble are the same: 1F1B holds
     fewer micro-batches); interleaved with v = 2 chunks a stage, m + (p - 1)/v slots; ZB-H1, m + (p - 1)/3
-    (its cool-down filled with W, a third of a slot). The busiest stage's sends: each of its v chunks sends
-    its output on and its input's gradient back, one tensor a micro-batch, but the model's first chunk sends
-    no gradient and its last no output (with 2 stages, each stage holds one of them). A stage pays for its own
-    sends; its receives wait on the schedule, priced as its slots (no call's wait for a drifting rank: the
-    stages are not in step). pp_1f1b_measured adds a barrier and a MAX all-reduce a schedule."""
+    (its cool-down filled with W, a third of a slot). The sends on a schedule's critical path (a schedule
+    simulated with each send costing its sender c): with 1F1B, ZB-H1 and interleaved, the busiest stage's.
+    Each of its v chunks sends its output on and its input's gradient back, one tensor a micro-batch, but the
+    model's first chunk sends no gradient and its last no output (with 2 stages, each stage holds one of
+    them). GPipe runs every forward before any backward, so both directions' sends lie on its path: 2m. A
+    stage's receives, and the calls after the schedule (the tied weight's, the scalars), wait on the
+    schedule, priced as its slots (stage 0 finishes last): no wait for a drifting rank, the stages are not
+    in step. The scalars: the clip's norm and the loss, over the stages (dp = 1); pp_1f1b_measured adds a
+    barrier and a MAX all-reduce a schedule."""
     v = 2 if name == 'pp_interleaved' else 1
     slots = m + (w - 1) / (3 if name == 'pp_zb1' else v)
     act = batch_size * config.block_size * config.n_embd * 4
-    sends = m * (2 * v - (1 if w == 2 else 0))  # a schedule's, on the busiest stage
+    one_way = w == 2 and name != 'pp_gpipe'  # (with 2 stages, the busiest stage's sends go one way)
+    sends = m * (2 * v - one_way)  # a schedule's, on its critical path
     tied = [('all_reduce', 4 * config.vocab_size * config.n_embd, 1)] if config.tie_embeddings else []
     measured = [scalars(2 * w)] if name == 'pp_1f1b_measured' else []
-    # (the scalars: a loss a schedule, the clip's)
-    calls = [('send', act // m, sends * w)] + tied + measured + [scalars(w + 2)]
+    calls = [('send', act // m, sends * w)] + tied + measured + [scalars(2)]
     return dict(work(slots / m / w, slots, 1 / w, calls), on_schedule=True)
 
 
@@ -286,9 +291,9 @@ def predict_ms(work, rates):
     """(ms, its compute, its communication, of which waiting) of a step: work from row_work, rates from
     machine_rates (a row that maps its buffers afresh at the rates measure_mapped measured, and its fresh
     buffers filled; cp_ring's attention at the ring's measured seconds a layer, tp's and tp_sp's passes at a
-    rank's pass timed alone, where they were measured). The
-    calls inside the step (not the bursts) each wait for the slower rank (wait_seconds) after the step's
-    compute spread evenly over them."""
+    rank's pass timed alone, where they were measured). The calls inside the step (not the bursts; not a
+    pipeline's, on_schedule) each wait for the slower rank (wait_seconds) after the step's compute spread
+    evenly over them."""
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)

@@ -336,11 +336,14 @@ def test_each_row_sends_what_its_script_sends():
     pp = step_time.row_work('pp_1f1b', config, 4, 2, 2)  # 2 schedules of 2 + 2 - 1 slots, each half a pass
     # the busiest stage's sends, 2 a schedule: with 2 stages, stage 0 sends each micro-batch's output on (the
     # first block's input needs no gradient), stage 1 each input's gradient back (its output is the loss)
-    assert pp['pieces'] == 3 and pp['calls'][0] == ('send', 4 * 16 * 32 * 4 // 2, 2 * 2)
-    # 4 stages: a middle one sends both ways, 2 x 4 a schedule, in 4 schedules; interleaved on 2 stages, 2
-    # chunks each: 4 chunk boundaries crossed both ways, less the first chunk's gradient and the last's output
+    assert pp['pieces'] == 3 and pp['calls'][0] == ('send', 4 * 16 * 32 * 4 // 2, 2 * 2) and pp['on_schedule']
+    assert pp['calls'][-1] == ('all_reduce', 4, 2)  # the clip's norm and the loss over the stages (dp = 1)
+    # 4 stages: a middle one sends both ways, 2 x 4 a schedule, in 4 schedules. Interleaved on 2 stages, 2
+    # chunks each: each chunk sends on and back, less stage 0's first chunk's gradient (stage 1's last
+    # chunk's output): 3 a micro-batch. GPipe on 2 stages: all forwards first, both ways on its path
     assert step_time.row_work('pp_1f1b', config, 4, 4, 4)['calls'][0][2] == 2 * 4 * 4
     assert step_time.row_work('pp_interleaved', config, 4, 2, 2)['calls'][0][2] == (2 * 2 - 1) * 2 * 2
+    assert step_time.row_work('pp_gpipe', config, 4, 2, 2)['calls'][0][2] == 2 * 2 * 2
     zero2 = step_time.row_work('zero2', config, 4, 2, 2)  # 100,000-element buckets: this model is one
     # (the chunks gathered after the step, every bucket's posted back to back: zero.publish_all, a burst)
     assert zero2['calls'][:2] == [('all_reduce', 4 * numel, 1), ('all_gather burst', 4 * numel // 2, 1)]
