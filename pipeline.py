@@ -468,7 +468,7 @@ def save_stage(writer, stage, optimizer, dp, iter_num, best_val_loss, cfg):
 
 def main(argv):
     cfg = configure(config, argv)
-    check_pipeline(cfg, world_size_from_env(), STAGE_FILE, SCHEDULES)  # (its refusals: model_parallel.py)
+    check_pipeline(cfg, world_size_from_env(), STAGE_FILE, SCHEDULES)  # refusals: common/model_parallel.py
     rank, world_size = start_run(cfg)
     data, vocab_size = load_dataset(cfg.dataset)
     stage, optimizer, dp, embed, iter_num, best_val_loss, flops = build(cfg, rank, world_size, vocab_size)

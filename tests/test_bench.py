@@ -224,6 +224,20 @@ def test_a_tp_rank_s_passes_are_priced_at_its_pass_timed_alone():
         [('tp_pass_s', 2), ('tp_sp_pass_s', 2), (None, 1)]  # (tp: both micro-batches on each rank; ddp: one)
 
 
+def test_a_part_that_fails_to_time_loses_its_own_price_only():
+    """machine_rates.time_alone: a timing that raises leaves its key out of the rates (its row falls back to
+    its FLOPs) and says why in one line; one that works is kept."""
+    from common import machine_rates
+
+    def broken():
+        raise RuntimeError('shapes do not match. More text\nand a second line')
+    rates = {'flops_per_s': 1.0}
+    machine_rates.time_alone(rates, 'tp_pass_s', broken)
+    machine_rates.time_alone(rates, 'ring_attention_s', lambda: 0.25)
+    assert rates == {'flops_per_s': 1.0, 'ring_attention_s': 0.25,
+                     'not_timed': {'tp_pass_s': 'RuntimeError: shapes do not match'}}
+
+
 def test_a_tp_rank_s_pass_is_timed_on_tensor_parallel_py_s_own_slices():
     """machine_rates.tp_pass_seconds shards the model as tensor_parallel.py does, rank 0's slices of 2 (half
     of each layer's heads and hidden units, half the vocabulary), and runs its tp_forward and a backward each
@@ -272,7 +286,8 @@ def test_the_ring_attention_is_timed_on_context_parallel_py_s_own_blocks():
     script = SimpleNamespace(zigzag_positions=context_parallel.zigzag_positions, RingAttention=Counted)
     seconds = machine_rates.ring_attention_seconds(script, config, 3, 2, 1)
     rank_0 = [0, 1, 2, 3, 12, 13, 14, 15]  # (the zig-zag: chunks 0 and 3 of 4)
-    assert seconds > 0 and calls == [('F', (3, 2, 8, 8), (3, 1, 8, 8), rank_0), 'B'] * 11  # a warm-up, 10 timed
+    # a warm-up, then 10 timed
+    assert seconds > 0 and calls == [('F', (3, 2, 8, 8), (3, 1, 8, 8), rank_0), 'B'] * 11
 
 
 def test_each_call_inside_the_step_waits_for_the_slower_rank_as_the_sweep_measured_after_that_compute():
@@ -311,6 +326,45 @@ def test_a_grid_is_priced_at_the_rates_of_its_processes_at_once():
     assert at == dict(slow, collectives=table, waits=[])  # (the waits are not measured with 8 processes)
     assert step_time.grid_note({'grid_dp_cp_tp': at}, 8)[0].startswith(
         "  (the grids at rates measured with 8 processes at once, as they run: a pass's fixed cost 50.0 ms")
+
+
+@pytest.mark.parametrize('row, schedule, p, v', [('pp_1f1b', '1f1b', 2, 1), ('pp_1f1b', '1f1b', 4, 1),
+                                                  ('pp_zb1', 'zb1', 2, 1), ('pp_zb1', 'zb1', 4, 1),
+                                                  ('pp_interleaved', 'interleaved', 2, 2),
+                                                  ('pp_interleaved', 'interleaved', 4, 2),
+                                                  ('pp_gpipe', 'gpipe', 2, 1), ('pp_gpipe', 'gpipe', 4, 1)])
+def test_a_pipeline_is_priced_with_the_sends_its_schedule_makes(row, schedule, p, v, monkeypatch):
+    """pipeline_work's sends a schedule against the sends pipeline.py's own schedule functions post, counted
+    on every stage with the compute and the network stubbed out: 1F1B, ZB-H1 and interleaved at the busiest
+    stage's (its sends lie on the critical path); GPipe, every forward before any backward, at both
+    directions' with 2 stages (stage 0's on and stage 1's back, both on its path), the busiest's with more."""
+    import pipeline
+    from types import SimpleNamespace
+    from common import step_time
+    from model import GPTConfig
+    m = 4
+    config = GPTConfig(n_layer=8, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
+
+    def communicate(stage, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        stage.sent += (send_next is not None) + (send_prev is not None)
+        return ('x' if recv_prev else None), ('dy' if recv_next else None)
+    # what a step returns to send on: nothing from the loss's chunk forward, nor from the embedding's back
+    forward = lambda stage, i, x, idx, targets, scale, chunk=0, split=False: \
+        None if stage.is_last and chunk == v - 1 else 'y'
+    backward = lambda stage, i, dy, chunk=0: None if stage.is_first and chunk == 0 else 'dx'
+    monkeypatch.setattr(pipeline, 'communicate', communicate)
+    monkeypatch.setattr(pipeline, 'forward_step', forward)
+    monkeypatch.setattr(pipeline, 'backward_step', backward)
+    monkeypatch.setattr(pipeline, 'backward_input_step', lambda stage, i, dy: backward(stage, i, dy))
+    monkeypatch.setattr(pipeline, 'backward_weight_step', lambda stage, i: None)
+    sent = []
+    for r in range(p):
+        stage = SimpleNamespace(index=r, pp=p, is_first=r == 0, is_last=r == p - 1, chunks=[None] * v, sent=0)
+        pipeline.SCHEDULES[schedule](stage, m, None, None, 1.0)
+        sent.append(stage.sent)
+    priced = step_time.row_work(row, config, 4, p, m)['calls'][0]
+    assert priced[0] == 'send' and priced[2] % p == 0  # (p schedules a step: gradient_accumulation_steps)
+    assert priced[2] // p == (sum(sent) if schedule == 'gpipe' and p == 2 else max(sent)), sent
 
 
 def test_each_row_sends_what_its_script_sends():
@@ -358,8 +412,9 @@ def test_each_row_sends_what_its_script_sends():
     # attention FLOPs are PaLM's 12·L·d·s a token (appendix B), for 4 sequences x 16 tokens a rank
     assert ring['ring'] == (2 * 2, 12 * 2 * 32 * 16 * 4 * 16)
     assert 'ring' not in ulysses
-    deeper = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)  # on 4 ranks:
-    assert step_time.row_work('cp_ring', deeper, 4, 4, 2)['ring'][0] == 3 * 4  # a layer of each of 4 micro-batches
+    # on 4 ranks: a layer of each of 4 micro-batches
+    deeper = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
+    assert step_time.row_work('cp_ring', deeper, 4, 4, 2)['ring'][0] == 3 * 4
     zb1 = step_time.row_work('pp_zb1', config, 4, 2, 2)  # ZB-H1's cool-down: W fills two thirds of the bubble
     assert zb1['pieces'] == pytest.approx(2 + 1 / 3) and zb1['calls'][0] == pp['calls'][0]
     moe = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False, n_expert=4,

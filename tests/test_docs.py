@@ -73,9 +73,10 @@ def imported_files(script):
 
 
 def test_zero_py_copied_with_the_files_the_readme_names_trains_the_same(tmp_path):
-    """README: copying zero.py means copying it with zero3.py, model.py, common/config.py, data.py, training.py,
-    checkpoints.py and distributed.py. Those are its imports, and a copy of just them (and the data) trains: the same
-    losses as in the repository, and its measured first step says the measuring files are not there."""
+    """README: copying zero.py means copying it with zero3.py, model.py, common/config.py, data.py,
+    training.py, checkpoints.py and distributed.py. Those are its imports, and a copy of just them (and the
+    data) trains: the same losses as in the repository, and its measured first step says the measuring files
+    are not there."""
     files = imported_files('zero.py')
     assert files == {'zero.py', 'zero3.py', 'model.py', 'common/config.py', 'common/data.py', 'common/training.py',
                      'common/checkpoints.py', 'common/distributed.py'}, files

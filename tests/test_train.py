@@ -665,5 +665,6 @@ def test_an_errors_first_sentence_keeps_a_path_whole():
     "No such file or directory: 'runs. old/ckpt.pt'" to "... 'runs")."""
     missing = "[Errno 2] No such file or directory: 'runs. old/ckpt.pt'"
     assert training.first_sentence(OSError(missing)) == missing
-    assert training.first_sentence(OSError("Not in the cache. Check your connection.\nMore")) == "Not in the cache"
+    sentences = OSError("Not in the cache. Check your connection.\nMore")
+    assert training.first_sentence(sentences) == "Not in the cache"
     assert training.first_sentence(ValueError('')) == ''
