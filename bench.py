@@ -32,6 +32,7 @@ import torch
 
 import context_parallel as cp_script  # (its ring's attention, timed alone for the predicted step)
 import tensor_parallel as tp_script  # (a tp rank's pass, timed alone for the predicted step)
+from train_fsdp import shard_model as fsdp_shard  # (an FSDP2 rank's pass and update: the same)
 from common.plots import plot
 from common import plan_tables, planner, step_time
 from common.data import load_dataset
@@ -57,8 +58,7 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
     base += [f'--block_size={args.seq_len}'] if args.seq_len else []
     runs = []
     # zero.py run with the DeepSpeed config of the cheapest strategy when that is a ZeRO stage, else of ZeRO-1
-    # (the DDP row is priced as train_ddp.py holds it, which zero.py's stage 0 does not: it keeps bf16
-    # weights)
+    # (the DDP row is priced as train_ddp.py holds it, which zero.py's stage 0 does not: bf16 weights)
     zero_row = by_name.get((best or '').replace(' + ckpt', ''))
     plain_zero = zero_row and zero_row['tp'] == zero_row['pp'] == zero_row['cp'] == 1
     if not (plain_zero and zero_row['zero_stage'] >= 1 and 'FSDP' not in zero_row['strategy']):
@@ -399,7 +399,7 @@ def run_bench(args):
     if args.repeat > 1 and all(None not in v for v in times.values()):
         print(repeated_times(times, results))
     moe = planner.gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows)
-    predicted = step_time.predicted_lines(results, args, moe.vocab_size, moe, cp_script, tp_script)
+    priced = step_time.predicted_lines(results, args, moe.vocab_size, moe, cp_script, tp_script, fsdp_shard)
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}
     rtol = args.loss_rtol if args.loss_rtol is not None else (1e-4 if args.dtype == 'float32' else 2e-2)
     all_same = check_losses(compared, rtol)
@@ -411,7 +411,7 @@ def run_bench(args):
               f"Bytes: the script's own per-rank report, largest rank, measured (formula); a pipeline's peak "
               f"activations' formula: microbatches held x the most one held, measured (zb1: + W's grads).")
     table = bench_markdown(results, rows, all_same, rtol)
-    table += '\n\n' + '\n'.join(predicted)
+    table += '\n\n' + '\n'.join(priced)
     print('\n' + header + '\n\n' + table, flush=True)
     with open(os.path.join(args.out, 'bench.md'), 'w') as f:
         f.write(header + '\n\n' + table + '\n')

@@ -6,8 +6,9 @@ sweep: sweep_rounds, each call posted after some compute as in training), the wa
 call adds after more compute (waits_after_compute), both again with a grid's processes all computing and
 calling at once (crowded_rates), context_parallel.py's ring attention of one layer timed alone
 (ring_attention_seconds: its blocks' attention in small ops of its own, which the FLOPs rate does not price),
-and a tensor_parallel.py rank's pass timed alone on its slices (tp_pass_seconds: narrower matmuls, f's and g's
-copies).
+a tensor_parallel.py rank's pass timed alone on its slices (tp_pass_seconds: narrower matmuls, f's and g's
+copies), and a train_fsdp.py rank's pass and update timed alone in a world of one (fsdp_seconds: FSDP2's
+hooks, copies and DTensors).
 They are kept in the bench's out folder (machine.json; the sweep's in sweep.json) and measured again when the
 model, the processes, the cores or torch change, or with --remeasure.
 """
@@ -26,7 +27,7 @@ from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from common.training import first_sentence
 from model import GPT
 
-VERSION = 10  # of machine.json: a file from another version is measured again
+VERSION = 11  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
@@ -294,6 +295,36 @@ def tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sequence
     return timed(lambda: tp_script.tp_forward(model, idx, idx, tp)[1].backward(), 10)
 
 
+def _fsdp_alone(_, shard_model, config, batch_size, threads, part, out):
+    """An FSDP2 rank's own compute, in a world of one: the model sharded by shard_model (train_fsdp.py's,
+    handed in by bench.py), part 'pass' a forward and backward of one bench micro-batch, 'update' the clip and
+    AdamW's step on its DTensors. In a world of one its gathers and reduce-scatters copy and the clip's
+    all-reduce returns: FSDP2's hooks, its copies in and out and its DTensors' dispatch, without the network.
+    In a process of its own: shard_model maps buffers afresh, which cannot be undone."""
+    torch.set_num_threads(threads)
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = shard_model(GPT(config), 'cpu', 1, 'float32')
+    idx = torch.randint(config.vocab_size, (batch_size, config.block_size))
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
+    model(idx, idx)[1].backward()  # (gradients for the update to clip)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    seconds = timed(lambda: model(idx, idx)[1].backward(), 10) if part == 'pass' else timed(update, 15)
+    dist.destroy_process_group()
+    with open(out, 'w') as f:
+        json.dump(seconds, f)
+
+
+def fsdp_seconds(shard_model, config, batch_size, threads, folder, part):
+    """_fsdp_alone's seconds of part ('pass' or 'update'), timed in a process of its own."""
+    out = os.path.join(folder, f'fsdp_{part}.json')
+    mp.spawn(_fsdp_alone, args=(shard_model, config, batch_size, threads, part, out), nprocs=1)
+    return json.load(open(out))
+
+
 def time_alone(rates, key, measure):
     """rates[key] = measure(), a part of a step timed alone; if it fails, that part alone loses its price (its
     row is priced by its FLOPs) and rates['not_timed'][key] says why."""
@@ -304,15 +335,16 @@ def time_alone(rates, key, measure):
 
 
 def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, cp_script=None,
-                  tp_script=None):
+                  tp_script=None, fsdp_shard=None):
     """The measured rates (measure_compute's, each kind of collective's times; with cp_script, the ring
-    attention's; with tp_script, a tp rank's pass, with and without sequence parallelism), from
+    attention's; with tp_script, a tp rank's pass, with and without sequence parallelism; with fsdp_shard
+    (train_fsdp.shard_model), an FSDP2 rank's pass and its update), from
     folder/machine.json when it was measured for this model, these processes and this torch; else measured now
     (seconds) and kept."""
     key = {'version': VERSION, 'model': [config.n_layer, config.n_head, config.n_embd, config.block_size,
                                          batch_size, config.n_expert, config.n_expert_active],
            'world_size': world_size, 'threads': threads, 'torch': torch.__version__, 'cpus': os.cpu_count(),
-           'ring': cp_script is not None, 'tp': tp_script is not None}
+           'ring': cp_script is not None, 'tp': tp_script is not None, 'fsdp': fsdp_shard is not None}
     path = os.path.join(folder, 'machine.json')
     if not remeasure and os.path.exists(path):
         kept = json.load(open(path))
@@ -328,6 +360,9 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
     for sp in (False, True) if tp_script is not None and world_size > 1 else ():
         time_alone(rates, 'tp_sp_pass_s' if sp else 'tp_pass_s',
                    lambda: tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sp))
+    for part in ('pass', 'update') if fsdp_shard is not None else ():
+        time_alone(rates, f'fsdp_{part}_s',
+                   lambda: fsdp_seconds(fsdp_shard, config, batch_size, threads, folder, part))
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates

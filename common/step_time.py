@@ -13,6 +13,8 @@ kept by common/machine_rates.py (its functions named below).
   a layer (machine_rates.ring_attention_seconds), in place of its FLOPs at the model's rate; tp's and tp_sp's
   passes: a rank's pass on its slices timed alone (machine_rates.tp_pass_seconds), in place of the pass's
   fixed cost and its FLOPs at the model's rate (narrower matmuls; g copies the activations, f their grads);
+  fsdp's pass and update: an FSDP2 rank's timed alone in a world of one (machine_rates.fsdp_seconds: its
+  hooks, its copies in and out, its DTensors' dispatch in the update);
 - communication: each collective the strategy makes in a step, counted from the scripts (row_work), at the
   time a short sweep measured for that kind of call (the mean of calls each posted after some compute, as in
   training; ' burst': posted back to back, as a ZeRO engine posts its buckets), linear between the sizes
@@ -163,7 +165,10 @@ def data_parallel_work(name, model, w, work, scalars):
         # reduce-scatter input, and gloo's clone of it). (FSDP2 gathers the root once: ~1% less here; a
         # buffer a receive fills pays its pages, its write is in the sweep's time: a little over-counted)
         fresh = 4 * numel * (3 if name == 'zero3' else 8)
-        return dict(work(1 / w, 1, 1 / w, calls + [scalars(2)]), mapped=True, fresh_bytes=fresh)
+        priced = dict(work(1 / w, 1, 1 / w, calls + [scalars(2)]), mapped=True, fresh_bytes=fresh)
+        # fsdp: its pass and update at an FSDP2 rank's timed alone (its hooks, copies, DTensors: predict_ms)
+        fsdp = dict(timed_pass='fsdp_pass_s', timed_update='fsdp_update_s') if name == 'fsdp' else {}
+        return dict(priced, **fsdp)
 
 
 def busiest_expert_flops(model, tokens, w, share=None):
@@ -299,8 +304,13 @@ def predict_ms(work, rates):
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
     passes_s = work['pieces'] * rates['pass_fixed_s'] + work['flops'] / rates['flops_per_s']  # fwd + bwd
     if work.get('timed_pass') in rates:  # tp: each pass at a tp rank's pass timed alone on its slices (not at
-        passes_s = work['pieces'] * rates[work['timed_pass']]  # the whole model's rates: narrower matmuls)
-    compute = passes_s + work['update'] * rates['update_s'] + fresh
+        # the whole model's rates: narrower matmuls); fsdp: at an FSDP2 rank's (its fresh buffers in it)
+        passes_s, fresh = work['pieces'] * rates[work['timed_pass']], 0.0
+    update_s = work['update'] * rates['update_s']
+    if work.get('timed_update') in rates:  # fsdp: what FSDP2's update adds, timed alone on the whole model in
+        # a world of one (its DTensors' dispatch, the same per tensor whatever the share), to its share's
+        update_s += rates[work['timed_update']] - rates['update_s']
+    compute = passes_s + update_s + fresh
     layers, flops = work.get('ring', (0, 0))
     if 'ring_attention_s' in rates:  # the ring's attention at its measured seconds, not its FLOPs at the rate
         compute += layers * rates['ring_attention_s'] - flops / rates['flops_per_s']
@@ -319,7 +329,9 @@ def predict_ms(work, rates):
 # they price)
 TIMED_ALONE = (('ring_attention_s', "the ring's attention", ' a layer', 'cp_ring'),
                ('tp_pass_s', "a tp rank's pass", ' a micro-batch', 'tp'),
-               ('tp_sp_pass_s', "a tp_sp rank's pass", ' a micro-batch', 'tp_sp'))
+               ('tp_sp_pass_s', "a tp_sp rank's pass", ' a micro-batch', 'tp_sp'),
+               ('fsdp_pass_s', "an FSDP2 rank's pass", ' a micro-batch', 'fsdp'),
+               ('fsdp_update_s', "its update", ' a step on the whole model', 'fsdp'))
 
 
 def rates_line(rates, folder, rows=None):
@@ -386,12 +398,14 @@ def grid_note(crowded, n):
             "512 KiB; their bubble unpriced: a rank waiting in it gives its core to another)"]
 
 
-def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None, tp_script=None):
+def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None, tp_script=None,
+                    fsdp_shard=None):
     """Each ok bench row's predicted ms beside its measured, into results[name]['predicted_ms'], and the lines
     that say so; if predicting fails, one line that says why (the rows' results are kept). The MoE rows
     (MOE_ROWS) on moe_config, with its own compute rates (moe_rates). cp_script: context_parallel.py, whose
     ring attention is timed (machine_rates.ring_attention_seconds); tp_script: tensor_parallel.py, whose
-    rank's pass is (machine_rates.tp_pass_seconds)."""
+    rank's pass is (machine_rates.tp_pass_seconds); fsdp_shard: train_fsdp.shard_model, with which an FSDP2
+    rank's pass and update are (machine_rates.fsdp_seconds)."""
     if torch.cuda.is_available() or args.dtype != 'float32':
         return ["(predicted step time: priced for float32 on a CPU's gloo processes only, not yet for "
                 f"{'GPUs' if torch.cuda.is_available() else args.dtype})"]
@@ -401,7 +415,7 @@ def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None, 
     grids = [n for n in GRIDS if results.get(n, {}).get('status') == 'ok']
     try:
         rates = machine_rates(args.out, config, args.batch_size, args.world_size, args.threads,
-                              args.remeasure, cp_script, tp_script)
+                              args.remeasure, cp_script, tp_script, fsdp_shard)
         on_moe_model = moe_rates(args.out, rates, moe_config, args.batch_size, args.threads) if moe else None
         crowded = grid_rates(args, rates, config, moe_config, grids) if grids else {}
     except Exception as e:  # (a broken sweep must not lose the bench's results)

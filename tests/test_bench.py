@@ -224,6 +224,62 @@ def test_a_tp_rank_s_passes_are_priced_at_its_pass_timed_alone():
         [('tp_pass_s', 2), ('tp_sp_pass_s', 2), (None, 1)]  # (tp: both micro-batches on each rank; ddp: one)
 
 
+def test_fsdp_s_pass_and_update_are_priced_at_an_fsdp2_rank_s_timed_alone():
+    """fsdp, rates by hand: its 2 passes at 40 ms each timed alone (their fresh buffers in them), in place of
+    their fixed cost, FLOPs and fresh buffers; its update: its half's at the mapped rate, plus what FSDP2's
+    update adds on the whole model timed alone (16 ms against the mapped 12); its calls as before."""
+    from common import step_time
+    from model import GPTConfig
+    rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'waits': [],
+             'collectives': {'all_reduce': [(0, 1e-3), (1 << 30, 2e-3)]},
+             'mapped': {'update_s': 0.012, 'fresh_s_per_byte': 1e-9}, 'fsdp_pass_s': 0.04, 'fsdp_update_s': 0.016}
+    work = {'flops': 1e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 0, 3)], 'mapped': True,
+            'fresh_bytes': 1e6, 'timed_pass': 'fsdp_pass_s', 'timed_update': 'fsdp_update_s'}
+    assert step_time.predict_ms(work, rates) == pytest.approx((93.0, 90.0, 3.0, 0.0))  # 80 + 6 + 4; 3 x 1 ms
+    untimed = {k: v for k, v in rates.items() if not k.startswith('fsdp')}  # 2 x 2 + 100 + 1 + 6 ms
+    assert step_time.predict_ms(work, untimed) == pytest.approx((114.0, 111.0, 3.0, 0.0))
+    line = step_time.rates_line(rates, 'out')
+    assert "an FSDP2 rank's pass 40.0 ms a micro-batch (fsdp; timed alone)" in line
+    assert "its update 16.0 ms a step on the whole model (fsdp; timed alone)" in line
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
+    works = [step_time.row_work(n, config, 4, 2, 4) for n in ('fsdp', 'zero3')]
+    assert [(w.get('timed_pass'), w.get('timed_update')) for w in works] == \
+        [('fsdp_pass_s', 'fsdp_update_s'), (None, None)]
+
+
+def _shard_and_log(model, device_type, dp_size, dtype):
+    """train_fsdp.shard_model, logging to $FSDP_LOG what the process that times it does: whether every
+    parameter is a DTensor and the world's size, each forward's input shape, each optimizer step (for the test
+    below: the timing runs in a process of its own)."""
+    import train_fsdp
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def log(line):
+        with open(os.environ['FSDP_LOG'], 'a') as f:
+            f.write(line + '\n')
+    model = train_fsdp.shard_model(model, device_type, dp_size, dtype)
+    log(f"DTensors {all(isinstance(p, DTensor) for p in model.parameters())}, a world of {dp_size}")
+    model.register_forward_pre_hook(lambda m, args: log(f"forward {tuple(args[0].shape)}"))
+    register_optimizer_step_post_hook(lambda *args: log('step'))
+    return model
+
+
+def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tmp_path, monkeypatch):
+    """machine_rates.fsdp_seconds runs the shard function it is handed (train_fsdp.shard_model's, logged)
+    in a world of one: the pass a forward and backward of the bench micro-batch each time it is timed, the
+    update an optimizer step on the DTensors each time."""
+    from common import machine_rates
+    from model import GPTConfig
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
+    for part, timed in (('pass', ['forward (3, 16)'] * 11), ('update', ['step'] * 16)):
+        monkeypatch.setenv('FSDP_LOG', str(tmp_path / f'{part}.log'))
+        assert machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path), part) > 0
+        lines = (tmp_path / f'{part}.log').read_text().splitlines()
+        # (a forward and backward first, for gradients to clip; then a warm-up and 10 or 15 timed)
+        assert lines == ['DTensors True, a world of 1', 'forward (3, 16)'] + timed, part
+
+
 def test_a_part_that_fails_to_time_loses_its_own_price_only():
     """machine_rates.time_alone: a timing that raises leaves its key out of the rates (its row falls back to
     its FLOPs) and says why in one line; one that works is kept."""
