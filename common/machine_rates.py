@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +28,7 @@ from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from common.training import first_sentence
 from model import GPT
 
-VERSION = 11  # of machine.json: a file from another version is measured again
+VERSION = 12  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
@@ -325,13 +326,21 @@ def fsdp_seconds(shard_model, config, batch_size, threads, folder, part):
     return json.load(open(out))
 
 
-def time_alone(rates, key, measure):
-    """rates[key] = measure(), a part of a step timed alone; if it fails, that part alone loses its price (its
-    row is priced by its FLOPs) and rates['not_timed'][key] says why."""
-    try:
-        rates[key] = measure()
-    except Exception as e:
-        rates.setdefault('not_timed', {})[key] = f"{type(e).__name__}: {first_sentence(e)}"
+def time_alone(rates, parts, rounds=3):
+    """rates[key] for each {key: measure} of parts (measure() the seconds of a part of a step, timed alone):
+    in `rounds` rounds, the parts taking turns, each part's median kept. A slow spell of a shared machine
+    lasts seconds, so it falls on one round of a part, not on all of them (in one quick bench the ring's
+    attention, timed once, took 9.2 ms a layer in such a spell, 4.0 to 4.9 in ten others). A part whose
+    timing fails loses its price alone (its row is priced by its FLOPs); rates['not_timed'][key] says why."""
+    times = {key: [] for key in parts}
+    for _ in range(rounds):
+        for key in [key for key in parts if key in times]:  # (a part that failed is not timed again)
+            try:
+                times[key].append(parts[key]())
+            except Exception as e:
+                rates.setdefault('not_timed', {})[key] = f"{type(e).__name__}: {first_sentence(e)}"
+                del times[key]
+    rates.update({key: statistics.median(seconds) for key, seconds in times.items()})
 
 
 def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, cp_script=None,
@@ -354,15 +363,17 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
     collectives, waits = measure_collectives(world_size, threads, folder) if world_size > 1 else ({}, [])
     rates = dict(measure_compute(config, batch_size, threads), key=key, collectives=collectives, waits=waits,
                  mapped=measure_mapped(config, batch_size, threads, folder))
+    parts = {}
     if cp_script is not None and world_size > 1 and config.block_size % (2 * world_size) == 0:  # (cp's rule)
-        time_alone(rates, 'ring_attention_s',
-                   lambda: ring_attention_seconds(cp_script, config, batch_size, world_size, threads))
+        parts['ring_attention_s'] = lambda: ring_attention_seconds(cp_script, config, batch_size, world_size,
+                                                                   threads)
     for sp in (False, True) if tp_script is not None and world_size > 1 else ():
-        time_alone(rates, 'tp_sp_pass_s' if sp else 'tp_pass_s',
-                   lambda: tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sp))
-    for part in ('pass', 'update') if fsdp_shard is not None else ():
-        time_alone(rates, f'fsdp_{part}_s',
-                   lambda: fsdp_seconds(fsdp_shard, config, batch_size, threads, folder, part))
+        parts['tp_sp_pass_s' if sp else 'tp_pass_s'] = \
+            lambda sp=sp: tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sp)
+    time_alone(rates, parts)
+    if fsdp_shard is not None:  # (one round: each part is timed in a process of its own, seconds to start)
+        time_alone(rates, {f'fsdp_{part}_s': partial(fsdp_seconds, fsdp_shard, config, batch_size, threads,
+                                                     folder, part) for part in ('pass', 'update')}, rounds=1)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates
