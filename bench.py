@@ -2,7 +2,7 @@
 Every strategy of this repo side by side on the same model and data, measured beside the papers' formulas; and
 a memory planner (planner.py) for models too large to run here.
 
-    python bench.py                         # quick: 8 rows, a small model, ~a minute on 2 cores
+    python bench.py                         # quick: 8 rows, a small model, ~75 s on 2 cores
     python bench.py --full --plot           # every row, 512 wide (~10 minutes), and its pictures (matplotlib)
     python bench.py --rows=train,zero2,tp --world_size=4 --max_iters=20 --out=out_bench
     python bench.py --estimate config/tinyllama_1b.py --gpus=8 --gpu_mem_gb=80 --micro_batch=1 --tp=8 --pp=4
@@ -104,7 +104,7 @@ def check_estimate(args, overrides, rows, best, ds_path, n_micro):
 # -----------------------------------------------------------------------------
 # the bench: every script on the same small GPT, the same data and the same global batch
 
-# `python bench.py` runs these (about a minute on 2 cores); --full runs every row of bench_rows
+# `python bench.py` runs these (about 75 s on 2 cores); --full runs every row of bench_rows
 MOE, MOE_ROWS = ['--n_expert=4', '--n_expert_active=2'], step_time.MOE_ROWS + ('grid_pp_tp_ep',)
 QUICK_ROWS = ['train', 'ddp', 'zero0', 'zero3', 'fsdp', 'tp', 'pp_1f1b', 'cp_ring']
 

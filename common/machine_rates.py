@@ -300,8 +300,10 @@ def _fsdp_alone(_, shard_model, config, batch_size, threads, part, out):
     """An FSDP2 rank's own compute, in a world of one: the model sharded by shard_model (train_fsdp.py's,
     handed in by bench.py), part 'pass' a forward and backward of one bench micro-batch, 'update' the clip and
     AdamW's step on its DTensors. In a world of one its gathers and reduce-scatters copy and the clip's
-    all-reduce returns: FSDP2's hooks, its copies in and out and its DTensors' dispatch, without the network.
-    In a process of its own: shard_model maps buffers afresh, which cannot be undone."""
+    all-reduce returns: FSDP2's hooks, its copies in and out and its DTensors' dispatch, without the network
+    (its shards are whole tensors here: the copy into a gather and a reduce-scatter's output are w times a
+    w-rank world's, a little over-priced). In a process of its own: shard_model maps buffers afresh, which
+    cannot be undone."""
     torch.set_num_threads(threads)
     dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
@@ -322,7 +324,10 @@ def _fsdp_alone(_, shard_model, config, batch_size, threads, part, out):
 def fsdp_seconds(shard_model, config, batch_size, threads, folder, part):
     """_fsdp_alone's seconds of part ('pass' or 'update'), timed in a process of its own."""
     out = os.path.join(folder, f'fsdp_{part}.json')
-    mp.spawn(_fsdp_alone, args=(shard_model, config, batch_size, threads, part, out), nprocs=1)
+    try:
+        mp.spawn(_fsdp_alone, args=(shard_model, config, batch_size, threads, part, out), nprocs=1)
+    except mp.ProcessRaisedException as e:  # (its message is the process's traceback: the last line says why)
+        raise RuntimeError([line for line in str(e).splitlines() if line.strip()][-1]) from None
     return json.load(open(out))
 
 
@@ -331,7 +336,7 @@ def time_alone(rates, parts, rounds=3):
     in `rounds` rounds, the parts taking turns, each part's median kept. A slow spell of a shared machine
     lasts seconds, so it falls on one round of a part, not on all of them (in one quick bench the ring's
     attention, timed once, took 9.2 ms a layer in such a spell, 4.0 to 4.9 in ten others). A part whose
-    timing fails loses its price alone (its row is priced by its FLOPs); rates['not_timed'][key] says why."""
+    timing fails loses its price alone (its row is priced without it); rates['not_timed'][key] says why."""
     times = {key: [] for key in parts}
     for _ in range(rounds):
         for key in [key for key in parts if key in times]:  # (a part that failed is not timed again)

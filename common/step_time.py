@@ -70,10 +70,10 @@ def row_work(name, config, batch_size, world_size, n_microbatches, expert_share=
     """What one rank of a bench row does in a step: FLOPs of forward and backward (with a pipeline's bubble:
     pipeline_work), the share of the model it updates (clip, AdamW), and its collectives [(kind, bytes a call,
     calls)]; None for a row not priced here. The global batch is batch_size x world_size sequences in
-    world_size micro-batches (bench.py's flags). A scalar all-reduce
-    (the loss; the clip's norm where the gradients are spread over ranks) costs its latency; gloo's
-    reduce-scatter is an all-reduce of the whole tensor. expert_share: see busiest_expert_flops. timed_pass
-    (tp, tp_sp): the rates' key of a rank's pass timed alone, at which each of its pieces is priced."""
+    world_size micro-batches (bench.py's flags). A scalar all-reduce (the loss; the clip's norm where the
+    gradients are spread over ranks) costs its latency; gloo's reduce-scatter is an all-reduce of the whole
+    tensor. expert_share: see busiest_expert_flops. timed_pass, timed_update (tp, tp_sp, fsdp): the rates'
+    keys of the parts timed alone that price each of its passes and its update (predict_ms)."""
     w, s, h, L = world_size, config.block_size, config.n_embd, config.n_layer
     with torch.device('meta'):
         model = GPT(config)
@@ -295,8 +295,9 @@ def wait_seconds(waits, gap):
 def predict_ms(work, rates):
     """(ms, its compute, its communication, of which waiting) of a step: work from row_work, rates from
     machine_rates (a row that maps its buffers afresh at the rates measure_mapped measured, and its fresh
-    buffers filled; cp_ring's attention at the ring's measured seconds a layer, tp's and tp_sp's passes at a
-    rank's pass timed alone, where they were measured). The calls inside the step (not the bursts; not a
+    buffers filled; cp_ring's attention at the ring's measured seconds a layer; tp's, tp_sp's and fsdp's
+    passes at a rank's pass timed alone, fsdp's update with what FSDP2's adds, timed alone; where they were
+    measured). The calls inside the step (not the bursts; not a
     pipeline's, on_schedule) each wait for the slower rank (wait_seconds) after the step's compute spread
     evenly over them."""
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
@@ -309,7 +310,7 @@ def predict_ms(work, rates):
     update_s = work['update'] * rates['update_s']
     if work.get('timed_update') in rates:  # fsdp: what FSDP2's update adds, timed alone on the whole model in
         # a world of one (its DTensors' dispatch, the same per tensor whatever the share), to its share's
-        update_s += rates[work['timed_update']] - rates['update_s']
+        update_s += max(0.0, rates[work['timed_update']] - rates['update_s'])  # (two timings: never below)
     compute = passes_s + update_s + fresh
     layers, flops = work.get('ring', (0, 0))
     if 'ring_attention_s' in rates:  # the ring's attention at its measured seconds, not its FLOPs at the rate
@@ -350,7 +351,7 @@ def rates_line(rates, folder, rows=None):
         if key in rates:
             text += f", {what} {1e3 * rates[key]:.1f} ms{of_what} ({row}; timed alone)"
         elif key in rates.get('not_timed', {}):
-            text += f", {what} not timed ({rates['not_timed'][key]}: {row} priced by its FLOPs)"
+            text += f", {what} not timed ({rates['not_timed'][key]}: {row} priced without it)"
     return f"predicted ms/step (modelled, from rates measured on this machine: {text}; " \
            f"{os.path.join(folder, 'machine.json')}), beside the measured:"
 

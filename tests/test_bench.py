@@ -144,6 +144,9 @@ def test_bench_rows_equal_losses_and_estimate_matches_measured(tmp_path):
     # matmuls): a clock or a unit slip puts it out of this range. (The later gaps are its multiples and the
     # waits its differences, clipped at 0 by construction: nothing more of their shape can be asserted.)
     assert len(waits) == 4 and 1e-5 < waits[0][0] < 0.1, waits
+    rates = json.loads((tmp_path / 'machine.json').read_text())  # every part timed alone was timed
+    assert {'ring_attention_s', 'tp_pass_s', 'tp_sp_pass_s', 'fsdp_pass_s', 'fsdp_update_s'} <= set(rates)
+    assert 'not_timed' not in rates, rates['not_timed']
 
 
 
@@ -199,7 +202,7 @@ def test_the_ring_attention_is_priced_at_its_measured_time_in_place_of_its_flops
     assert "the ring's attention 5.0 ms a layer (cp_ring; timed alone)" in step_time.rates_line(rates, 'out')
     failed = dict(rates, not_timed={'ring_attention_s': 'RuntimeError: shapes'})  # (the FLOPs price, said)
     del failed['ring_attention_s']
-    assert "the ring's attention not timed (RuntimeError: shapes: cp_ring priced by its FLOPs)" in \
+    assert "the ring's attention not timed (RuntimeError: shapes: cp_ring priced without it)" in \
         step_time.rates_line(failed, 'out')
     assert "cp_ring" not in step_time.rates_line(rates, 'out', rows=['train', 'tp'])  # (cp_ring not run)
 
@@ -232,7 +235,8 @@ def test_fsdp_s_pass_and_update_are_priced_at_an_fsdp2_rank_s_timed_alone():
     from model import GPTConfig
     rates = {'flops_per_s': 1e9, 'pass_fixed_s': 2e-3, 'update_s': 0.01, 'waits': [],
              'collectives': {'all_reduce': [(0, 1e-3), (1 << 30, 2e-3)]},
-             'mapped': {'update_s': 0.012, 'fresh_s_per_byte': 1e-9}, 'fsdp_pass_s': 0.04, 'fsdp_update_s': 0.016}
+             'mapped': {'update_s': 0.012, 'fresh_s_per_byte': 1e-9},
+             'fsdp_pass_s': 0.04, 'fsdp_update_s': 0.016}
     work = {'flops': 1e8, 'pieces': 2, 'update': 0.5, 'calls': [('all_reduce', 0, 3)], 'mapped': True,
             'fresh_bytes': 1e6, 'timed_pass': 'fsdp_pass_s', 'timed_update': 'fsdp_update_s'}
     assert step_time.predict_ms(work, rates) == pytest.approx((93.0, 90.0, 3.0, 0.0))  # 80 + 6 + 4; 3 x 1 ms
@@ -249,8 +253,9 @@ def test_fsdp_s_pass_and_update_are_priced_at_an_fsdp2_rank_s_timed_alone():
 
 def _shard_and_log(model, device_type, dp_size, dtype):
     """train_fsdp.shard_model, logging to $FSDP_LOG what the process that times it does: whether every
-    parameter is a DTensor and the world's size, each forward's input shape, each optimizer step (for the test
-    below: the timing runs in a process of its own)."""
+    parameter is a DTensor and the world's size, each forward's input shape, each backward through the loss,
+    each clip and optimizer step (for the test below: the timing runs in a process of its own)."""
+    import torch
     import train_fsdp
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -261,8 +266,15 @@ def _shard_and_log(model, device_type, dp_size, dtype):
     model = train_fsdp.shard_model(model, device_type, dp_size, dtype)
     log(f"DTensors {all(isinstance(p, DTensor) for p in model.parameters())}, a world of {dp_size}")
     model.register_forward_pre_hook(lambda m, args: log(f"forward {tuple(args[0].shape)}"))
+    model.register_forward_hook(lambda m, args, out: [out[1].register_hook(lambda g: log('backward'))] and None)
+    clip = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = lambda *args, **kwargs: log('clip') or clip(*args, **kwargs)
     register_optimizer_step_post_hook(lambda *args: log('step'))
     return model
+
+
+def _shard_that_fails(model, device_type, dp_size, dtype):
+    raise ValueError('no mesh here. More text')
 
 
 def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tmp_path, monkeypatch):
@@ -272,12 +284,36 @@ def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tm
     from common import machine_rates
     from model import GPTConfig
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
-    for part, timed in (('pass', ['forward (3, 16)'] * 11), ('update', ['step'] * 16)):
+    for part, timed in (('pass', ['forward (3, 16)', 'backward'] * 11), ('update', ['clip', 'step'] * 16)):
         monkeypatch.setenv('FSDP_LOG', str(tmp_path / f'{part}.log'))
         assert machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path), part) > 0
         lines = (tmp_path / f'{part}.log').read_text().splitlines()
         # (a forward and backward first, for gradients to clip; then a warm-up and 10 or 15 timed)
-        assert lines == ['DTensors True, a world of 1', 'forward (3, 16)'] + timed, part
+        assert lines == ['DTensors True, a world of 1', 'forward (3, 16)', 'backward'] + timed, part
+    # a timing that fails in its process says why in its last line (not the process's empty first one)
+    with pytest.raises(RuntimeError, match='^ValueError: no mesh here'):
+        machine_rates.fsdp_seconds(_shard_that_fails, config, 3, 1, str(tmp_path), 'pass')
+
+
+def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
+    """machine_rates times the ring, tp's pass without sequence parallelism and tp_sp's with it, and fsdp's
+    pass and update, each under its own key (the timings stubbed: each answers what it was asked)."""
+    from common import machine_rates
+    from model import GPTConfig
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
+    stubs = {'measure_collectives': lambda *a: ({}, []), 'measure_mapped': lambda *a: {},
+             'measure_compute': lambda *a, **k: {'flops_per_s': 1.0},
+             'ring_attention_seconds': lambda script, *a: script,
+             'tp_pass_seconds': lambda script, c, b, w, t, sp=False: (script, 'sp' if sp else 'no sp'),
+             'fsdp_seconds': lambda shard, c, b, t, folder, part: (shard, part)}
+    for name, stub in stubs.items():
+        monkeypatch.setattr(machine_rates, name, stub)
+    rates = machine_rates.machine_rates(str(tmp_path), config, 3, 2, 1, cp_script='cp', tp_script='tp',
+                                        fsdp_shard='shard')
+    assert {k: rates[k] for k in ('ring_attention_s', 'tp_pass_s', 'tp_sp_pass_s', 'fsdp_pass_s',
+                                  'fsdp_update_s')} == \
+        {'ring_attention_s': 'cp', 'tp_pass_s': ('tp', 'no sp'), 'tp_sp_pass_s': ('tp', 'sp'),
+         'fsdp_pass_s': ('shard', 'pass'), 'fsdp_update_s': ('shard', 'update')}
 
 
 def test_a_part_that_fails_to_time_loses_its_own_price_only():
