@@ -273,14 +273,12 @@ def _shard_and_log(model, device_type, dp_size, dtype):
     return model
 
 
-def _shard_that_fails(model, device_type, dp_size, dtype):
-    raise ValueError('no mesh here. More text')
-
 
 def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tmp_path, monkeypatch):
     """machine_rates.fsdp_seconds runs the shard function it is handed (train_fsdp.shard_model's, logged)
     in a world of one: the pass a forward and backward of the bench micro-batch each time it is timed, the
     update an optimizer step on the DTensors each time."""
+    from torch.multiprocessing import ProcessRaisedException
     from common import machine_rates
     from model import GPTConfig
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
@@ -290,9 +288,15 @@ def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tm
         lines = (tmp_path / f'{part}.log').read_text().splitlines()
         # (a forward and backward first, for gradients to clip; then a warm-up and 10 or 15 timed)
         assert lines == ['DTensors True, a world of 1', 'forward (3, 16)', 'backward'] + timed, part
-    # a timing that fails in its process says why in its last line (not the process's empty first one)
-    with pytest.raises(RuntimeError, match='^ValueError: no mesh here'):
-        machine_rates.fsdp_seconds(_shard_that_fails, config, 3, 1, str(tmp_path), 'pass')
+    # a timing that fails in its process says why: its traceback's last line, not spawn's message's empty first
+    # (as torch's spawn raises it, from the process's traceback; not spawned again here, to save the seconds)
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: no mesh here. More text\n'
+
+    def spawn(*args, **kwargs):
+        raise ProcessRaisedException(f"\n\n-- Process 0 terminated with the following error:\n{trace}", 0, 1)
+    monkeypatch.setattr(machine_rates.mp, 'spawn', spawn)
+    with pytest.raises(RuntimeError, match='^ValueError: no mesh here. More text$'):
+        machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path), 'pass')
 
 
 def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
