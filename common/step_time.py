@@ -443,4 +443,18 @@ def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None, 
         lines.append(f"  {name:<8} predicted {ms:6.1f} (compute {compute:5.1f} + communication {comm:5.1f}, "
                      f"waiting {waiting:5.1f} of it), measured {r['ms']:6.1f}{spread}: "
                      f"{100 * (ms / r['ms'] - 1):+.0f}%")
-    return lines
+    return lines + speed_moved(results)
+
+
+def speed_moved(results, bar=0.2):
+    """A line when the train row, all compute, is predicted more than bar off its own step: then this
+    machine's speed moved between the rows and the rates (a shared machine's slow spell can last tens of
+    seconds: in one quick bench the rates read 51 GFLOP/s, where the others read 60-70, and the rows that
+    compute dominates were predicted 30-40% slow), and each row's prediction moved with it."""
+    train = results.get('train', {})
+    if train.get('predicted_ms') is None or abs(train['predicted_ms'] / train['ms'] - 1) <= bar:
+        return []
+    miss = 100 * (train['predicted_ms'] / train['ms'] - 1)
+    return [f"  (train, all compute, is predicted {miss:+.0f}% off its own step: this machine's speed moved "
+            "between its rows and its rates, measured after them or kept in machine.json; `--remeasure` "
+            "measures them again)"]

@@ -320,6 +320,18 @@ def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
          'fsdp_pass_s': ('shard', 'pass'), 'fsdp_update_s': ('shard', 'update')}
 
 
+def test_a_train_row_priced_far_off_its_step_says_the_machine_s_speed_moved():
+    """step_time.speed_moved: the train row is compute alone, so a prediction more than 20% off its step says
+    the rates and the rows ran at different speeds of the machine (one line, its miss in it); none within."""
+    from common import step_time
+    assert step_time.speed_moved({'train': {'predicted_ms': 132.0, 'ms': 100.0}}) == [
+        "  (train, all compute, is predicted +32% off its own step: this machine's speed moved between its rows "
+        "and its rates, measured after them or kept in machine.json; `--remeasure` measures them again)"]
+    assert '-25%' in step_time.speed_moved({'train': {'predicted_ms': 75.0, 'ms': 100.0}})[0]
+    assert step_time.speed_moved({'train': {'predicted_ms': 119.0, 'ms': 100.0}}) == []
+    assert step_time.speed_moved({'ddp': {'predicted_ms': 200.0, 'ms': 100.0}}) == []  # (no train row)
+
+
 def test_a_part_that_fails_to_time_loses_its_own_price_only():
     """machine_rates.time_alone: a timing that raises leaves its key out of the rates (its row falls back to
     its FLOPs), says why in one line and is not timed again; the others are timed in rounds, taking turns, and
