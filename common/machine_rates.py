@@ -65,11 +65,16 @@ def measure_compute(config, batch_size, threads, reps=15):
         points.append((model.flops_per_token(tokens) * rows * tokens, seconds))
     (f1, t1), (f0, t0) = points
     rate = (f1 - f0) / max(t1 - t0, 1e-9)
+    return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0),
+            'update_s': update_seconds(model, optimizer, reps)}
 
+
+def update_seconds(model, optimizer, reps):
+    """The median seconds of a step's update, as the scripts make it: the clip, then the optimizer's step."""
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return {'flops_per_s': rate, 'pass_fixed_s': max(t0 - f0 / rate, 0.0), 'update_s': timed(update, reps)}
+    return timed(update, reps)
 
 
 def _mapped(_, config, batch_size, threads, out):
@@ -311,11 +316,10 @@ def _fsdp_alone(_, shard_model, config, batch_size, threads, part, out):
     idx = torch.randint(config.vocab_size, (batch_size, config.block_size))
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
     model(idx, idx)[1].backward()  # (gradients for the update to clip)
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    seconds = timed(lambda: model(idx, idx)[1].backward(), 10) if part == 'pass' else timed(update, 15)
+    if part == 'pass':
+        seconds = timed(lambda: model(idx, idx)[1].backward(), 10)
+    else:
+        seconds = update_seconds(model, optimizer, 15)
     dist.destroy_process_group()
     with open(out, 'w') as f:
         json.dump(seconds, f)

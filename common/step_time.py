@@ -297,9 +297,8 @@ def predict_ms(work, rates):
     machine_rates (a row that maps its buffers afresh at the rates measure_mapped measured, and its fresh
     buffers filled; cp_ring's attention at the ring's measured seconds a layer; tp's, tp_sp's and fsdp's
     passes at a rank's pass timed alone, fsdp's update with what FSDP2's adds, timed alone; where they were
-    measured). The calls inside the step (not the bursts; not a
-    pipeline's, on_schedule) each wait for the slower rank (wait_seconds) after the step's compute spread
-    evenly over them."""
+    measured). The calls inside the step (not the bursts; not a pipeline's, on_schedule) each wait for the
+    slower rank (wait_seconds) after the step's compute spread evenly over them."""
     collectives = rates['collectives']  # {kind: the sweep's [(bytes, seconds)]}
     rates = dict(rates, **rates['mapped']) if work.get('mapped') else rates
     fresh = work.get('fresh_bytes', 0) * rates.get('fresh_s_per_byte', 0)
@@ -332,7 +331,7 @@ TIMED_ALONE = (('ring_attention_s', "the ring's attention", ' a layer', 'cp_ring
                ('tp_pass_s', "a tp rank's pass", ' a micro-batch', 'tp'),
                ('tp_sp_pass_s', "a tp_sp rank's pass", ' a micro-batch', 'tp_sp'),
                ('fsdp_pass_s', "an FSDP2 rank's pass", ' a micro-batch', 'fsdp'),
-               ('fsdp_update_s', "its update", ' a step on the whole model', 'fsdp'))
+               ('fsdp_update_s', "FSDP2's update", ' a step on the whole model', 'fsdp'))
 
 
 def rates_line(rates, folder, rows=None):
@@ -448,13 +447,13 @@ def predicted_lines(results, args, vocab_size, moe_config=None, cp_script=None, 
 
 def speed_moved(results, bar=0.2):
     """A line when the train row, all compute, is predicted more than bar off its own step: then this
-    machine's speed moved between the rows and the rates (a shared machine's slow spell can last tens of
-    seconds: in one quick bench the rates read 51 GFLOP/s, where the others read 60-70, and the rows that
-    compute dominates were predicted 30-40% slow), and each row's prediction moved with it."""
+    machine's speed most likely moved between the rows and the rates (a shared machine's slow spell can last
+    tens of seconds: in one quick bench the rates read 51 GFLOP/s, where the others read 60-70, and the rows
+    that compute dominates were predicted 30-40% slow), and each row's prediction moved with it."""
     train = results.get('train', {})
     if train.get('predicted_ms') is None or abs(train['predicted_ms'] / train['ms'] - 1) <= bar:
         return []
     miss = 100 * (train['predicted_ms'] / train['ms'] - 1)
-    return [f"  (train, all compute, is predicted {miss:+.0f}% off its own step: this machine's speed moved "
-            "between its rows and its rates, measured after them or kept in machine.json; `--remeasure` "
-            "measures them again)"]
+    return [f"  (train, all compute, is predicted {miss:+.0f}% off its own step: this machine's speed "
+            "likely moved between its rows and its rates, measured after them or kept in machine.json; "
+            "`--remeasure` measures them again)"]

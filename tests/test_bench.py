@@ -244,7 +244,7 @@ def test_fsdp_s_pass_and_update_are_priced_at_an_fsdp2_rank_s_timed_alone():
     assert step_time.predict_ms(work, untimed) == pytest.approx((114.0, 111.0, 3.0, 0.0))
     line = step_time.rates_line(rates, 'out')
     assert "an FSDP2 rank's pass 40.0 ms a micro-batch (fsdp; timed alone)" in line
-    assert "its update 16.0 ms a step on the whole model (fsdp; timed alone)" in line
+    assert "FSDP2's update 16.0 ms a step on the whole model (fsdp; timed alone)" in line
     config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
     works = [step_time.row_work(n, config, 4, 2, 4) for n in ('fsdp', 'zero3')]
     assert [(w.get('timed_pass'), w.get('timed_update')) for w in works] == \
@@ -325,16 +325,16 @@ def test_a_train_row_priced_far_off_its_step_says_the_machine_s_speed_moved():
     the rates and the rows ran at different speeds of the machine (one line, its miss in it); none within."""
     from common import step_time
     assert step_time.speed_moved({'train': {'predicted_ms': 132.0, 'ms': 100.0}}) == [
-        "  (train, all compute, is predicted +32% off its own step: this machine's speed moved between its rows "
-        "and its rates, measured after them or kept in machine.json; `--remeasure` measures them again)"]
+        "  (train, all compute, is predicted +32% off its own step: this machine's speed likely moved between its "
+        "rows and its rates, measured after them or kept in machine.json; `--remeasure` measures them again)"]
     assert '-25%' in step_time.speed_moved({'train': {'predicted_ms': 75.0, 'ms': 100.0}})[0]
     assert step_time.speed_moved({'train': {'predicted_ms': 119.0, 'ms': 100.0}}) == []
     assert step_time.speed_moved({'ddp': {'predicted_ms': 200.0, 'ms': 100.0}}) == []  # (no train row)
 
 
 def test_a_part_that_fails_to_time_loses_its_own_price_only():
-    """machine_rates.time_alone: a timing that raises leaves its key out of the rates (its row falls back to
-    its FLOPs), says why in one line and is not timed again; the others are timed in rounds, taking turns, and
+    """machine_rates.time_alone: a timing that raises leaves its key out of the rates (its row is priced
+    without it), says why in one line and is not timed again; the others are timed in rounds, taking turns, and
     each keeps its median (a slow spell on one round of a part does not move it)."""
     from common import machine_rates
     calls = []
