@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import time
-from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -28,7 +27,7 @@ from common.distributed import all_gather_single, return_freed_buffers_to_the_os
 from common.training import first_sentence
 from model import GPT
 
-VERSION = 12  # of machine.json: a file from another version is measured again
+VERSION = 13  # of machine.json: a file from another version is measured again
 SIZES = (16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes per call in the sweep
 KINDS = ('all_reduce', 'all_gather', 'send', 'all_to_all')
 GAPS = (1, 3, 10, 30)  # waits_after_compute: the compute before a call, in the sweep's ~1 ms units
@@ -301,14 +300,14 @@ def tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sequence
     return timed(lambda: tp_script.tp_forward(model, idx, idx, tp)[1].backward(), 10)
 
 
-def _fsdp_alone(_, shard_model, config, batch_size, threads, part, out):
+def _fsdp_alone(_, shard_model, config, batch_size, threads, out):
     """An FSDP2 rank's own compute, in a world of one: the model sharded by shard_model (train_fsdp.py's,
-    handed in by bench.py), part 'pass' a forward and backward of one bench micro-batch, 'update' the clip and
-    AdamW's step on its DTensors. In a world of one its gathers and reduce-scatters copy and the clip's
-    all-reduce returns: FSDP2's hooks, its copies in and out and its DTensors' dispatch, without the network
-    (its shards are whole tensors here: the copy into a gather and a reduce-scatter's output are w times a
-    w-rank world's, a little over-priced). In a process of its own: shard_model maps buffers afresh, which
-    cannot be undone."""
+    handed in by bench.py), its pass (fsdp_pass_s: a forward and backward of one bench micro-batch) and its
+    update (fsdp_update_s: the clip and AdamW's step on its DTensors), timed in rounds, taking turns
+    (time_alone). In a world of one its gathers and reduce-scatters copy and the clip's all-reduce returns:
+    FSDP2's hooks, its copies in and out and its DTensors' dispatch, without the network (its shards are whole
+    tensors here: the copy into a gather and a reduce-scatter's output are w times a w-rank world's, a little
+    over-priced). In a process of its own: shard_model maps buffers afresh, which cannot be undone."""
     torch.set_num_threads(threads)
     dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
@@ -316,23 +315,35 @@ def _fsdp_alone(_, shard_model, config, batch_size, threads, part, out):
     idx = torch.randint(config.vocab_size, (batch_size, config.block_size))
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), 'cpu')
     model(idx, idx)[1].backward()  # (gradients for the update to clip)
-    if part == 'pass':
-        seconds = timed(lambda: model(idx, idx)[1].backward(), 10)
-    else:
-        seconds = update_seconds(model, optimizer, 15)
+    seconds = {}
+    time_alone(seconds, {'fsdp_pass_s': lambda: timed(lambda: model(idx, idx)[1].backward(), 10),
+                         'fsdp_update_s': lambda: update_seconds(model, optimizer, 15)})
     dist.destroy_process_group()
     with open(out, 'w') as f:
         json.dump(seconds, f)
 
 
-def fsdp_seconds(shard_model, config, batch_size, threads, folder, part):
-    """_fsdp_alone's seconds of part ('pass' or 'update'), timed in a process of its own."""
-    out = os.path.join(folder, f'fsdp_{part}.json')
+def fsdp_seconds(shard_model, config, batch_size, threads, folder):
+    """_fsdp_alone's {'fsdp_pass_s': seconds, 'fsdp_update_s': seconds} (a part whose timing failed, in
+    'not_timed', as time_alone says it), timed in a process of its own."""
+    out = os.path.join(folder, 'fsdp.json')
     try:
-        mp.spawn(_fsdp_alone, args=(shard_model, config, batch_size, threads, part, out), nprocs=1)
+        mp.spawn(_fsdp_alone, args=(shard_model, config, batch_size, threads, out), nprocs=1)
     except mp.ProcessRaisedException as e:  # (its message is the process's traceback: the last line says why)
         raise RuntimeError([line for line in str(e).splitlines() if line.strip()][-1]) from None
     return json.load(open(out))
+
+
+def time_fsdp(rates, shard_model, config, batch_size, threads, folder):
+    """rates' fsdp_pass_s and fsdp_update_s (fsdp_seconds'), timed in 3 rounds in one process; where the
+    process fails, neither, and rates['not_timed'] says why for both."""
+    try:
+        seconds = fsdp_seconds(shard_model, config, batch_size, threads, folder)
+    except RuntimeError as e:
+        why = f"RuntimeError: {first_sentence(e)}"
+        seconds = {'not_timed': dict.fromkeys(('fsdp_pass_s', 'fsdp_update_s'), why)}
+    not_timed = {**rates.pop('not_timed', {}), **seconds.pop('not_timed', {})}
+    rates.update(seconds, **({'not_timed': not_timed} if not_timed else {}))
 
 
 def time_alone(rates, parts, rounds=3):
@@ -380,9 +391,8 @@ def machine_rates(folder, config, batch_size, world_size, threads, remeasure=Fal
         parts['tp_sp_pass_s' if sp else 'tp_pass_s'] = \
             lambda sp=sp: tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sp)
     time_alone(rates, parts)
-    if fsdp_shard is not None:  # (one round: each part is timed in a process of its own, seconds to start)
-        time_alone(rates, {f'fsdp_{part}_s': partial(fsdp_seconds, fsdp_shard, config, batch_size, threads,
-                                                     folder, part) for part in ('pass', 'update')}, rounds=1)
+    if fsdp_shard is not None:
+        time_fsdp(rates, fsdp_shard, config, batch_size, threads, folder)
     with open(path, 'w') as f:
         json.dump(rates, f, indent=1)
     return rates

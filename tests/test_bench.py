@@ -276,18 +276,19 @@ def _shard_and_log(model, device_type, dp_size, dtype):
 
 def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tmp_path, monkeypatch):
     """machine_rates.fsdp_seconds runs the shard function it is handed (train_fsdp.shard_model's, logged)
-    in a world of one: the pass a forward and backward of the bench micro-batch each time it is timed, the
-    update an optimizer step on the DTensors each time."""
+    in a world of one, in one process: the pass a forward and backward of the bench micro-batch each time it
+    is timed, the update an optimizer step on the DTensors each time, the two taking turns in 3 rounds."""
     from torch.multiprocessing import ProcessRaisedException
     from common import machine_rates
     from model import GPTConfig
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
-    for part, timed in (('pass', ['forward (3, 16)', 'backward'] * 11), ('update', ['clip', 'step'] * 16)):
-        monkeypatch.setenv('FSDP_LOG', str(tmp_path / f'{part}.log'))
-        assert machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path), part) > 0
-        lines = (tmp_path / f'{part}.log').read_text().splitlines()
-        # (a forward and backward first, for gradients to clip; then a warm-up and 10 or 15 timed)
-        assert lines == ['DTensors True, a world of 1', 'forward (3, 16)', 'backward'] + timed, part
+    monkeypatch.setenv('FSDP_LOG', str(tmp_path / 'fsdp.log'))
+    seconds = machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path))
+    assert sorted(seconds) == ['fsdp_pass_s', 'fsdp_update_s'] and min(seconds.values()) > 0, seconds
+    # (a forward and backward first, for gradients to clip; then in each round a warm-up and 10 or 15 timed)
+    a_round = ['forward (3, 16)', 'backward'] * 11 + ['clip', 'step'] * 16
+    assert (tmp_path / 'fsdp.log').read_text().splitlines() == \
+        ['DTensors True, a world of 1', 'forward (3, 16)', 'backward'] + a_round * 3
     # a timing that fails in its process says why: its traceback's last line, not spawn's message's empty first
     # (as torch's spawn raises it, from the process's traceback; not spawned again here, to save the seconds)
     trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: no mesh here. More text\n'
@@ -295,8 +296,13 @@ def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tm
     def spawn(*args, **kwargs):
         raise ProcessRaisedException(f"\n\n-- Process 0 terminated with the following error:\n{trace}", 0, 1)
     monkeypatch.setattr(machine_rates.mp, 'spawn', spawn)
+    why = 'RuntimeError: ValueError: no mesh here'
     with pytest.raises(RuntimeError, match='^ValueError: no mesh here. More text$'):
-        machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path), 'pass')
+        machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path))
+    rates = {'not_timed': {'ring_attention_s': 'RuntimeError: shapes'}}  # (and machine_rates says so, for both)
+    machine_rates.time_fsdp(rates, _shard_and_log, config, 3, 1, str(tmp_path))
+    assert rates == {'not_timed': {'ring_attention_s': 'RuntimeError: shapes', 'fsdp_pass_s': why,
+                                   'fsdp_update_s': why}}
 
 
 def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
@@ -309,7 +315,8 @@ def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
              'measure_compute': lambda *a, **k: {'flops_per_s': 1.0},
              'ring_attention_seconds': lambda script, *a: script,
              'tp_pass_seconds': lambda script, c, b, w, t, sp=False: (script, 'sp' if sp else 'no sp'),
-             'fsdp_seconds': lambda shard, c, b, t, folder, part: (shard, part)}
+             'fsdp_seconds': lambda shard, c, b, t, folder: {'fsdp_pass_s': (shard, 'pass'),
+                                                             'fsdp_update_s': (shard, 'update')}}
     for name, stub in stubs.items():
         monkeypatch.setattr(machine_rates, name, stub)
     rates = machine_rates.machine_rates(str(tmp_path), config, 3, 2, 1, cp_script='cp', tp_script='tp',
@@ -318,6 +325,7 @@ def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
                                   'fsdp_update_s')} == \
         {'ring_attention_s': 'cp', 'tp_pass_s': ('tp', 'no sp'), 'tp_sp_pass_s': ('tp', 'sp'),
          'fsdp_pass_s': ('shard', 'pass'), 'fsdp_update_s': ('shard', 'update')}
+    assert 'not_timed' not in rates, rates['not_timed']  # (every part timed: none said not to be)
 
 
 def test_a_train_row_priced_far_off_its_step_says_the_machine_s_speed_moved():
