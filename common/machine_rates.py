@@ -300,6 +300,23 @@ def tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sequence
     return timed(lambda: tp_script.tp_forward(model, idx, idx, tp)[1].backward(), 10)
 
 
+def time_alone(rates, parts, rounds=3):
+    """rates[key] for each {key: measure} of parts (measure() the seconds of a part of a step, timed alone):
+    in `rounds` rounds, the parts taking turns, each part's median kept. A slow spell of a shared machine
+    lasts seconds, so it falls on one round of a part, not on all of them (in one quick bench the ring's
+    attention, timed once, took 9.2 ms a layer in such a spell, 4.0 to 4.9 in ten others). A part whose
+    timing fails loses its price alone (its row is priced without it); rates['not_timed'][key] says why."""
+    times = {key: [] for key in parts}
+    for _ in range(rounds):
+        for key in [key for key in parts if key in times]:  # (a part that failed is not timed again)
+            try:
+                times[key].append(parts[key]())
+            except Exception as e:
+                rates.setdefault('not_timed', {})[key] = f"{type(e).__name__}: {first_sentence(e)}"
+                del times[key]
+    rates.update({key: statistics.median(seconds) for key, seconds in times.items()})
+
+
 def _fsdp_alone(_, shard_model, config, batch_size, threads, out):
     """An FSDP2 rank's own compute, in a world of one: the model sharded by shard_model (train_fsdp.py's,
     handed in by bench.py), its pass (fsdp_pass_s: a forward and backward of one bench micro-batch) and its
@@ -335,32 +352,16 @@ def fsdp_seconds(shard_model, config, batch_size, threads, folder):
 
 
 def time_fsdp(rates, shard_model, config, batch_size, threads, folder):
-    """rates' fsdp_pass_s and fsdp_update_s (fsdp_seconds'), timed in 3 rounds in one process; where the
-    process fails, neither, and rates['not_timed'] says why for both."""
+    """rates' fsdp_pass_s and fsdp_update_s (fsdp_seconds'), timed in 3 rounds in one process; a part that
+    fails there is left out, and rates['not_timed'] says why (as time_alone does); where the process fails
+    (it raised, or died), both are, with its why."""
     try:
         seconds = fsdp_seconds(shard_model, config, batch_size, threads, folder)
-    except RuntimeError as e:
-        why = f"RuntimeError: {first_sentence(e)}"
+    except Exception as e:
+        why = f"{type(e).__name__}: {first_sentence(e)}"
         seconds = {'not_timed': dict.fromkeys(('fsdp_pass_s', 'fsdp_update_s'), why)}
     not_timed = {**rates.pop('not_timed', {}), **seconds.pop('not_timed', {})}
     rates.update(seconds, **({'not_timed': not_timed} if not_timed else {}))
-
-
-def time_alone(rates, parts, rounds=3):
-    """rates[key] for each {key: measure} of parts (measure() the seconds of a part of a step, timed alone):
-    in `rounds` rounds, the parts taking turns, each part's median kept. A slow spell of a shared machine
-    lasts seconds, so it falls on one round of a part, not on all of them (in one quick bench the ring's
-    attention, timed once, took 9.2 ms a layer in such a spell, 4.0 to 4.9 in ten others). A part whose
-    timing fails loses its price alone (its row is priced without it); rates['not_timed'][key] says why."""
-    times = {key: [] for key in parts}
-    for _ in range(rounds):
-        for key in [key for key in parts if key in times]:  # (a part that failed is not timed again)
-            try:
-                times[key].append(parts[key]())
-            except Exception as e:
-                rates.setdefault('not_timed', {})[key] = f"{type(e).__name__}: {first_sentence(e)}"
-                del times[key]
-    rates.update({key: statistics.median(seconds) for key, seconds in times.items()})
 
 
 def machine_rates(folder, config, batch_size, world_size, threads, remeasure=False, cp_script=None,

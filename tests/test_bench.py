@@ -278,7 +278,7 @@ def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tm
     """machine_rates.fsdp_seconds runs the shard function it is handed (train_fsdp.shard_model's, logged)
     in a world of one, in one process: the pass a forward and backward of the bench micro-batch each time it
     is timed, the update an optimizer step on the DTensors each time, the two taking turns in 3 rounds."""
-    from torch.multiprocessing import ProcessRaisedException
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
     from common import machine_rates
     from model import GPTConfig
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, bias=False)
@@ -299,10 +299,25 @@ def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tm
     why = 'RuntimeError: ValueError: no mesh here'
     with pytest.raises(RuntimeError, match='^ValueError: no mesh here. More text$'):
         machine_rates.fsdp_seconds(_shard_and_log, config, 3, 1, str(tmp_path))
-    rates = {'not_timed': {'ring_attention_s': 'RuntimeError: shapes'}}  # (and machine_rates says so, for both)
+    rates = {'not_timed': {'ring_attention_s': 'RuntimeError: shapes'}}  # (machine_rates says so, for both)
     machine_rates.time_fsdp(rates, _shard_and_log, config, 3, 1, str(tmp_path))
     assert rates == {'not_timed': {'ring_attention_s': 'RuntimeError: shapes', 'fsdp_pass_s': why,
                                    'fsdp_update_s': why}}
+    # a process that dies (killed: no traceback) loses both too, and says how
+    def killed(*args, **kwargs):
+        raise ProcessExitedException('process 0 terminated with signal SIGKILL', 0, 1, -9, 'SIGKILL')
+    monkeypatch.setattr(machine_rates.mp, 'spawn', killed)
+    rates = {}
+    machine_rates.time_fsdp(rates, _shard_and_log, config, 3, 1, str(tmp_path))
+    why = 'ProcessExitedException: process 0 terminated with signal SIGKILL'
+    assert rates == {'not_timed': {'fsdp_pass_s': why, 'fsdp_update_s': why}}
+    # a part that fails in the process loses its own price only; its why joins the others'
+    monkeypatch.setattr(machine_rates, 'fsdp_seconds', lambda *args: {
+        'fsdp_pass_s': 0.1, 'not_timed': {'fsdp_update_s': 'KeyError: step'}})
+    rates = {'not_timed': {'ring_attention_s': 'RuntimeError: shapes'}}
+    machine_rates.time_fsdp(rates, _shard_and_log, config, 3, 1, str(tmp_path))
+    assert rates == {'fsdp_pass_s': 0.1, 'not_timed': {'ring_attention_s': 'RuntimeError: shapes',
+                                                       'fsdp_update_s': 'KeyError: step'}}
 
 
 def test_machine_rates_wires_each_part_to_its_own_timing(tmp_path, monkeypatch):
