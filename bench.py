@@ -362,19 +362,19 @@ def select_rows(args):
     return rows, selected
 
 
-def repeated_times(times, results):
-    """--repeat: each row's median ms/step over its runs (alternated with the other rows'), and for two rows
-    their ratio run by run: a busy moment slows both runs of a pair, so that ratio is the steadier number."""
-    lines = []
-    for name, ms in times.items():
-        results[name].update(ms=statistics.median(ms), ms_range=None)  # (the runs' range is printed below)
-        lines.append(f"{name}: {statistics.median(ms):.1f} ms/step, the median of {len(ms)} runs "
-                     f"({min(ms):.1f} to {max(ms):.1f})")
-    if len(times) == 2:
-        (a, ms_a), (b, ms_b) = times.items()
-        ratios = [x / y for x, y in zip(ms_a, ms_b)]
+def repeated_times(runs, results):
+    """--repeat: each row's medians of its runs (ms/step, tokens/s, MFU), alternated with the others'; for two
+    rows, their ratio run by run: a busy moment slows both runs of a pair, so that ratio is steadier."""
+    lines = [f"{n}: {statistics.median(r['ms'] for r in rs):.1f} ms/step, the median of {len(rs)} runs "
+             f"({min(r['ms'] for r in rs):.1f} to {max(r['ms'] for r in rs):.1f})" for n, rs in runs.items()]
+    if len(runs) == 2:
+        (a, runs_a), (b, runs_b) = runs.items()
+        ratios = [x['ms'] / y['ms'] for x, y in zip(runs_a, runs_b)]
         lines.append(f"{a} / {b}, run by run: median {statistics.median(ratios):.3f} "
                      f"({min(ratios):.3f} to {max(ratios):.3f})")
+    for name, rs in runs.items():  # (last: a row's result is its first run; the runs' range is printed above)
+        results[name].update({k: statistics.median(r[k] for r in rs) for k in ('ms', 'tokens_per_sec', 'mfu')
+                              if rs[0].get(k) is not None}, ms_range=None)
     return '\n'.join(lines)
 
 
@@ -386,18 +386,18 @@ def run_bench(args):
     machine = machine_description(args)
     print(f"bench: {len(selected)} rows on {machine}; {args.max_iters} iterations each, "
           f"timing after {args.warmup}; logs in {runs_dir}", flush=True)
-    results, times, t_start = {}, {}, time.time()
+    results, runs, t_start = {}, {}, time.time()
     for i, name in [(i, name) for _ in range(args.repeat) for i, name in enumerate(selected)]:  # alternated
         script, flags, nproc = rows[name]
         print(f"[{i + 1}/{len(selected)}] {name}: {' '.join([script] + flags)} on {nproc} process(es) ...",
               end=' ', flush=True)
         r = run_row(name, script, flags, nproc, args, runs_dir)  # its flags override the bench's
         results.setdefault(name, r)
-        times.setdefault(name, []).append(r.get('ms'))
+        runs.setdefault(name, []).append(r)
         detail = f"{r['ms']:.1f} ms/step, loss {r['final_loss']:.6f}" if r['status'] == 'ok' else r['status']
         print(f"{detail} ({r.get('wall_s', 0):.0f} s; {time.time() - t_start:.0f} s so far)", flush=True)
-    if args.repeat > 1 and all(None not in v for v in times.values()):
-        print(repeated_times(times, results))
+    if args.repeat > 1 and all(r.get('ms') is not None for rs in runs.values() for r in rs):
+        print(repeated_times(runs, results))
     moe = planner.gpt_config_from(None, model_flags(args) + MOE, load_dataset('stdlib_char')[1])  # (MoE rows)
     priced = step_time.predicted_lines(results, args, moe.vocab_size, moe, cp_script, tp_script, fsdp_shard)
     compared = {n: r for n, r in results.items() if n != GPT2_ROW}

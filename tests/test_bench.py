@@ -765,12 +765,15 @@ def test_the_planner_prints_a_command_that_runs_its_recommendation(tmp_path):
 
 
 def test_repeated_rows_report_each_median_and_the_ratio_run_by_run():
-    """--repeat: a busy moment (the third pair) slows both rows; the ratio run by run stays near the truth."""
-    times = {'zero0': [110.0, 99.0, 200.0], 'ddp': [100.0, 100.0, 180.0]}
-    results = {'zero0': {'ms': None}, 'ddp': {'ms': None}}
-    text = bench.repeated_times(times, results)
+    """--repeat: a busy moment (the third pair) slows both rows; the ratio run by run stays near the truth. The
+    table's tokens/s is the runs' median too, not the first run's (as it was), and an MFU not known stays so."""
+    times = {'zero0': [99.0, 110.0, 200.0], 'ddp': [100.0, 100.0, 180.0]}  # (zero0's first run: not its median)
+    runs = {name: [{'ms': t, 'tokens_per_sec': 2048e3 / t, 'mfu': None} for t in ms] for name, ms in times.items()}
+    results = {name: rs[0] for name, rs in runs.items()}  # (as run_bench keeps them: a row's first run)
+    text = bench.repeated_times(runs, results)
     # each row's median of its runs; no spread of steps (one run's steps are not the median's)
-    assert results == {'zero0': {'ms': 110.0, 'ms_range': None}, 'ddp': {'ms': 100.0, 'ms_range': None}}
+    assert results == {'zero0': {'ms': 110.0, 'tokens_per_sec': 2048e3 / 110, 'mfu': None, 'ms_range': None},
+                       'ddp': {'ms': 100.0, 'tokens_per_sec': 2048e3 / 100, 'mfu': None, 'ms_range': None}}
     assert 'zero0: 110.0 ms/step, the median of 3 runs (99.0 to 200.0)' in text
     assert 'zero0 / ddp, run by run: median 1.100 (0.990 to 1.111)' in text, text
 
