@@ -235,7 +235,10 @@ def consolidate(out_dir, dest_dir=None):
 
 
 if __name__ == '__main__':
-    if len(sys.argv) not in (2, 3) or sys.argv[1].startswith('-'):
-        raise SystemExit("usage: python consolidate.py OUT_DIR [DEST_DIR]   (writes DEST_DIR/ckpt.pt, "
-                         "default OUT_DIR)")
-    consolidate(*sys.argv[1:])
+    usage = "usage: python consolidate.py OUT_DIR [DEST_DIR]   (writes DEST_DIR/ckpt.pt, default OUT_DIR)"
+    if sys.argv[1:] in (['--help'], ['-h']):
+        print(usage)  # (asked for: exits 0, as every script's --help does)
+    elif len(sys.argv) not in (2, 3) or sys.argv[1].startswith('-'):
+        raise SystemExit(usage)
+    else:
+        consolidate(*sys.argv[1:])

@@ -294,6 +294,15 @@ def test_train_py_spells_out_the_shared_config():
     assert own == set(), own
 
 
+def test_consolidate_py_s_help_exits_0_and_a_wrong_call_does_not():
+    """consolidate.py takes no config keys: --help prints its usage and exits 0 (as every script's does, which
+    README says); called without its folder, the same line is an error."""
+    usage = 'usage: python consolidate.py OUT_DIR [DEST_DIR]'
+    assert usage in check(run_script('consolidate.py', ['--help'])).stdout
+    proc = run_script('consolidate.py', [])
+    assert proc.returncode != 0 and usage in proc.stderr
+
+
 @pytest.mark.parametrize('script', ['train.py', 'zero.py', 'pipeline.py'])
 def test_help_lists_every_key_with_its_default_and_words(script):
     """`python X.py --help` prints every key the script accepts (its idea's first), its default and the comment
