@@ -302,9 +302,10 @@ def tp_pass_seconds(tp_script, config, batch_size, world_size, threads, sequence
 
 def time_alone(rates, parts, rounds=3):
     """rates[key] for each {key: measure} of parts (measure() the seconds of a part of a step, timed alone):
-    in `rounds` rounds, the parts taking turns, each part's median kept. A slow spell of a shared machine
-    lasts seconds, so it falls on one round of a part, not on all of them (in one quick bench the ring's
-    attention, timed once, took 9.2 ms a layer in such a spell, 4.0 to 4.9 in ten others). A part whose
+    in `rounds` rounds, the parts taking turns, each part's median kept. A slow spell of a shared machine of
+    a few seconds then falls on one round of a part, not on all of them (in one quick bench the ring's
+    attention, timed once, took 9.2 ms a layer in such a spell, 4.0 to 4.9 in ten others); one of tens of
+    seconds still moves them all (step_time.speed_moved says so when it shows in the train row). A part whose
     timing fails loses its price alone (its row is priced without it); rates['not_timed'][key] says why."""
     times = {key: [] for key in parts}
     for _ in range(rounds):

@@ -273,7 +273,6 @@ def _shard_and_log(model, device_type, dp_size, dtype):
     return model
 
 
-
 def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tmp_path, monkeypatch):
     """machine_rates.fsdp_seconds runs the shard function it is handed (train_fsdp.shard_model's, logged)
     in a world of one, in one process: the pass a forward and backward of the bench micro-batch each time it
@@ -303,6 +302,7 @@ def test_an_fsdp2_rank_s_pass_and_update_are_timed_as_train_fsdp_py_shards_it(tm
     machine_rates.time_fsdp(rates, _shard_and_log, config, 3, 1, str(tmp_path))
     assert rates == {'not_timed': {'ring_attention_s': 'RuntimeError: shapes', 'fsdp_pass_s': why,
                                    'fsdp_update_s': why}}
+
     # a process that dies (killed: no traceback) loses both too, and says how
     def killed(*args, **kwargs):
         raise ProcessExitedException('process 0 terminated with signal SIGKILL', 0, 1, -9, 'SIGKILL')
